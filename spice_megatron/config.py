@@ -1,0 +1,127 @@
+"""Dataclass configs. Each validates itself and names the offending field in its error.
+
+Later parts of the system (policy, rollout, trainer) add their own sections; a recipe is a Python
+function returning a fully populated config.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message starts with the dotted field name."""
+
+
+def _require(ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass
+class SourceConfig:
+    """One corpus source: a hub dataset id or local json/jsonl/parquet files (a glob is allowed)."""
+
+    path: str
+    name: str = ""  # short label used in provenance ids; defaults to the file/dataset name
+    text_field: str = "text"
+    split: str = "train"
+    hub_config: str | None = None  # the dataset's configuration name on the hub
+    weight: float = 1.0  # relative share of the document pool
+    streaming: bool = False  # stream hub datasets instead of downloading them whole
+    max_records: int | None = None  # stop reading the source after this many records
+    license: str = ""
+
+    def validate(self, prefix: str = "source") -> None:
+        _require(bool(self.path), f"{prefix}.path", "must be a hub id or a local file/glob")
+        _require(bool(self.text_field), f"{prefix}.text_field", "must name the text column")
+        _require(self.weight > 0, f"{prefix}.weight", f"must be > 0, got {self.weight}")
+        _require(self.max_records is None or self.max_records > 0, f"{prefix}.max_records",
+                 f"must be a positive integer or None, got {self.max_records}")
+
+
+@dataclass
+class CorpusConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    max_doc_tokens: int = 5992  # paper: prompt + generation must fit the context window
+    min_doc_tokens: int = 32  # shorter segments carry too little to ground a question
+    max_docs: int | None = 20000  # paper: a 20,000-document pool
+    max_record_bytes: int = 8 * 1024 * 1024  # larger records are skipped, never loaded whole
+    seed: int = 1234
+
+    def validate(self, prefix: str = "corpus") -> None:
+        _require(len(self.sources) > 0, f"{prefix}.sources", "at least one source is required")
+        for i, s in enumerate(self.sources):
+            s.validate(f"{prefix}.sources[{i}]")
+        _require(self.max_doc_tokens > 0, f"{prefix}.max_doc_tokens", "must be > 0")
+        _require(0 <= self.min_doc_tokens < self.max_doc_tokens, f"{prefix}.min_doc_tokens",
+                 f"must be in [0, max_doc_tokens={self.max_doc_tokens})")
+        _require(self.max_docs is None or self.max_docs > 0, f"{prefix}.max_docs", "must be > 0 or None")
+        _require(self.max_record_bytes > 0, f"{prefix}.max_record_bytes", "must be > 0")
+
+
+CHALLENGER_REWARDS = ("variance", "absolute_zero", "threshold", "r_zero")
+
+
+@dataclass
+class SelfPlayConfig:
+    """Algorithm 1's knobs; the defaults are the paper's settings (SPICE.md)."""
+
+    batch_docs: int = 128  # B
+    group_size: int = 8  # G reasoner answers per task (also K for the variance reward)
+    max_attempts: int = 1024  # N challenger attempts per document
+    attempts_per_round: int = 8  # challenger samples requested per pending document per round
+    challenger_temperature: float = 1.0
+    reasoner_temperature: float = 1.0
+    top_p: float = 1.0
+    challenger_max_tokens: int = 1024
+    reasoner_max_tokens: int = 2048
+    challenger_reward: str = "variance"
+    invalid_penalty: float = -0.1  # rho
+    use_chat_template: bool = False  # base models read plain text; instruct models their template
+
+    def validate(self, prefix: str = "selfplay") -> None:
+        for name in ("batch_docs", "group_size", "max_attempts", "attempts_per_round",
+                     "challenger_max_tokens", "reasoner_max_tokens"):
+            _require(getattr(self, name) > 0, f"{prefix}.{name}", f"must be > 0, got {getattr(self, name)}")
+        _require(self.group_size >= 2, f"{prefix}.group_size", "needs at least 2 answers for a variance")
+        for name in ("challenger_temperature", "reasoner_temperature"):
+            _require(getattr(self, name) >= 0, f"{prefix}.{name}", "must be >= 0")
+        _require(0 < self.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1]")
+        _require(self.challenger_reward in CHALLENGER_REWARDS, f"{prefix}.challenger_reward",
+                 f"must be one of {CHALLENGER_REWARDS}, got {self.challenger_reward!r}")
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """Apply `a.b.c=value` strings to a nested dataclass; values are parsed as the field's type."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{item}: overrides look like key=value")
+        obj, parts = cfg, key.split(".")
+        for i, part in enumerate(parts):
+            if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
+                raise ConfigError(f"{'.'.join(parts[:i + 1])}: no such config field")
+            if i < len(parts) - 1:
+                obj = getattr(obj, part)
+        current = getattr(obj, parts[-1])
+        setattr(obj, parts[-1], _parse_like(raw, current, key))
+    return cfg
+
+
+def _parse_like(raw: str, current: Any, key: str) -> Any:
+    if raw.lower() in ("none", "null"):
+        return None
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{key}: cannot parse {raw!r} as {type(current).__name__}") from None
+    return raw

@@ -1,0 +1,77 @@
+"""DrGRPO: role-specific advantages and the token-level policy-gradient loss (SPICE.md, "Update").
+
+Advantages are centred per role and never divided by a standard deviation; the loss sums
+per-token terms and divides by a constant (the maximum generation length), not by each
+sequence's length, which removes GRPO's length and difficulty biases (Dr. GRPO / Oat).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+CHALLENGER, REASONER = "challenger", "reasoner"
+
+
+def center_by_group(rewards: torch.Tensor, group_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """r_i - mean_{j in group(i)} r_j."""
+    groups = torch.as_tensor(group_ids, device=rewards.device)
+    _, inverse = torch.unique(groups, return_inverse=True)
+    n = int(inverse.max()) + 1 if inverse.numel() else 0
+    sums = torch.zeros(n, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
+    counts = torch.zeros(n, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, torch.ones_like(rewards))
+    return rewards - (sums / counts)[inverse]
+
+
+def role_advantages(rewards: torch.Tensor, roles: Sequence[str], task_ids: Sequence[int]) -> torch.Tensor:
+    """A_C = r_C - mean over the batch's challenger samples; A_R = r_R - mean over the G answers
+    to the same question (identified by task_id)."""
+    if len(roles) != rewards.numel() or len(task_ids) != rewards.numel():
+        raise ValueError(f"rewards ({rewards.numel()}), roles ({len(roles)}) and task_ids ({len(task_ids)}) "
+                         "must have the same length")
+    unknown = set(roles) - {CHALLENGER, REASONER}
+    if unknown:
+        raise ValueError(f"roles: unknown role(s) {sorted(unknown)}")
+    # All challenger samples form one group (-1); each task's reasoner answers form their own.
+    groups = [-1 if role == CHALLENGER else int(t) for role, t in zip(roles, task_ids)]
+    if any(g == -1 and r == REASONER for g, r in zip(groups, roles)):
+        raise ValueError("task_ids: reasoner samples need task ids >= 0")
+    return center_by_group(rewards, groups)
+
+
+def drgrpo_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, max_gen_len: int,
+                      old_logprobs: torch.Tensor | None = None, num_sequences: int | None = None,
+                      clip_low: float = 0.2, clip_high: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DrGRPO loss for a (micro-)batch.
+
+    logprobs, old_logprobs, mask: [batch, tokens] over the completion positions; advantages: [batch].
+    With old_logprobs None the update is on-policy (ratio 1, the plain policy gradient). The sum is
+    divided by max_gen_len * num_sequences, where num_sequences is the size of the whole global batch
+    so that micro-batches and data-parallel ranks add up to the same objective.
+    """
+    if logprobs.shape != mask.shape:
+        raise ValueError(f"mask: shape {tuple(mask.shape)} differs from logprobs {tuple(logprobs.shape)}")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages: shape {tuple(advantages.shape)}, expected ({logprobs.shape[0]},)")
+    if max_gen_len <= 0:
+        raise ValueError(f"max_gen_len: must be > 0, got {max_gen_len}")
+    mask = mask.to(logprobs.dtype)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
+    log_ratio = logprobs - old
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logprobs.dtype).unsqueeze(-1)
+    high = clip_low if clip_high is None else clip_high
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    denom = max_gen_len * (num_sequences if num_sequences is not None else logprobs.shape[0])
+    loss = (per_token * mask).sum() / denom
+    with torch.no_grad():
+        n_tokens = mask.sum().clamp(min=1)
+        metrics = {
+            "clip_fraction": ((clipped < unclipped).to(mask.dtype) * mask).sum() / n_tokens,
+            "ratio_mean": (ratio * mask).sum() / n_tokens,
+            "approx_kl": (((ratio - 1) - log_ratio) * mask).sum() / n_tokens,  # k3 estimator
+            "tokens": mask.sum(),
+        }
+    return loss, metrics
