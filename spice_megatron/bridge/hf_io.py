@@ -1,0 +1,101 @@
+"""Reading Hugging Face safetensors checkpoints slice by slice, and loading them into a
+megatron model of any TP x PP layout (each rank reads only its own slices)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping
+
+import torch
+
+from spice_megatron.bridge.mapping import MappingError, megatron_shard
+from spice_megatron.policy.model import ModelSpec
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class HFCheckpointReader:
+    """Tensors of an HF model directory (model.safetensors, or shards + model.safetensors.index.json)."""
+
+    def __init__(self, model_dir: str):
+        from safetensors import safe_open
+
+        self.model_dir = model_dir
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        single = os.path.join(model_dir, "model.safetensors")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+        elif os.path.exists(single):
+            self.weight_map = {}
+            with safe_open(single, "pt") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        self._files: dict[str, object] = {}
+        self._safe_open = safe_open
+
+    def _file(self, fname: str):
+        if fname not in self._files:
+            path = os.path.join(self.model_dir, fname)
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path}: shard listed in the index is missing")
+            self._files[fname] = self._safe_open(path, "pt")
+        return self._files[fname]
+
+    def names(self) -> list[str]:
+        return sorted(self.weight_map)
+
+    def read(self, name: str, dim: int | None, start: int | None, stop: int | None) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise MappingError(f"tensor {name!r} is missing from {self.model_dir}")
+        sl = self._file(self.weight_map[name]).get_slice(name)
+        if dim is None:
+            return sl[:]
+        shape = sl.get_shape()
+        if stop > shape[dim]:
+            raise CheckpointError(f"tensor {name!r}: shape {shape} is too small for rows/cols [{start}:{stop}] "
+                                  f"on dim {dim}")
+        return sl[start:stop] if dim == 0 else sl[:, start:stop]
+
+
+class StateDictReader:
+    """The same interface over an in-memory HF state dict."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]):
+        self.sd = state_dict
+
+    def names(self) -> list[str]:
+        return sorted(self.sd)
+
+    def read(self, name: str, dim: int | None, start: int | None, stop: int | None) -> torch.Tensor:
+        if name not in self.sd:
+            raise MappingError(f"tensor {name!r} is missing from the state dict")
+        t = self.sd[name]
+        return t if dim is None else t.narrow(dim, start, stop - start)
+
+
+def layer_offset(model) -> int:
+    """Global index of this pipeline stage's first layer."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config)
+
+
+@torch.no_grad()
+def load_hf_weights(model, spec: ModelSpec, reader, tp_rank: int, tp: int) -> int:
+    """Copy HF weights into this rank's megatron model; returns the number of tensors loaded."""
+    offset = layer_offset(model)
+    loaded = 0
+    for name, param in model.named_parameters():
+        src = megatron_shard(name, spec, tp_rank, tp, offset, reader.read)
+        if tuple(src.shape) != tuple(param.shape):
+            raise CheckpointError(f"megatron parameter {name!r}: HF tensors give shape {tuple(src.shape)}, "
+                                  f"the model expects {tuple(param.shape)} (config.json does not match the weights?)")
+        if not src.is_floating_point():
+            raise CheckpointError(f"megatron parameter {name!r}: HF tensor has dtype {src.dtype}, expected floating point")
+        param.copy_(src.to(param.dtype))
+        loaded += 1
+    return loaded

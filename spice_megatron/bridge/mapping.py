@@ -1,0 +1,157 @@
+"""Hugging Face <-> Megatron-Core names and tensor-parallel layouts (Qwen3, Llama).
+
+Megatron fuses q/k/v into `linear_qkv` with rows interleaved per KV group
+([q heads of group 0, k_0, v_0, q heads of group 1, ...]) and gate/up into `linear_fc1`
+([gate; up]). A tensor-parallel rank holds whole KV groups of `linear_qkv` and
+[gate_r; up_r] of `linear_fc1`, so each rank can be built from row/column slices of the HF
+tensors without materialising the full model anywhere.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterator
+
+import torch
+
+from spice_megatron.policy.model import ModelSpec
+
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# read(hf_name, dim, start, stop) -> tensor; dim None reads the whole tensor.
+Reader = Callable[[str, "int | None", "int | None", "int | None"], torch.Tensor]
+
+
+class MappingError(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+# Per-layer names: megatron suffix -> HF suffix, for the one-to-one tensors.
+_NORMS = {
+    "input_layernorm.weight": "input_layernorm.weight",  # local spec
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE spec (fused)
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+_ROW_PARALLEL = {  # split along the input dimension (dim 1)
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def _chunk(n: int, tp: int, rank: int) -> tuple[int, int]:
+    size = n // tp
+    return rank * size, (rank + 1) * size
+
+
+def megatron_shard(name: str, spec: ModelSpec, tp_rank: int, tp: int, layer_offset: int, read: Reader) -> torch.Tensor:
+    """The tensor-parallel shard of megatron parameter `name` (local layer numbering) from HF tensors."""
+    if name == "embedding.word_embeddings.weight":
+        return read("model.embed_tokens.weight", 0, *_chunk(spec.vocab_size, tp, tp_rank))
+    if name == "output_layer.weight":
+        # With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding.
+        src = "model.embed_tokens.weight" if spec.tied_embeddings else "lm_head.weight"
+        return read(src, 0, *_chunk(spec.vocab_size, tp, tp_rank))
+    if name == "decoder.final_layernorm.weight":
+        return read("model.norm.weight", None, None, None)
+    m = LAYER.match(name)
+    if not m:
+        raise MappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
+    layer, rest = int(m.group(1)) + layer_offset, m.group(2)
+    h = f"model.layers.{layer}."
+    if rest in _NORMS:
+        return read(h + _NORMS[rest], None, None, None)
+    if rest in _ROW_PARALLEL:
+        cols = spec.num_heads * spec.head_dim if rest.startswith("self_attention") else spec.ffn_hidden_size
+        return read(h + _ROW_PARALLEL[rest], 1, *_chunk(cols, tp, tp_rank))
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        suffix = rest.rsplit(".", 1)[1]
+        groups = spec.num_kv_heads // tp
+        per = spec.num_heads // spec.num_kv_heads
+        hd = spec.head_dim
+        g0 = tp_rank * groups
+        q = read(f"{h}self_attn.q_proj.{suffix}", 0, g0 * per * hd, (g0 + groups) * per * hd)
+        k = read(f"{h}self_attn.k_proj.{suffix}", 0, g0 * hd, (g0 + groups) * hd)
+        v = read(f"{h}self_attn.v_proj.{suffix}", 0, g0 * hd, (g0 + groups) * hd)
+        return interleave_qkv(q, k, v, groups, per, hd)
+    if rest == "mlp.linear_fc1.weight":
+        rows = _chunk(spec.ffn_hidden_size, tp, tp_rank)
+        return torch.cat([read(h + "mlp.gate_proj.weight", 0, *rows), read(h + "mlp.up_proj.weight", 0, *rows)], dim=0)
+    raise MappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, per: int, hd: int) -> torch.Tensor:
+    tail = q.shape[1:]  # (hidden,) for weights, () for biases
+    parts = [q.reshape(groups, per, hd, *tail), k.reshape(groups, 1, hd, *tail), v.reshape(groups, 1, hd, *tail)]
+    return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, per, hd = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
+    tail = qkv.shape[1:]
+    x = qkv.reshape(groups, per + 2, hd, *tail)
+    return (x[:, :per].reshape(-1, *tail), x[:, per].reshape(-1, *tail), x[:, per + 1].reshape(-1, *tail))
+
+
+def to_hf(name: str, full: torch.Tensor, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs for one full (TP-gathered) megatron tensor, global layer numbering."""
+    if name == "embedding.word_embeddings.weight":
+        yield "model.embed_tokens.weight", full
+        return
+    if name == "output_layer.weight":
+        if not spec.tied_embeddings:
+            yield "lm_head.weight", full
+        return  # tied: lm_head is the embedding, exported once
+    if name == "decoder.final_layernorm.weight":
+        yield "model.norm.weight", full
+        return
+    m = LAYER.match(name)
+    if not m:
+        raise MappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
+    h, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if rest in _NORMS:
+        yield h + _NORMS[rest], full
+    elif rest in _ROW_PARALLEL:
+        yield h + _ROW_PARALLEL[rest], full
+    elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        suffix = rest.rsplit(".", 1)[1]
+        q, k, v = split_qkv(full, spec)
+        yield f"{h}self_attn.q_proj.{suffix}", q
+        yield f"{h}self_attn.k_proj.{suffix}", k
+        yield f"{h}self_attn.v_proj.{suffix}", v
+    elif rest == "mlp.linear_fc1.weight":
+        gate, up = full.chunk(2, dim=0)
+        yield h + "mlp.gate_proj.weight", gate
+        yield h + "mlp.up_proj.weight", up
+    elif rest.endswith("_extra_state"):
+        return
+    else:
+        raise MappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
+
+
+def gather_layout(name: str) -> tuple[int | None, bool]:
+    """(TP partition dim or None when replicated, whether shards are [gate_r; up_r] pairs)."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return 0, False
+    m = LAYER.match(name)
+    rest = m.group(2) if m else ""
+    if rest in _ROW_PARALLEL:
+        return 1, False
+    if rest.startswith("self_attention.linear_qkv.") and not rest.endswith("layer_norm_weight"):
+        return 0, False
+    if rest == "mlp.linear_fc1.weight":
+        return 0, True
+    return None, False
+
+
+def join_shards(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from its TP shards, in TP rank order."""
+    dim, glu = gather_layout(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if glu:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)

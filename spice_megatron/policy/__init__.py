@@ -1,0 +1,1 @@
+"""The Megatron-Core learner: model, parallel state, log-probs, train step, checkpoints."""

@@ -1,0 +1,110 @@
+"""Training sequences and their micro-batches.
+
+Length-bucketed padding rather than pad-free packing: packing needs THD-format attention with
+cu_seqlens (Transformer Engine / flash-attn), which the local layer spec used on CPU lacks, so the
+same code could not run on both. Sorting by length and filling each micro-batch up to a token
+budget (longest sequence x count) keeps padding small for RL batches, whose G answers to one
+question have similar lengths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainSequence:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float = 0.0
+    rollout_logprobs: list[float] | None = None  # the engine's log-probs of completion_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors; position t predicts tokens[t + 1]."""
+
+    tokens: torch.Tensor  # [b, s]
+    position_ids: torch.Tensor  # [b, s]
+    labels: torch.Tensor  # [b, s] next tokens (0 on padding)
+    loss_mask: torch.Tensor  # [b, s] 1 where labels[t] is a completion token
+    advantages: torch.Tensor  # [b]
+    rollout_logprobs: torch.Tensor  # [b, s] the engine's, aligned with loss_mask (0 elsewhere)
+    old_logprobs: torch.Tensor | None  # [b, s] the PPO ratio's denominator; None: on-policy
+    has_rollout: torch.Tensor  # [b] bool: rollout_logprobs were given
+    index: list[int]  # positions of these sequences in the caller's list (-1: filler)
+
+
+def _completion_aligned(values: list[float], x: TrainSequence, what: str, where: int) -> torch.Tensor:
+    if len(values) != len(x.completion_ids):
+        raise ValueError(f"sequence {where}: {len(values)} {what} for {len(x.completion_ids)} completion tokens")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def collate(seqs: list[TrainSequence], index: list[int], pad_id: int = 0,
+            old: list[list[float]] | None = None) -> MicroBatch:
+    s = max(len(x) for x in seqs)
+    b = len(seqs)
+    tokens = torch.full((b, s), pad_id, dtype=torch.long)
+    labels = torch.zeros((b, s), dtype=torch.long)
+    mask = torch.zeros((b, s), dtype=torch.float32)
+    rollout = torch.zeros((b, s), dtype=torch.float32)
+    old_t = torch.zeros((b, s), dtype=torch.float32) if old is not None else None
+    for i, x in enumerate(seqs):
+        ids = x.prompt_ids + x.completion_ids
+        n, p = len(ids), len(x.prompt_ids)
+        tokens[i, :n] = torch.tensor(ids)
+        labels[i, :n - 1] = torch.tensor(ids[1:])
+        c = len(x.completion_ids)
+        mask[i, p - 1:p - 1 + c] = 1.0
+        if x.rollout_logprobs is not None:
+            rollout[i, p - 1:p - 1 + c] = _completion_aligned(x.rollout_logprobs, x, "rollout log-probs", index[i])
+        if old is not None:
+            old_t[i, p - 1:p - 1 + c] = _completion_aligned(old[i], x, "old log-probs", index[i])
+    positions = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+    adv = torch.tensor([x.advantage for x in seqs], dtype=torch.float32)
+    has_rollout = torch.tensor([x.rollout_logprobs is not None for x in seqs])
+    return MicroBatch(tokens, positions, labels, mask, adv, rollout, old_t, has_rollout, index)
+
+
+def split_data_parallel(lengths: list[int], dp: int) -> list[list[int]]:
+    """Sequence indices per data-parallel rank, balancing tokens (longest first, to the lightest rank)."""
+    buckets: list[list[int]] = [[] for _ in range(dp)]
+    load = [0] * dp
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(dp), key=lambda r: (load[r], r))
+        buckets[r].append(i)
+        load[r] += lengths[i]
+    return buckets
+
+
+def plan_microbatches(indices: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Group sequences (longest first) so that longest x count stays within the token budget."""
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[groups[-1][0]] * (len(groups[-1]) + 1) <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def make_microbatches(seqs: list[TrainSequence], dp: int, dp_rank: int, token_budget: int,
+                      pad_id: int = 0, old: list[list[float]] | None = None) -> list[MicroBatch]:
+    """This data-parallel rank's micro-batches of a global batch. Every rank of a pipeline computes
+    the same plan. A rank left without sequences gets one masked-out filler so that its pipeline
+    still steps (its loss and gradient contributions are zero)."""
+    lengths = [len(x) for x in seqs]
+    mine = split_data_parallel(lengths, dp)[dp_rank]
+    if not mine:
+        filler = TrainSequence([pad_id], [pad_id], 0.0)
+        mb = collate([filler], [-1], pad_id, [[0.0]] if old is not None else None)
+        mb.loss_mask.zero_()
+        return [mb]
+    return [collate([seqs[i] for i in g], g, pad_id, [old[i] for i in g] if old is not None else None)
+            for g in plan_microbatches(mine, lengths, token_budget)]

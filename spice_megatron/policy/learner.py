@@ -1,0 +1,240 @@
+"""The learner: a megatron-core GPTModel under TP x PP x DP, its optimizer and its DrGRPO step.
+
+Every rank of the learner runs the same calls (SPMD). Sequences come in as token ids with their
+advantages; log-probabilities are computed from vocab-parallel logits (each TP rank holds V/TP of
+the vocabulary; megatron's vocab-parallel cross entropy reduces across TP without ever gathering
+full-vocabulary logits).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
+from spice_megatron.loss import drgrpo_token_loss
+from spice_megatron.policy import cpu_compat
+from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches
+from spice_megatron.policy.model import ModelSpec, build_model, model_spec_from_hf, transformer_config
+from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
+
+log = logging.getLogger(__name__)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(labels) from vocab-parallel logits [b, s, V/TP] -> [b, s], in fp32."""
+    from megatron.core import tensor_parallel
+
+    scaled = (logits.transpose(0, 1).float() / temperature).contiguous()  # megatron's layout: [s, b, V/TP]
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+@dataclass
+class StepMetrics:
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    sequences: int
+    clip_fraction: float
+    approx_kl: float
+    logprob_gap: float | None  # mean |train - rollout| log-prob on sampled tokens
+    seconds: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+class Learner:
+    def __init__(self, spec: ModelSpec, parallel: ParallelConfig, optim: OptimConfig, train: PolicyTrainConfig,
+                 pad_id: int = 0):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
+
+        for c in (parallel, optim, train):
+            c.validate()
+        if optim.use_distributed_optimizer and USING_PYTORCH_OPTIMIZER:
+            # megatron-core 0.16.1's torch fallback restores one shared Adam `step` tensor for all
+            # parameters on load, silently corrupting resumed runs (notes/megatron-core-on-cpu.md).
+            raise ConfigError("optim.use_distributed_optimizer: needs Transformer Engine or apex; the torch "
+                              "fallback's checkpoint restore is broken in megatron-core 0.16.1")
+        self.spec, self.parallel, self.optim_cfg, self.train_cfg, self.pad_id = spec, parallel, optim, train, pad_id
+        if not dist.is_initialized():
+            init_distributed(parallel, seed=train.seed)
+        self.layout: Layout = current_layout()
+        self.dtype = resolve_dtype(train.dtype)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.tconfig = transformer_config(spec, self.layout.tp, self.layout.pp, self.dtype)
+        model = build_model(spec, self.tconfig, self.layout.is_first_stage, self.layout.is_last_stage)
+        self.model = model.to(self.device)
+        with cpu_compat.cuda_to_cpu():
+            self.ddp = DistributedDataParallel(
+                config=self.tconfig, module=self.model,
+                ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=optim.use_distributed_optimizer,
+                                                         overlap_grad_reduce=False, grad_reduce_in_fp32=True))
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                                clip_grad=optim.clip_grad, bf16=self.dtype == torch.bfloat16,
+                                params_dtype=self.dtype, use_distributed_optimizer=optim.use_distributed_optimizer),
+                [self.ddp])
+        self.scheduler = self._scheduler(optim)
+        self.tconfig.no_sync_func = self.ddp.no_sync
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        self.steps = 0
+
+    @classmethod
+    def from_hf(cls, hf_dir: str, parallel: ParallelConfig, optim: OptimConfig, train: PolicyTrainConfig,
+                pad_id: int = 0) -> "Learner":
+        """Build the learner and load an HF checkpoint, each rank reading only its slices."""
+        from spice_megatron.bridge.hf_io import HFCheckpointReader, load_hf_weights
+
+        learner = cls(model_spec_from_hf(hf_dir), parallel, optim, train, pad_id)
+        reader = HFCheckpointReader(hf_dir)
+        load_hf_weights(learner.model, learner.spec, reader, learner.layout.tp_rank, learner.layout.tp)
+        learner.sync_shared_embeddings()
+        return learner
+
+    def _scheduler(self, optim: OptimConfig):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        decay_steps = optim.decay_steps if optim.decay_style != "constant" else optim.warmup_steps + 1
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(decay_steps, optim.warmup_steps + 1),
+            lr_decay_style=optim.decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant")
+
+    @torch.no_grad()
+    def sync_shared_embeddings(self) -> None:
+        """With tied embeddings and PP > 1, the last stage's output layer copies the first stage's
+        embedding (megatron keeps them equal by reducing their gradients together)."""
+        from megatron.core import parallel_state as ps
+
+        if not self.spec.tied_embeddings or self.layout.pp == 1:
+            return
+        weight = self.model.shared_embedding_or_output_weight()
+        if ps.is_rank_in_embedding_group():
+            if not self.layout.is_first_stage:
+                weight.zero_()
+            dist.all_reduce(weight, group=ps.get_embedding_group())
+
+    # ------------------------------------------------------------------------- forward/backward
+
+    def _run(self, microbatches: list[MicroBatch], loss_fn: Callable, forward_only: bool) -> list[dict]:
+        """One pass of megatron's pipeline schedule; returns the last stage's per-micro-batch outputs."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb.tokens.to(self.device), mb.position_ids.to(self.device), attention_mask=None)
+            return out, lambda output: loss_fn(mb, output)
+
+        with cpu_compat.cuda_to_cpu():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.ddp],
+                num_microbatches=len(microbatches), seq_length=microbatches[0].tokens.shape[1],
+                micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only) or []
+
+    def _gather(self, local: list) -> list:
+        """Concatenate per-rank lists from the last pipeline stage's TP rank 0 onto every rank."""
+        mine = local if (self.layout.is_last_stage and self.layout.tp_rank == 0) else []
+        everything: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(everything, mine)
+        return [x for part in everything for x in part]
+
+    @torch.no_grad()
+    def compute_logprobs(self, seqs: list[TrainSequence]) -> list[list[float]]:
+        """Log-probs of each sequence's completion tokens under the current weights (every rank
+        gets the full result)."""
+        self.model.eval()
+        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens, self.pad_id)
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+            lp = token_logprobs(logits, mb.labels.to(logits.device), self.train_cfg.temperature).cpu()
+            rows = [(i, lp[r][mb.loss_mask[r] > 0].tolist()) for r, i in enumerate(mb.index) if i >= 0]
+            return torch.zeros((), device=logits.device), {"rows": rows}
+
+        outs = self._run(mbs, loss_fn, forward_only=True)
+        rows = self._gather([row for o in outs for row in o["rows"]])
+        result: list[list[float]] = [[] for _ in seqs]
+        for i, values in rows:
+            result[i] = values
+        return result
+
+    def train_on_batch(self, seqs: list[TrainSequence]) -> list[StepMetrics]:
+        """train.steps_per_batch optimiser steps on one rollout batch (mini-batches seqs[j::k])."""
+        k = self.train_cfg.steps_per_batch
+        old_all: list[list[float]] | None = None
+        if k > 1 or self.train_cfg.old_logprobs == "rollout":
+            if self.train_cfg.old_logprobs == "forward":
+                old_all = self.compute_logprobs(seqs)
+            else:
+                missing = [i for i, s in enumerate(seqs) if s.rollout_logprobs is None]
+                if missing:
+                    raise ValueError(f"train.old_logprobs=rollout but sequences {missing[:5]} have no rollout log-probs")
+                old_all = [s.rollout_logprobs for s in seqs]
+        # With one step and recomputed old log-probs the ratio is exactly 1: skip the extra pass.
+        metrics = []
+        for j in range(k):
+            idx = list(range(j, len(seqs), k))
+            old = [old_all[i] for i in idx] if old_all is not None else None
+            metrics.append(self._optimizer_step([seqs[i] for i in idx], old))
+        return metrics
+
+    def _optimizer_step(self, seqs: list[TrainSequence], old: list[list[float]] | None) -> StepMetrics:
+        t0 = time.perf_counter()
+        self.model.train()
+        cfg, n_global = self.train_cfg, len(seqs)
+        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, cfg.micro_batch_tokens, self.pad_id, old)
+        # megatron divides each micro-batch loss by the rank's micro-batch count and DDP averages
+        # gradients over DP; undo both so that gradients are those of the global DrGRPO objective.
+        scale = len(mbs) * self.layout.dp
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+            dev = logits.device
+            lp = token_logprobs(logits, mb.labels.to(dev), cfg.temperature)
+            mask = mb.loss_mask.to(dev)
+            old_lp = mb.old_logprobs.to(dev) if mb.old_logprobs is not None else None
+            loss, m = drgrpo_token_loss(lp, mb.advantages.to(dev), mask, cfg.max_gen_len, old_logprobs=old_lp,
+                                        num_sequences=n_global, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+            rollout_mask = mask * mb.has_rollout.to(dev).unsqueeze(-1).to(mask.dtype)
+            gap = ((lp.detach() - mb.rollout_logprobs.to(dev)).abs() * rollout_mask).sum()
+            stats = {"loss": loss.detach().item(), "tokens": m["tokens"].item(),
+                     "clipped": (m["clip_fraction"] * m["tokens"]).item(), "kl": (m["approx_kl"] * m["tokens"]).item(),
+                     "gap": gap.item(), "gap_tokens": rollout_mask.sum().item()}
+            return loss * scale, stats
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outs = self._run(mbs, loss_fn, forward_only=False)
+        with cpu_compat.cuda_to_cpu():
+            ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.steps += 1
+        parts = self._gather(outs)
+        tokens = sum(p["tokens"] for p in parts)
+        gap_tokens = sum(p["gap_tokens"] for p in parts)
+        if not ok:
+            log.warning("optimizer step %d skipped (non-finite gradients)", self.steps)
+        return StepMetrics(
+            loss=sum(p["loss"] for p in parts), grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=self.optimizer.param_groups[0]["lr"], tokens=int(tokens), sequences=n_global,
+            clip_fraction=sum(p["clipped"] for p in parts) / max(tokens, 1),
+            approx_kl=sum(p["kl"] for p in parts) / max(tokens, 1),
+            logprob_gap=sum(p["gap"] for p in parts) / gap_tokens if gap_tokens else None,
+            seconds=time.perf_counter() - t0)
+
+    def with_logprobs(self, seqs: list[TrainSequence], logprobs: list[list[float]]) -> list[TrainSequence]:
+        return [replace(s, rollout_logprobs=lp) for s, lp in zip(seqs, logprobs)]

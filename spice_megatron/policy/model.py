@@ -1,0 +1,169 @@
+"""A megatron-core GPTModel from a Hugging Face config.json (Qwen3 and Llama 3 families)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from spice_megatron.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    qkv_bias: bool  # biases on q/k/v projections (Qwen2)
+
+
+# HF architecture name -> family. Adding Qwen2 is one line here plus its mapping test.
+FAMILIES: dict[str, Family] = {
+    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, qkv_bias=False),
+    "LlamaForCausalLM": Family("llama", qk_norm=False, qkv_bias=False),
+}
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the learner and the bridge need, read from an HF config."""
+
+    architecture: str
+    family: Family
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    rms_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None  # llama3-style scaling, None when absent
+    max_position_embeddings: int
+    hf_config: dict
+
+    @property
+    def num_parameters(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.ffn_hidden_size
+        emb = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + emb + self.hidden_size
+
+
+def _rope(cfg: dict) -> tuple[float, float | None]:
+    params = cfg.get("rope_parameters") or {}  # transformers >= 5
+    scaling = cfg.get("rope_scaling") or params
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise UnsupportedModelError(f"rope_scaling.rope_type={rope_type!r} is not supported (default, llama3)")
+    # megatron-core implements llama3 scaling with these constants only.
+    expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for key, value in expected.items():
+        if float(scaling.get(key, value)) != value:
+            raise UnsupportedModelError(f"rope_scaling.{key}={scaling[key]} differs from megatron-core's fixed {value}")
+    return float(theta), float(scaling["factor"])
+
+
+def model_spec_from_hf(config: dict | str) -> ModelSpec:
+    """From a config dict, a config.json path or an HF model directory."""
+    if isinstance(config, str):
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        with open(path) as f:
+            config = json.load(f)
+    archs = config.get("architectures") or [MODEL_TYPES.get(config.get("model_type", ""), "")]
+    arch = archs[0]
+    if arch not in FAMILIES:
+        raise UnsupportedModelError(f"architecture {arch or config.get('model_type')!r} is not supported; "
+                                    f"supported: {', '.join(sorted(FAMILIES))}")
+    family = FAMILIES[arch]
+    if config.get("attention_bias", False) and not family.qkv_bias:
+        raise UnsupportedModelError(f"{arch} with attention_bias=true is not supported")
+    if config.get("mlp_bias", False):
+        raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")
+    heads = config["num_attention_heads"]
+    theta, scaling = _rope(config)
+    return ModelSpec(
+        architecture=arch, family=family, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)), rms_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, rope_scaling_factor=scaling,
+        max_position_embeddings=config.get("max_position_embeddings", 4096), hf_config=config)
+
+
+def check_parallel_layout(spec: ModelSpec, tp: int, pp: int) -> None:
+    """Divisibility the layout needs; the error names the config field at fault."""
+    if spec.num_heads % tp:
+        raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide num_attention_heads={spec.num_heads}")
+    if spec.num_kv_heads % tp:
+        raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide num_key_value_heads={spec.num_kv_heads}")
+    if spec.ffn_hidden_size % tp:
+        raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide intermediate_size={spec.ffn_hidden_size}")
+    if spec.vocab_size % tp:
+        raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide vocab_size={spec.vocab_size}")
+    if spec.num_layers % pp:
+        raise ConfigError(f"parallel.pipeline_parallel: {pp} does not divide num_hidden_layers={spec.num_layers}")
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken TE build
+        return False
+    return torch.cuda.is_available()
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, **overrides: Any):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_parallel_layout(spec, tp, pp)
+    kwargs = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=spec.rms_eps,
+        add_bias_linear=False, add_qkv_bias=spec.family.qkv_bias, qk_layernorm=spec.family.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        # The parallel sizes must be in the config too: with the default PP=1 each stage would
+        # silently build every layer.
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # micro-batches of different lengths (length-bucketed batching); this flag requires the
+        # alltoall dispatcher even for dense models.
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(spec: ModelSpec):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if have_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.family.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.family.qk_norm, normalization="RMSNorm")
+
+
+def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool):
+    from megatron.core.models.gpt import GPTModel
+
+    kwargs = dict(config=tconfig, transformer_layer_spec=layer_spec(spec), vocab_size=spec.vocab_size,
+                  max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
+                  post_process=post_process, share_embeddings_and_output_weights=spec.tied_embeddings,
+                  position_embedding_type="rope", rotary_base=int(spec.rope_theta))
+    if spec.rope_scaling_factor is not None:
+        kwargs.update(rope_scaling=True, rope_scaling_factor=spec.rope_scaling_factor)
+    return GPTModel(**kwargs)

@@ -1,0 +1,76 @@
+"""Process groups for the learner from the torchrun / srun environment."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from spice_megatron.config import ConfigError, ParallelConfig
+from spice_megatron.policy import cpu_compat
+
+
+@dataclass(frozen=True)
+class Layout:
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def _env_int(*names: str, default: int) -> int:
+    for n in names:
+        if os.environ.get(n):
+            return int(os.environ[n])
+    return default
+
+
+def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int = 30) -> Layout:
+    """torch.distributed + megatron parallel state. Reads RANK/WORLD_SIZE/LOCAL_RANK (torchrun) or
+    SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun); a bare process is a world of one."""
+    from megatron.core import parallel_state as ps
+
+    cfg.validate()
+    cpu_compat.apply()
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    if world % (cfg.tensor_parallel * cfg.pipeline_parallel):
+        raise ConfigError(f"parallel: world size {world} is not a multiple of tensor_parallel x pipeline_parallel "
+                          f"= {cfg.tensor_parallel} x {cfg.pipeline_parallel}")
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes))
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
+                                 pipeline_model_parallel_size=cfg.pipeline_parallel)
+    cpu_compat.model_parallel_seed(seed)
+    return current_layout()
+
+
+def current_layout() -> Layout:
+    from megatron.core import parallel_state as ps
+
+    return Layout(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                  tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                  dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                  pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
