@@ -32,6 +32,7 @@ def tiny_hf_config(family: str = "qwen3", tied: bool = False, vocab_size: int = 
         return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1000000.0}
     if family == "llama":
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
+                "max_position_embeddings": 16384,
                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
     raise ValueError(f"family: unknown {family!r} (qwen3, llama)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -70,13 +70,14 @@ class Learner:
             raise ConfigError("optim.use_distributed_optimizer: needs Transformer Engine or apex; the torch "
                               "fallback's checkpoint restore is broken in megatron-core 0.16.1")
         self.spec, self.parallel, self.optim_cfg, self.train_cfg, self.pad_id = spec, parallel, optim, train, pad_id
-        if not dist.is_initialized():
+        if not dist.is_initialized() or not self._layout_matches(parallel):
             init_distributed(parallel, seed=train.seed)
         self.layout: Layout = current_layout()
         self.dtype = resolve_dtype(train.dtype)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.tconfig = transformer_config(spec, self.layout.tp, self.layout.pp, self.dtype)
-        model = build_model(spec, self.tconfig, self.layout.is_first_stage, self.layout.is_last_stage)
+        with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
+            model = build_model(spec, self.tconfig, self.layout.is_first_stage, self.layout.is_last_stage)
         self.model = model.to(self.device)
         with cpu_compat.cuda_to_cpu():
             self.ddp = DistributedDataParallel(
@@ -94,6 +95,14 @@ class Learner:
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.steps = 0
 
+    @staticmethod
+    def _layout_matches(parallel: ParallelConfig) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return (ps.model_parallel_is_initialized()
+                and ps.get_tensor_model_parallel_world_size() == parallel.tensor_parallel
+                and ps.get_pipeline_model_parallel_world_size() == parallel.pipeline_parallel)
+
     @classmethod
     def from_hf(cls, hf_dir: str, parallel: ParallelConfig, optim: OptimConfig, train: PolicyTrainConfig,
                 pad_id: int = 0) -> "Learner":
@@ -102,8 +111,9 @@ class Learner:
 
         learner = cls(model_spec_from_hf(hf_dir), parallel, optim, train, pad_id)
         reader = HFCheckpointReader(hf_dir)
+        # With tied embeddings and PP > 1 the last stage's output layer is loaded from the same HF
+        # embedding tensor, so both copies start equal; megatron then reduces their grads together.
         load_hf_weights(learner.model, learner.spec, reader, learner.layout.tp_rank, learner.layout.tp)
-        learner.sync_shared_embeddings()
         return learner
 
     def _scheduler(self, optim: OptimConfig):
@@ -115,20 +125,6 @@ class Learner:
             lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(decay_steps, optim.warmup_steps + 1),
             lr_decay_style=optim.decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
             wd_incr_steps=1, wd_incr_style="constant")
-
-    @torch.no_grad()
-    def sync_shared_embeddings(self) -> None:
-        """With tied embeddings and PP > 1, the last stage's output layer copies the first stage's
-        embedding (megatron keeps them equal by reducing their gradients together)."""
-        from megatron.core import parallel_state as ps
-
-        if not self.spec.tied_embeddings or self.layout.pp == 1:
-            return
-        weight = self.model.shared_embedding_or_output_weight()
-        if ps.is_rank_in_embedding_group():
-            if not self.layout.is_first_stage:
-                weight.zero_()
-            dist.all_reduce(weight, group=ps.get_embedding_group())
 
     # ------------------------------------------------------------------------- forward/backward
 
@@ -235,6 +231,3 @@ class Learner:
             approx_kl=sum(p["kl"] for p in parts) / max(tokens, 1),
             logprob_gap=sum(p["gap"] for p in parts) / gap_tokens if gap_tokens else None,
             seconds=time.perf_counter() - t0)
-
-    def with_logprobs(self, seqs: list[TrainSequence], logprobs: list[list[float]]) -> list[TrainSequence]:
-        return [replace(s, rollout_logprobs=lp) for s, lp in zip(seqs, logprobs)]

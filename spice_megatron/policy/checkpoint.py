@@ -1,0 +1,152 @@
+"""Learner checkpoints with megatron's dist_checkpointing (torch_dist format).
+
+Layout of a checkpoint root:
+  step_00000010/        model + optimizer shards, scheduler, RNG, trainer_state.json, layout.json
+  latest                the name of the newest complete checkpoint
+A checkpoint is written to `.step_XXXXXXXX.tmp` and renamed only when every rank has finished,
+so a kill during a save leaves the previous checkpoint loadable. The model and the
+(non-distributed) optimizer reshard on load to any TP x PP layout; RNG states are restored only
+when the layout is unchanged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from spice_megatron.policy import cpu_compat
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+def _step_dir(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(learner, is_loading: bool, with_rng: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    lay = learner.layout
+    model_sd = learner.model.sharded_state_dict()
+    state = {"model": model_sd,
+             "optimizer": learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    if with_rng:
+        state["rng"] = ShardedObject("rng_state", _rng_state() if not is_loading else None,
+                                     (lay.pp, lay.tp, lay.dp), (lay.pp_rank, lay.tp_rank, lay.dp_rank), replica_id=0)
+    return state
+
+
+def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any] | None = None,
+                    keep_last: int = 2) -> str:
+    """Collective: every learner rank calls it. Returns the checkpoint directory."""
+    from megatron.core import dist_checkpointing
+
+    rank = dist.get_rank()
+    final = os.path.join(root, _step_dir(step))
+    tmp = os.path.join(root, f".{_step_dir(step)}.tmp")
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
+        os.makedirs(tmp)
+    dist.barrier()
+    with cpu_compat.cuda_to_cpu():
+        dist_checkpointing.save(_sharded_state(learner, False, with_rng=True), tmp)
+    dist.barrier()
+    if rank == 0:
+        lay = learner.layout
+        with open(os.path.join(tmp, "layout.json"), "w") as f:
+            json.dump({"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "step": step, "learner_steps": learner.steps}, f)
+        with open(os.path.join(tmp, "scheduler.json"), "w") as f:
+            json.dump(learner.scheduler.state_dict(), f)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state or {}, f)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(root, _step_dir(step))
+        _prune(root, keep_last)
+        log.info("checkpoint saved: %s", final)
+    dist.barrier()
+    return final
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, f".{LATEST}.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+    os.replace(tmp, os.path.join(root, LATEST))
+
+
+def _prune(root: str, keep_last: int) -> None:
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_"))
+    for d in done[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under root, or None."""
+    path = os.path.join(root, LATEST)
+    if os.path.exists(path):
+        with open(path) as f:
+            candidate = os.path.join(root, f.read().strip())
+        if os.path.exists(os.path.join(candidate, "layout.json")):
+            return candidate
+    # `latest` may lag a completed rename if the process died in between: fall back to a scan.
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_")
+                  and os.path.exists(os.path.join(root, d, "layout.json"))) if os.path.isdir(root) else []
+    return os.path.join(root, done[-1]) if done else None
+
+
+def load_checkpoint(learner, path: str) -> dict[str, Any]:
+    """Collective. Restores model, optimizer, scheduler (and RNG when the layout matches);
+    returns the trainer state saved with it."""
+    from megatron.core import dist_checkpointing
+
+    with open(os.path.join(path, "layout.json")) as f:
+        saved = json.load(f)
+    lay = learner.layout
+    same_layout = (saved["tp"], saved["pp"], saved["dp"]) == (lay.tp, lay.pp, lay.dp)
+    if not same_layout and dist.get_rank() == 0:
+        log.warning("checkpoint %s was saved at TP=%d PP=%d DP=%d; resharding to TP=%d PP=%d DP=%d "
+                    "(RNG states are not restored)", path, saved["tp"], saved["pp"], saved["dp"], lay.tp, lay.pp, lay.dp)
+    with cpu_compat.cuda_to_cpu():
+        state = dist_checkpointing.load(_sharded_state(learner, True, with_rng=same_layout), path)
+        learner.model.load_state_dict(state["model"])
+        learner.optimizer.load_state_dict(state["optimizer"])
+    if same_layout:
+        _set_rng_state(state["rng"])
+    with open(os.path.join(path, "scheduler.json")) as f:
+        learner.scheduler.load_state_dict(json.load(f))
+    learner.steps = saved.get("learner_steps", 0)
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return json.load(f)

@@ -1,0 +1,211 @@
+"""The Megatron-Core learner against transformers, across TP / PP / DP layouts (gloo, CPU)."""
+import os
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
+from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+from spice_megatron.policy.batching import TrainSequence
+
+MODELS = [("qwen3", False), ("qwen3", True), ("llama", False), ("llama", True)]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {f"{fam}_{'tied' if tied else 'untied'}": make_tiny_hf_model(str(root / f"{fam}_{tied}"),
+                                                                         tiny_hf_config(fam, tied), seed=1)
+            for fam, tied in MODELS}
+
+
+def tokens_batch():
+    return torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def hf_logits(model_dir, tokens):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def train_batch():
+    g = torch.Generator().manual_seed(3)
+    seqs = []
+    for i, (p, c) in enumerate([(3, 5), (4, 2), (2, 6), (5, 3), (3, 3), (2, 1)]):
+        ids = torch.randint(0, 256, (p + c,), generator=g).tolist()
+        seqs.append(TrainSequence(ids[:p], ids[p:], advantage=[0.7, -0.2, 0.4, -0.9, 0.1, 0.3][i]))
+    return seqs
+
+
+# ----------------------------------------------------------------------------- rank functions
+
+def _logits_rank(model_dirs, layouts):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from spice_megatron.policy.batching import collate
+    from spice_megatron.policy.learner import Learner
+
+    tokens = tokens_batch()
+    seqs = [TrainSequence(t[:4].tolist(), t[4:].tolist()) for t in tokens]
+    out = {}
+    for tp, pp in layouts:
+        for name, d in model_dirs.items():
+            learner = Learner.from_hf(d, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
+
+            def grab(mb, logits):
+                return torch.zeros(()), {"logits": gather_from_tensor_model_parallel_region(logits).detach()}
+
+            with torch.no_grad():
+                outs = learner._run([collate(seqs, [0, 1])], grab, forward_only=True)
+            if outs and learner.layout.tp_rank == 0:
+                out[(tp, pp, name)] = (outs[0]["logits"] - hf_logits(d, tokens)).abs().max().item()
+    return out
+
+
+def _step_rank(model_dir, layouts):
+    from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.policy.learner import Learner
+
+    out = {}
+    for tp, pp in layouts:
+        learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=1e-3, adam_eps=1e-5),
+                                  PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16))
+        (m,) = learner.train_on_batch(train_batch())
+        weights = gathered_hf_state_dict(learner)
+        out[(tp, pp, learner.layout.dp)] = (m.loss, m.grad_norm, weights)
+    return out
+
+
+def _checkpoint_rank(model_dir, root):
+    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from spice_megatron.policy.learner import Learner
+
+    optim = OptimConfig(lr=1e-3, adam_eps=1e-5, warmup_steps=2, decay_steps=10, decay_style="cosine")
+    train = PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16)
+    batch_a, batch_b = train_batch(), train_batch()[::-1]
+    for s in batch_b:
+        s.advantage = -s.advantage
+    learner = Learner.from_hf(model_dir, ParallelConfig(2, 1), optim, train)
+    learner.train_on_batch(batch_a)
+    save_checkpoint(learner, root, step=1, trainer_state={"cursor": 7})
+    reference = learner.train_on_batch(batch_b)[0]
+    results = {"reference": (reference.loss, reference.lr)}
+    for tp, pp in [(2, 1), (1, 1), (1, 2)]:
+        from spice_megatron.policy.model import model_spec_from_hf
+
+        fresh = Learner(model_spec_from_hf(model_dir), ParallelConfig(tp, pp), optim, train)  # random init
+        state = load_checkpoint(fresh, latest_checkpoint(root))
+        m = fresh.train_on_batch(batch_b)[0]
+        results[(tp, pp)] = (m.loss, m.lr, state, fresh.steps)
+    return results
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.mark.multiprocess
+def test_logits_match_transformers_single_rank(tiny_models, tmp_path):
+    (res,) = run_ranks(_logits_rank, 1, tiny_models, [(1, 1)], tmp_path=tmp_path)
+    assert len(res) == 4 and max(res.values()) < 1e-4, res
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_logits_match_transformers_tp2_and_pp2(tiny_models, tmp_path):
+    results = run_ranks(_logits_rank, 2, tiny_models, [(2, 1), (1, 2)], tmp_path=tmp_path)
+    merged = {k: v for r in results for k, v in r.items()}
+    assert len(merged) == 8 and max(merged.values()) < 1e-4, merged
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_logits_match_transformers_tp2_x_pp2(tiny_models, tmp_path):
+    results = run_ranks(_logits_rank, 4, tiny_models, [(2, 2)], tmp_path=tmp_path)
+    merged = {k: v for r in results for k, v in r.items()}
+    assert len(merged) == 4 and max(merged.values()) < 1e-4, merged
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_one_step_is_the_same_at_every_layout(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from spice_megatron.loss import drgrpo_token_loss
+
+    model_dir = tiny_models["qwen3_tied"]
+    (single,) = run_ranks(_step_rank, 1, model_dir, [(1, 1)], tmp_path=tmp_path)
+    multi = run_ranks(_step_rank, 2, model_dir, [(2, 1), (1, 2), (1, 1)], tmp_path=tmp_path)[0]
+    ref_loss, ref_norm, ref_w = single[(1, 1, 1)]
+    assert set(multi) == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    for layout, (loss, norm, w) in multi.items():
+        assert loss == pytest.approx(ref_loss, abs=1e-6), layout
+        assert norm == pytest.approx(ref_norm, rel=1e-5), layout
+        assert w.keys() == ref_w.keys()
+        assert max((w[k] - ref_w[k]).abs().max().item() for k in w) < 2e-6, layout
+
+    # The DrGRPO loss equals a direct computation from full-vocabulary logits.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total = 0.0
+    for s in train_batch():
+        ids = torch.tensor([s.prompt_ids + s.completion_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids).logits[0], -1)
+        p = len(s.prompt_ids)
+        lp = logp[p - 1:-1].gather(-1, torch.tensor(s.completion_ids)[:, None]).T
+        loss, _ = drgrpo_token_loss(lp, torch.tensor([s.advantage]), torch.ones_like(lp), 8, num_sequences=6)
+        total += loss.item()
+    assert ref_loss == pytest.approx(total, abs=1e-6)
+    # and the update moved the weights
+    original = hf.state_dict()
+    assert max((ref_w[k] - original[k]).abs().max().item() for k in ref_w) > 1e-4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_checkpoint_resume_reshards(tiny_models, tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(_checkpoint_rank, 2, tiny_models["llama_untied"], root, tmp_path=tmp_path)[0]
+    ref_loss, ref_lr = results["reference"]
+    for layout in [(2, 1), (1, 1), (1, 2)]:
+        loss, lr, state, steps = results[layout]
+        assert loss == pytest.approx(ref_loss, abs=1e-6), layout
+        assert lr == pytest.approx(ref_lr), layout  # scheduler restored (warmup step 2 of 2)
+        assert state == {"cursor": 7} and steps == 2
+    assert sorted(os.listdir(root)) == ["latest", "step_00000001"]
+
+
+def test_latest_checkpoint_ignores_an_interrupted_save(tmp_path):
+    from spice_megatron.policy.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(str(tmp_path / "none")) is None
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "step_00000002" / "layout.json").write_text("{}")
+    (tmp_path / ".step_00000003.tmp").mkdir()  # killed mid-save
+    assert latest_checkpoint(str(tmp_path)).endswith("step_00000002")
+    (tmp_path / "latest").write_text("step_00000002\n")
+    assert latest_checkpoint(str(tmp_path)).endswith("step_00000002")
+
+
+def test_distributed_optimizer_is_refused_on_the_torch_fallback():
+    from spice_megatron.policy.learner import Learner
+    from spice_megatron.policy.model import model_spec_from_hf
+
+    with pytest.raises(ConfigError, match="optim.use_distributed_optimizer"):
+        Learner(model_spec_from_hf(tiny_hf_config()), ParallelConfig(), OptimConfig(use_distributed_optimizer=True),
+                PolicyTrainConfig())
+
+
+def test_model_spec_errors_name_the_problem():
+    from spice_megatron.policy.model import UnsupportedModelError, check_parallel_layout, model_spec_from_hf
+
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM, Qwen3ForCausalLM"):
+        model_spec_from_hf({**tiny_hf_config(), "architectures": ["GPT2LMHeadModel"]})
+    spec = model_spec_from_hf(tiny_hf_config("llama"))
+    assert spec.rope_scaling_factor == 8.0 and spec.rope_theta == 500000.0 and spec.family.name == "llama"
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel.*num_key_value_heads"):
+        check_parallel_layout(spec, tp=4, pp=1)
+    with pytest.raises(ConfigError, match="parallel.pipeline_parallel.*num_hidden_layers"):
+        check_parallel_layout(spec, tp=1, pp=4)
