@@ -209,3 +209,39 @@ def test_model_spec_errors_name_the_problem():
         check_parallel_layout(spec, tp=4, pp=1)
     with pytest.raises(ConfigError, match="parallel.pipeline_parallel.*num_hidden_layers"):
         check_parallel_layout(spec, tp=1, pp=4)
+
+
+def _ppo_rank(model_dir):
+    from spice_megatron.policy.learner import Learner
+
+    learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=5e-2, adam_eps=1e-5),
+                              PolicyTrainConfig(max_gen_len=8, steps_per_batch=2, clip_low=0.05, clip_high=0.05))
+    seqs = train_batch()
+    before = learner.compute_logprobs(seqs)
+    metrics = learner.train_on_batch(seqs)
+    after = learner.compute_logprobs(seqs)
+    for s, lp in zip(seqs, before):  # rollout log-probs from the same weights: the gap is 0 at the first step
+        s.rollout_logprobs = lp
+    first_gap = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(), PolicyTrainConfig(max_gen_len=8)
+                                ).train_on_batch(seqs)[0].logprob_gap
+    return [m.as_dict() for m in metrics], before, after, first_gap
+
+
+@pytest.mark.multiprocess
+def test_two_steps_per_batch_use_the_ppo_clip(tiny_models, tmp_path):
+    (res,) = run_ranks(_ppo_rank, 1, tiny_models["qwen3_untied"], tmp_path=tmp_path)
+    metrics, before, after, first_gap = res
+    assert len(metrics) == 2 and [m["sequences"] for m in metrics] == [3, 3]
+    assert metrics[0]["clip_fraction"] == 0.0 and metrics[0]["approx_kl"] == pytest.approx(0.0, abs=1e-9)
+    # the second mini-batch is scored against the pre-update policy: ratios moved, some clipped
+    assert metrics[1]["approx_kl"] > 0 and metrics[1]["clip_fraction"] > 0
+    assert [len(x) for x in before] == [5, 2, 6, 3, 3, 1]
+    assert any(abs(a - b) > 1e-4 for x, y in zip(before, after) for a, b in zip(x, y))
+    assert first_gap == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.gpu
+def test_bf16_train_step_on_gpu(tiny_models, tmp_path):
+    (res,) = run_ranks(_step_rank, 1, tiny_models["qwen3_tied"], [(1, 1)], tmp_path=tmp_path)
+    loss, norm, _ = res[(1, 1, 1)]
+    assert torch.isfinite(torch.tensor([loss, norm])).all()
