@@ -53,13 +53,14 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state(learner, is_loading: bool, with_rng: bool) -> dict:
+def _sharded_state(learner, is_loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     lay = learner.layout
     model_sd = learner.model.sharded_state_dict()
-    state = {"model": model_sd,
-             "optimizer": learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    state = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
     if with_rng:
         state["rng"] = ShardedObject("rng_state", _rng_state() if not is_loading else None,
                                      (lay.pp, lay.tp, lay.dp), (lay.pp_rank, lay.tp_rank, lay.dp_rank), replica_id=0)
@@ -67,8 +68,9 @@ def _sharded_state(learner, is_loading: bool, with_rng: bool) -> dict:
 
 
 def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any] | None = None,
-                    keep_last: int = 2) -> str:
-    """Collective: every learner rank calls it. Returns the checkpoint directory."""
+                    keep_last: int = 2, model_only: bool = False) -> str:
+    """Collective: every learner rank calls it. Returns the checkpoint directory. A model-only
+    checkpoint (a conversion from HF) holds no optimizer, scheduler or RNG state."""
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
@@ -80,14 +82,16 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
         os.makedirs(tmp)
     dist.barrier()
     with cpu_compat.cuda_to_cpu():
-        dist_checkpointing.save(_sharded_state(learner, False, with_rng=True), tmp)
+        dist_checkpointing.save(_sharded_state(learner, False, not model_only, not model_only), tmp)
     dist.barrier()
     if rank == 0:
         lay = learner.layout
         with open(os.path.join(tmp, "layout.json"), "w") as f:
-            json.dump({"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "step": step, "learner_steps": learner.steps}, f)
-        with open(os.path.join(tmp, "scheduler.json"), "w") as f:
-            json.dump(learner.scheduler.state_dict(), f)
+            json.dump({"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "step": step, "learner_steps": learner.steps,
+                       "model_only": model_only}, f)
+        if not model_only:
+            with open(os.path.join(tmp, "scheduler.json"), "w") as f:
+                json.dump(learner.scheduler.state_dict(), f)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(trainer_state or {}, f)
         if os.path.exists(final):
@@ -127,22 +131,27 @@ def latest_checkpoint(root: str) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
-def load_checkpoint(learner, path: str) -> dict[str, Any]:
-    """Collective. Restores model, optimizer, scheduler (and RNG when the layout matches);
-    returns the trainer state saved with it."""
+def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, Any]:
+    """Collective. Restores the model, and unless model_only (or the checkpoint has none) the
+    optimizer, scheduler and, when the layout matches, RNG states; returns the trainer state."""
     from megatron.core import dist_checkpointing
 
     with open(os.path.join(path, "layout.json")) as f:
         saved = json.load(f)
     lay = learner.layout
     same_layout = (saved["tp"], saved["pp"], saved["dp"]) == (lay.tp, lay.pp, lay.dp)
-    if not same_layout and dist.get_rank() == 0:
+    with_optimizer = not (model_only or saved.get("model_only", False))
+    if not same_layout and with_optimizer and dist.get_rank() == 0:
         log.warning("checkpoint %s was saved at TP=%d PP=%d DP=%d; resharding to TP=%d PP=%d DP=%d "
                     "(RNG states are not restored)", path, saved["tp"], saved["pp"], saved["dp"], lay.tp, lay.pp, lay.dp)
     with cpu_compat.cuda_to_cpu():
-        state = dist_checkpointing.load(_sharded_state(learner, True, with_rng=same_layout), path)
+        state = dist_checkpointing.load(
+            _sharded_state(learner, True, with_optimizer, with_optimizer and same_layout), path)
         learner.model.load_state_dict(state["model"])
-        learner.optimizer.load_state_dict(state["optimizer"])
+        if with_optimizer:
+            learner.optimizer.load_state_dict(state["optimizer"])
+    if not with_optimizer:
+        return {}
     if same_layout:
         _set_rng_state(state["rng"])
     with open(os.path.join(path, "scheduler.json")) as f:

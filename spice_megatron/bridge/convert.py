@@ -1,0 +1,121 @@
+"""Checkpoint conversion: HF <-> Megatron dist checkpoints, and the streamed HF writer.
+
+Run under torchrun (or srun) with TP x PP ranks; each rank reads or writes only its own part.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from spice_megatron.bridge.export import gather_stage_tensors
+from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+
+log = logging.getLogger(__name__)
+
+HF_META_DIR = "hf"  # inside a checkpoint root: config.json, generation config, tokenizer files
+METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+
+
+def copy_hf_metadata(src: str, dst: str) -> None:
+    """Everything of an HF model directory except its weights."""
+    os.makedirs(dst, exist_ok=True)
+    for name in METADATA_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+
+
+def save_hf_checkpoint(learner, out_dir: str, metadata_dir: str, bucket_bytes: int = 512 * 2**20,
+                       dtype: torch.dtype | None = None) -> dict[str, str] | None:
+    """Collective. Writes safetensors shards + index + metadata. Each stage's sending rank writes
+    its own shards bucket by bucket, so no rank holds more than one bucket of the model.
+    Returns the weight map on global rank 0."""
+    from safetensors.torch import save_file
+
+    lay = learner.layout
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+    dist.barrier()
+    written: list[tuple[str, list[str]]] = []
+    if lay.dp_rank == 0:
+        bucket: dict[str, torch.Tensor] = {}
+        used = 0
+
+        def flush() -> None:
+            nonlocal bucket, used
+            if bucket:
+                name = f".stage{lay.pp_rank:03d}-{len(written):05d}.safetensors"
+                save_file(bucket, os.path.join(out_dir, name), metadata={"format": "pt"})
+                written.append((name, list(bucket)))
+            bucket, used = {}, 0
+
+        for hf_name, tensor in gather_stage_tensors(learner):
+            if lay.tp_rank != 0:
+                continue
+            # a copy: q/k/v and gate/up are views of one fused parameter, which safetensors refuses
+            t = tensor.detach().to("cpu", dtype or tensor.dtype, copy=True).contiguous()
+            nbytes = t.numel() * t.element_size()
+            if bucket and used + nbytes > bucket_bytes:
+                flush()
+            bucket[hf_name] = t
+            used += nbytes
+        flush()
+    everything: list = [None] * lay.world_size
+    dist.all_gather_object(everything, written)
+    weight_map = None
+    if rank == 0:
+        files = [f for part in everything for f in part]
+        files.sort(key=lambda f: f[0])
+        weight_map = {}
+        for i, (tmp_name, names) in enumerate(files):
+            final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            os.replace(os.path.join(out_dir, tmp_name), os.path.join(out_dir, final))
+            weight_map.update({n: final for n in names})
+        total = sum(os.path.getsize(os.path.join(out_dir, f)) for f in set(weight_map.values()))
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+        copy_hf_metadata(metadata_dir, out_dir)
+        with open(os.path.join(out_dir, "config.json")) as f:
+            config = json.load(f)
+        config["torch_dtype"] = str(dtype or learner.dtype).replace("torch.", "")
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+    dist.barrier()
+    return weight_map
+
+
+def convert_from_hf(hf_dir: str, out: str, tp: int, pp: int) -> str:
+    """HF directory -> a model-only Megatron checkpoint root (with the HF metadata kept in hf/)."""
+    from spice_megatron.policy.checkpoint import save_checkpoint
+    from spice_megatron.policy.learner import Learner
+
+    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig(dtype="fp32"))
+    path = save_checkpoint(learner, out, step=0, model_only=True, keep_last=0)
+    if dist.get_rank() == 0:
+        copy_hf_metadata(hf_dir, os.path.join(out, HF_META_DIR))
+    dist.barrier()
+    return path
+
+
+def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None) -> None:
+    """A checkpoint (root or step directory) -> HF safetensors directory, at any TP x PP."""
+    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint
+    from spice_megatron.policy.learner import Learner
+    from spice_megatron.policy.model import model_spec_from_hf
+
+    root = ckpt if os.path.isdir(os.path.join(ckpt, HF_META_DIR)) else os.path.dirname(ckpt.rstrip("/"))
+    meta = os.path.join(root, HF_META_DIR)
+    if not os.path.exists(os.path.join(meta, "config.json")):
+        raise FileNotFoundError(f"{meta}/config.json is missing: the checkpoint root keeps the HF config there")
+    step_dir = latest_checkpoint(ckpt) if os.path.isdir(os.path.join(ckpt, HF_META_DIR)) else ckpt
+    if step_dir is None:
+        raise FileNotFoundError(f"{ckpt}: no complete checkpoint")
+    learner = Learner(model_spec_from_hf(meta), ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig(dtype="fp32"))
+    load_checkpoint(learner, step_dir, model_only=True)
+    save_hf_checkpoint(learner, out_dir, meta, dtype={"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[dtype])

@@ -1,0 +1,28 @@
+"""Starting SPMD learner processes on one machine."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_launcher() -> bool:
+    return "RANK" in os.environ or "SLURM_PROCID" in os.environ
+
+
+def relaunch_with_torchrun(nproc: int, argv: list[str] | None = None) -> None:
+    """Re-execute this script under torchrun with `nproc` local ranks, unless already launched
+    (torchrun, srun) or a single rank suffices. Multi-node jobs run torchrun/srun themselves."""
+    if under_launcher() or nproc <= 1:
+        return
+    argv = sys.argv if argv is None else argv
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", *argv]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.execv(sys.executable, cmd)
