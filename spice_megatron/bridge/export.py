@@ -32,10 +32,12 @@ def gather_stage_tensors(learner) -> Iterator[tuple[str, torch.Tensor]]:
         if name == "output_layer.weight" and learner.spec.tied_embeddings:
             continue
         local = param.detach()
-        if tp > 1 and gather_layout(name)[0] is not None:
-            shards = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(shards, local.contiguous(), group=group)
-            full = join_shards(name, shards)
+        dim, glu = gather_layout(name)
+        if tp > 1 and dim is not None:
+            stacked = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+            dist.all_gather_into_tensor(stacked, local.contiguous(), group=group)
+            # dim-0 shards back to back are the full tensor already; the others need one reorder
+            full = stacked if dim == 0 and not glu else join_shards(name, list(stacked.view(tp, *local.shape)))
         else:
             full = local
         yield from to_hf(_global_name(name, offset), full, learner.spec)

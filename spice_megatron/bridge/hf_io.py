@@ -8,7 +8,7 @@ from typing import Mapping
 
 import torch
 
-from spice_megatron.bridge.mapping import MappingError, megatron_shard
+from spice_megatron.bridge.mapping import MappingError, expected_hf_shapes, megatron_shard
 from spice_megatron.policy.model import ModelSpec
 
 
@@ -48,6 +48,9 @@ class HFCheckpointReader:
     def names(self) -> list[str]:
         return sorted(self.weight_map)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(self.weight_map[name]).get_slice(name).get_shape())
+
     def read(self, name: str, dim: int | None, start: int | None, stop: int | None) -> torch.Tensor:
         if name not in self.weight_map:
             raise MappingError(f"tensor {name!r} is missing from {self.model_dir}")
@@ -70,6 +73,9 @@ class StateDictReader:
     def names(self) -> list[str]:
         return sorted(self.sd)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.sd[name].shape)
+
     def read(self, name: str, dim: int | None, start: int | None, stop: int | None) -> torch.Tensor:
         if name not in self.sd:
             raise MappingError(f"tensor {name!r} is missing from the state dict")
@@ -87,6 +93,12 @@ def layer_offset(model) -> int:
 @torch.no_grad()
 def load_hf_weights(model, spec: ModelSpec, reader, tp_rank: int, tp: int) -> int:
     """Copy HF weights into this rank's megatron model; returns the number of tensors loaded."""
+    present = set(reader.names())
+    for name, shape in expected_hf_shapes(spec).items():
+        if name not in present:
+            raise MappingError(f"tensor {name!r} is missing from the checkpoint")
+        if reader.shape(name) != shape:
+            raise CheckpointError(f"tensor {name!r}: shape {reader.shape(name)}, config.json implies {shape}")
     offset = layer_offset(model)
     loaded = 0
     for name, param in model.named_parameters():

@@ -155,3 +155,26 @@ def join_shards(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=dim)
+
+
+def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of this architecture holds, with its shape."""
+    h, hd, ffn, v = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size, spec.vocab_size
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not spec.tied_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for layer in range(spec.num_layers):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (spec.num_heads * hd, h), p + "self_attn.k_proj.weight": (spec.num_kv_heads * hd, h),
+            p + "self_attn.v_proj.weight": (spec.num_kv_heads * hd, h), p + "self_attn.o_proj.weight": (h, spec.num_heads * hd),
+            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h), p + "mlp.down_proj.weight": (h, ffn),
+        })
+        if spec.family.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        if spec.family.qkv_bias:
+            for x, n in (("q", spec.num_heads), ("k", spec.num_kv_heads), ("v", spec.num_kv_heads)):
+                shapes[p + f"self_attn.{x}_proj.bias"] = (n * hd,)
+    return shapes

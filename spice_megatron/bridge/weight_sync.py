@@ -1,18 +1,23 @@
 """Streaming the learner's weights to the rollout engines.
 
-A weight-sync process group, created outside the learner's torch.distributed world (its own
-TCPStore rendezvous at an address/port the engines are given), joins one sending rank per
-pipeline stage (ranks 0..PP-1) and every rollout-engine worker (ranks PP..). Each stage in turn
-broadcasts its weights, converted to HF names and full (TP-gathered) tensors, in buckets:
+The weight-sync group lives outside the learner's torch.distributed world: its own TCPStore
+rendezvous at an address/port the engines are given. Its members are one sending rank per
+pipeline stage (sync ranks 0..PP-1) and every rollout-engine worker (sync ranks PP..). Each stage
+has a process group of its own ({its sender} + all receivers), so the stages pack and send
+concurrently and no sender relays another stage's bytes. A stage sends its weights, converted to
+HF names and full (TP-gathered) tensors, as a sequence of messages:
 
   header   int64[1]  length of the metadata
-  meta     uint8[n]  JSON: {"version", "stage", "end", "tensors": [[name, dtype, shape, offset, nbytes, checksum]]}
-  payload  uint8[m]  the tensors' bytes, back to back (absent when "end")
+  meta     uint8[n]  JSON {"version", "stage", "end": false, "tensors": [[name, dtype, shape, offset, nbytes]]}
+  payload  uint8[m]  the tensors' bytes, back to back
+  ...
+  header + meta      {"version", "stage", "end": true, "checksums": {name: checksum}}
 
-The payload is one flat buffer per bucket, reused across buckets, so the sender holds at most one
-bucket plus the tensor being gathered. Receivers yield (name, tensor) pairs bucket by bucket and
-check every tensor's checksum on arrival; the checksums also let the engine verify, after
-loading, that it holds exactly the learner's weights. No pickle crosses the wire.
+The bucket is two half-size buffers: one is on the wire while the other fills, so the sender holds
+at most one bucket plus the tensor being gathered, and packing overlaps sending. Tensors larger
+than half a bucket go out directly from their own memory. Checksums are computed while the
+bucket is in flight and sent last; the engine checks what it loaded against them. No pickle
+crosses the wire.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ DEFAULT_BUCKET_BYTES = 512 * 2**20
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)}
 _MOD = 2**31 - 1
 _CHUNK = 1 << 14
-_BLOCK = 1 << 24  # words per float64 block
+_BLOCK = 1 << 20  # words per float64 block: 8 MiB of temporaries
 
 
 class WeightSyncError(RuntimeError):
@@ -76,136 +81,222 @@ class SyncReport:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-class WeightSyncGroup:
-    """A process group of its own: does not touch torch.distributed's default world."""
+def _make_pg(store, prefix: str, rank: int, size: int, backend: str, timeout: timedelta):
+    store = dist.PrefixStore(prefix, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    raise ValueError(f"backend: unknown {backend!r} (gloo, nccl)")
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "auto",
-                 timeout_s: float = 600.0):
+
+class WeightSyncGroup:
+    """Per-stage process groups of the weight sync; does not touch torch.distributed's default world.
+
+    sync_rank < num_stages: the sender of that stage; otherwise a receiver (an engine worker).
+    """
+
+    def __init__(self, host: str, port: int, sync_rank: int, num_stages: int, num_receivers: int,
+                 backend: str = "auto", timeout_s: float = 600.0):
         backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+        if not 0 <= sync_rank < num_stages + num_receivers:
+            raise ValueError(f"sync_rank {sync_rank} outside [0, {num_stages + num_receivers})")
+        self.sync_rank, self.num_stages, self.num_receivers, self.backend = sync_rank, num_stages, num_receivers, backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-        store = dist.PrefixStore("spice_weight_sync", store)
-        self._store = store
-        if backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        elif backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        store = dist.TCPStore(host, port, num_stages + num_receivers, is_master=sync_rank == 0, timeout=timeout)
+        size = num_receivers + 1
+        self.pgs: dict[int, object] = {}  # stage -> process group (sender is its rank 0)
+        if sync_rank < num_stages:
+            self.pgs[sync_rank] = _make_pg(store, f"spice_sync_stage{sync_rank}", 0, size, backend, timeout)
         else:
-            raise ValueError(f"backend: unknown {backend!r} (gloo, nccl)")
+            for stage in range(num_stages):
+                self.pgs[stage] = _make_pg(store, f"spice_sync_stage{stage}", 1 + sync_rank - num_stages, size,
+                                           backend, timeout)
+        self._store = store
+        self._buffers: dict[str, list[torch.Tensor]] = {}
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    @property
+    def is_sender(self) -> bool:
+        return self.sync_rank < self.num_stages
+
+    def broadcast(self, tensor: torch.Tensor, stage: int, async_op: bool = False):
         opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        self.pg.broadcast([tensor], opts).wait()
+        opts.rootRank = 0  # the stage's sender
+        work = self.pgs[stage].broadcast([tensor], opts)
+        return work if async_op else work.wait()
+
+    def buffers(self, kind: str, count: int, nbytes: int) -> list[torch.Tensor]:
+        """Byte buffers kept across syncs: fresh allocations would page-fault on every sync."""
+        cached = self._buffers.get(kind, [])
+        if len(cached) != count or cached[0].numel() < nbytes:
+            cached = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
+            self._buffers[kind] = cached
+        return cached
 
     def barrier(self) -> None:
-        self.broadcast(torch.zeros(1, device=self.device), 0)
+        for stage in sorted(self.pgs):
+            self.broadcast(torch.zeros(1, device=self.device), stage)
 
     def close(self) -> None:
-        try:
-            self.pg.shutdown()
-        except Exception:  # already torn down by the peer; nothing left to release
-            pass
+        self._buffers.clear()
+        for pg in self.pgs.values():
+            try:
+                pg.shutdown()
+            except Exception:  # already torn down by a peer; nothing left to release
+                pass
 
 
 # ----------------------------------------------------------------------------- sending
 
-def _send_meta(group: WeightSyncGroup, src: int, meta: dict) -> None:
+def _send_meta(group: WeightSyncGroup, stage: int, meta: dict) -> None:
     data = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(group.device)
-    group.broadcast(torch.tensor([data.numel()], dtype=torch.long, device=group.device), src)
-    group.broadcast(data, src)
+    group.broadcast(torch.tensor([data.numel()], dtype=torch.long, device=group.device), stage)
+    group.broadcast(data, stage)
 
 
-def _recv_meta(group: WeightSyncGroup, src: int) -> dict:
+def _recv_meta(group: WeightSyncGroup, stage: int) -> dict:
     n = torch.zeros(1, dtype=torch.long, device=group.device)
-    group.broadcast(n, src)
+    group.broadcast(n, stage)
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=group.device)
-    group.broadcast(buf, src)
+    group.broadcast(buf, stage)
     return json.loads(bytes(buf.cpu().numpy()).decode())
 
 
-def send_stage(group: WeightSyncGroup, stage: int, pairs: Iterable[tuple[str, torch.Tensor]], version: int,
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+def send_stage(group: WeightSyncGroup, pairs: Iterable[tuple[str, torch.Tensor]], version: int,
                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
-    """Broadcast one stage's (hf_name, tensor) pairs from sync rank `stage`, packing each tensor
-    into the bucket buffer as soon as it is produced."""
+    """Send one stage's (hf_name, tensor) pairs; each tensor is packed as soon as it is produced."""
+    stage = group.sync_rank
     report = SyncReport(version)
     t0 = time.perf_counter()
-    buffer = torch.empty(bucket_bytes, dtype=torch.uint8, device=group.device)
-    entries: list[list] = []
-    used = 0
+    half = max(bucket_bytes // 2, 1)
+    buffers = group.buffers("send", 2, half)
+    in_flight: list = [None, None]  # per buffer: (work, entries) still on the wire
+    current, used, entries = 0, 0, []
 
-    def flush(end: bool) -> None:
-        nonlocal entries, used
+    def settle(i: int) -> None:
+        """Wait for buffer i's broadcast (its checksums were computed while it was sent)."""
+        if in_flight[i] is not None:
+            in_flight[i].wait()
+            in_flight[i] = None
+
+    def launch(payload: torch.Tensor, items: list, views: list[torch.Tensor]) -> object:
+        _send_meta(group, stage, {"version": version, "stage": stage, "end": False, "tensors": items})
+        work = group.broadcast(payload, stage, async_op=True)
+        for item, view in zip(items, views):  # overlaps the transfer; the bytes are only read
+            report.checksums[item[0]] = tensor_checksum(view)
+        report.buckets += 1
+        report.bytes += payload.numel()
+        return work
+
+    def flush() -> None:
+        nonlocal current, used, entries
         if entries:
-            _send_meta(group, stage, {"version": version, "stage": stage, "end": False, "tensors": entries})
-            group.broadcast(buffer[:used], stage)
-            report.buckets += 1
-            report.bytes += used
-        if end:
-            _send_meta(group, stage, {"version": version, "stage": stage, "end": True, "tensors": []})
-        entries, used = [], 0
+            buf = buffers[current]
+            views = [buf[e[3]:e[3] + e[4]].view(_DTYPES[e[1]]).view(e[2]) for e in entries]
+            in_flight[current] = launch(buf[:used], entries, views)
+            current = 1 - current
+            settle(current)  # the other half must be free before it is refilled
+        used, entries = 0, []
 
     for name, tensor in pairs:
-        t = tensor.detach().contiguous()
+        t = tensor.detach()
         nbytes = t.numel() * t.element_size()
-        if used and used + nbytes > buffer.numel():
-            flush(end=False)
-        if nbytes > buffer.numel():  # a tensor larger than the bucket travels alone
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=group.device)
-        buffer[used:used + nbytes].copy_(t.view(-1).view(torch.uint8).to(group.device))
-        checksum = tensor_checksum(t)
-        entries.append([name, str(t.dtype), list(t.shape), used, nbytes, checksum])
-        report.checksums[name] = checksum
+        entry = [name, str(t.dtype), list(t.shape), 0, nbytes]
+        if nbytes > half:  # too large for a half bucket: send it from its own memory
+            flush()
+            settle(1 - current)
+            t = t.contiguous()
+            launch(_as_bytes(t).to(group.device), [entry], [t]).wait()
+        else:
+            if used + nbytes > half:
+                flush()
+            entry[3] = used
+            # one strided copy straight into the bucket (q/k/v and gate/up arrive as views)
+            buffers[current][used:used + nbytes].view(t.dtype).view(t.shape).copy_(t)
+            entries.append(entry)
+            used += nbytes
         report.tensors += 1
-        used += nbytes
         del t, tensor
-    flush(end=True)
+    flush()
+    settle(0)
+    settle(1)
+    _send_meta(group, stage, {"version": version, "stage": stage, "end": True, "checksums": report.checksums})
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def relay_stage(group: WeightSyncGroup, stage: int) -> None:
-    """A sender of another stage takes part in stage `stage`'s broadcasts (and drops them)."""
-    for _ in receive_stage(group, stage, verify=False):
-        pass
-
-
 # ----------------------------------------------------------------------------- receiving
 
-def receive_stage(group: WeightSyncGroup, stage: int, verify: bool = True) -> Iterator[list[tuple[str, torch.Tensor, int]]]:
-    """Buckets of (name, tensor, checksum) from stage `stage`'s sender."""
+@dataclass
+class ReceivedManifest:
+    """What the senders said they sent: the checksums arrive after each stage's last bucket."""
+
+    version: int | None = None
+    checksums: dict[str, int] = field(default_factory=dict)
+
+
+def receive_stage(group: WeightSyncGroup, stage: int, manifest: ReceivedManifest | None = None,
+                  reuse_buffer: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of (name, tensor) from one stage's sender; the tensors are views of the bucket.
+    With reuse_buffer, one receive buffer serves every bucket: a bucket's tensors are valid only
+    until the next one arrives (an engine that loads each bucket as it comes needs no more)."""
     while True:
         meta = _recv_meta(group, stage)
+        if manifest is not None:
+            manifest.version = meta["version"]
         if meta["end"]:
+            if manifest is not None:
+                manifest.checksums.update(meta["checksums"])
             return
         size = max(e[3] + e[4] for e in meta["tensors"])
-        payload = torch.empty(size, dtype=torch.uint8, device=group.device)
+        payload = (group.buffers("recv", 1, size)[0][:size] if reuse_buffer
+                   else torch.empty(size, dtype=torch.uint8, device=group.device))
         group.broadcast(payload, stage)
         bucket = []
-        for name, dtype, shape, offset, nbytes, checksum in meta["tensors"]:
+        for name, dtype, shape, offset, nbytes in meta["tensors"]:
             if dtype not in _DTYPES:
                 raise WeightSyncError(f"tensor {name!r}: unsupported dtype {dtype}")
-            t = payload[offset:offset + nbytes].view(_DTYPES[dtype]).view(shape)
-            if verify and tensor_checksum(t) != checksum:
-                raise WeightSyncError(f"tensor {name!r}: checksum mismatch after transfer (version {meta['version']})")
-            bucket.append((name, t, checksum))
+            bucket.append((name, payload[offset:offset + nbytes].view(_DTYPES[dtype]).view(shape)))
         yield bucket
 
 
-def receive_all(group: WeightSyncGroup, num_stages: int) -> Iterator[list[tuple[str, torch.Tensor, int]]]:
-    """Every stage's buckets, in stage order (what an engine worker consumes)."""
-    for stage in range(num_stages):
-        yield from receive_stage(group, stage)
+def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None, reuse_buffer: bool = False
+                ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Every stage's buckets, stage by stage (what an engine worker consumes)."""
+    for stage in range(group.num_stages):
+        yield from receive_stage(group, stage, manifest, reuse_buffer)
+
+
+def verify_checksums(held: Iterable[tuple[str, torch.Tensor]], manifest: ReceivedManifest) -> int:
+    """Compare the tensors a receiver holds with the senders' checksums; raises naming the first
+    mismatching or missing tensor. Returns the number checked."""
+    seen = set()
+    for name, t in held:
+        expected = manifest.checksums.get(name)
+        if expected is None:
+            raise WeightSyncError(f"tensor {name!r} is held by the engine but was not sent (version {manifest.version})")
+        if tensor_checksum(t) != expected:
+            raise WeightSyncError(f"tensor {name!r} differs from the learner's after the sync "
+                                  f"(version {manifest.version})")
+        seen.add(name)
+    missing = sorted(set(manifest.checksums) - seen)
+    if missing:
+        raise WeightSyncError(f"tensor {missing[0]!r} was sent but the engine does not hold it "
+                              f"({len(missing)} missing, version {manifest.version})")
+    return len(seen)
 
 
 def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport | None:
     """Collective over the learner: every rank calls it. The TP ranks of data-parallel rank 0
-    gather each stage's tensors; the stage's TP rank 0 (the member of the sync group) sends.
+    gather each stage's tensors; the stage's TP rank 0 (its member of the sync group) sends.
     Returns the stage sender's report (None on other ranks)."""
     from spice_megatron.bridge.export import gather_stage_tensors
 
@@ -217,10 +308,6 @@ def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,
         for _ in pairs:  # take part in the TP gathers only
             pass
         return None
-    report = None
-    for stage in range(lay.pp):
-        if stage == lay.pp_rank:
-            report = send_stage(group, stage, pairs, version, bucket_bytes)
-        else:
-            relay_stage(group, stage)
-    return report
+    if group is None or group.sync_rank != lay.pp_rank:
+        raise WeightSyncError(f"stage {lay.pp_rank}'s sender needs a WeightSyncGroup with sync_rank {lay.pp_rank}")
+    return send_stage(group, pairs, version, bucket_bytes)

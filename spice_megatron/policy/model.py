@@ -56,7 +56,8 @@ class ModelSpec:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.ffn_hidden_size
         emb = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + emb + self.hidden_size
+        norms = 2 * self.hidden_size + (2 * self.head_dim if self.family.qk_norm else 0)
+        return self.num_layers * (attn + mlp + norms) + emb + self.hidden_size
 
 
 def _rope(cfg: dict) -> tuple[float, float | None]:

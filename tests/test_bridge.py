@@ -1,0 +1,222 @@
+"""HF <-> Megatron conversion and weight streaming (multi-process, gloo)."""
+import json
+import os
+import resource
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dist_utils import free_port, run_ranks
+from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+
+MODELS = {"qwen3_untied": ("qwen3", False), "qwen3_tied": ("qwen3", True), "llama_untied": ("llama", False)}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: make_tiny_hf_model(str(root / name), tiny_hf_config(fam, tied), seed=2)
+            for name, (fam, tied) in MODELS.items()}
+
+
+def hf_weights(model_dir):
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return load_file(os.path.join(model_dir, "model.safetensors"))
+    out = {}
+    for f in set(json.load(open(index))["weight_map"].values()):
+        out.update(load_file(os.path.join(model_dir, f)))
+    return out
+
+
+def _roundtrip_rank(models, root, tp, pp):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from spice_megatron.bridge.convert import convert_from_hf, convert_to_hf
+    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy.batching import TrainSequence, collate
+    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint
+    from spice_megatron.policy.learner import Learner
+    from spice_megatron.policy.model import model_spec_from_hf
+
+    logits = {}
+    for name, d in models.items():
+        ckpt, out = os.path.join(root, name, "ckpt"), os.path.join(root, name, f"hf_tp{tp}_pp{pp}")
+        convert_from_hf(d, ckpt, tp, pp)
+        convert_to_hf(ckpt, out, tp, pp)
+        # the megatron model's logits, for comparison with transformers on the exported directory
+        learner = Learner(model_spec_from_hf(d), ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
+        load_checkpoint(learner, latest_checkpoint(ckpt), model_only=True)
+        tokens = torch.arange(2 * 9).view(2, 9) * 7 % 256
+        seqs = [TrainSequence(t[:3].tolist(), t[3:].tolist()) for t in tokens]
+        with torch.no_grad():
+            outs = learner._run([collate(seqs, [0, 1])],
+                                lambda mb, lg: (torch.zeros(()), {"l": gather_from_tensor_model_parallel_region(lg)}),
+                                forward_only=True)
+        if outs:
+            logits[name] = outs[0]["l"]
+    return logits
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_roundtrip_bit_exact_through_tp2_x_pp2(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    root = str(tmp_path / "rt")
+    results = run_ranks(_roundtrip_rank, 4, tiny_models, root, 2, 2, tmp_path=tmp_path)
+    megatron_logits = {k: v for r in results for k, v in r.items()}
+    for name, d in tiny_models.items():
+        original, exported = hf_weights(d), hf_weights(os.path.join(root, name, "hf_tp2_pp2"))
+        assert exported.keys() == original.keys(), name  # tied: no lm_head added or lost
+        assert all(torch.equal(exported[k], original[k]) for k in original), name
+        out = os.path.join(root, name, "hf_tp2_pp2")
+        assert json.load(open(os.path.join(out, "config.json")))["architectures"] == \
+            json.load(open(os.path.join(d, "config.json")))["architectures"]
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        tokens = torch.arange(2 * 9).view(2, 9) * 7 % 256
+        with torch.no_grad():
+            assert (model(tokens).logits - megatron_logits[name]).abs().max().item() < 1e-4, name
+
+
+def _reshard_export_rank(ckpt, out):
+    from spice_megatron.bridge.convert import convert_to_hf
+
+    convert_to_hf(ckpt, out, tp=1, pp=1)
+
+
+@pytest.mark.multiprocess
+def test_export_reshards_a_tp2_checkpoint_to_one_rank(tiny_models, tmp_path):
+    d = tiny_models["llama_untied"]
+    run_ranks(_convert_rank, 2, d, str(tmp_path / "ckpt"), 2, 1, tmp_path=tmp_path)
+    run_ranks(_reshard_export_rank, 1, str(tmp_path / "ckpt"), str(tmp_path / "out"), tmp_path=tmp_path)
+    original, exported = hf_weights(d), hf_weights(str(tmp_path / "out"))
+    assert exported.keys() == original.keys() and all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def _convert_rank(hf_dir, out, tp, pp):
+    from spice_megatron.bridge.convert import convert_from_hf
+
+    convert_from_hf(hf_dir, out, tp, pp)
+
+
+def _expect_error(hf_dir, out):
+    from spice_megatron.bridge.convert import convert_from_hf
+
+    try:
+        convert_from_hf(hf_dir, out, 1, 1)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_bad_checkpoints_name_the_tensor(tiny_models, tmp_path):
+    import shutil
+
+    src = tiny_models["qwen3_untied"]
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    cases = {}
+    for case, edit in {
+        "missing": lambda w: w.pop("model.layers.1.self_attn.k_proj.weight"),
+        "shape": lambda w: w.__setitem__("model.layers.0.mlp.down_proj.weight", torch.zeros(64, 96)),
+        "larger": lambda w: w.__setitem__("model.embed_tokens.weight", torch.zeros(300, 64)),
+        "dtype": lambda w: w.__setitem__("model.norm.weight", torch.ones(64, dtype=torch.int64)),
+    }.items():
+        d = tmp_path / case
+        shutil.copytree(src, d)
+        w = dict(weights)
+        edit(w)
+        save_file(w, str(d / "model.safetensors"))
+        cases[case] = str(d)
+    arch = tmp_path / "arch"
+    shutil.copytree(src, arch)
+    config = json.load(open(arch / "config.json"))
+    config["architectures"] = ["MambaForCausalLM"]
+    json.dump(config, open(arch / "config.json", "w"))
+    cases["arch"] = str(arch)
+
+    def error(case):
+        return run_ranks(_expect_error, 1, cases[case], str(tmp_path / f"out_{case}"), tmp_path=tmp_path)[0]
+
+    assert "model.layers.1.self_attn.k_proj.weight" in error("missing")
+    assert "model.layers.0.mlp.down_proj.weight" in error("shape") and "(64, 96)" in error("shape")
+    assert "model.embed_tokens.weight" in error("larger") and "(300, 64)" in error("larger")
+    assert "dtype torch.int64" in error("dtype") and "decoder.final_layernorm.weight" in error("dtype")
+    assert "MambaForCausalLM" in error("arch") and "Qwen3ForCausalLM" in error("arch")
+
+
+# ----------------------------------------------------------------------------- streaming
+
+def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes):
+    """Ranks < n_learners form the learner (PP stages); the last rank is the receiver."""
+    rank = int(os.environ["RANK"])
+    from spice_megatron.bridge.weight_sync import (ReceivedManifest, WeightSyncGroup, receive_all,
+                                                   send_learner_weights, verify_checksums)
+
+    if rank == n_learners:  # the receiver: not part of the learner's world
+        group = WeightSyncGroup("127.0.0.1", port, pp, pp, 1)
+        received, manifest = {}, ReceivedManifest()
+        for bucket in receive_all(group, manifest):
+            received.update({name: t.clone() for name, t in bucket})
+        checked = verify_checksums(received.items(), manifest)
+        tampered = dict(received)
+        tampered["model.norm.weight"] = tampered["model.norm.weight"] + 1e-3
+        try:
+            verify_checksums(tampered.items(), manifest)
+            error = None
+        except Exception as e:
+            error = str(e)
+        group.close()
+        return received, checked, manifest.version, error
+    os.environ["WORLD_SIZE"] = str(n_learners)
+    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy.learner import Learner
+
+    learner = Learner.from_hf(hf_dir, ParallelConfig(n_learners // pp, pp), OptimConfig(), PolicyTrainConfig())
+    group = None
+    if learner.layout.tp_rank == 0 and learner.layout.dp_rank == 0:
+        group = WeightSyncGroup("127.0.0.1", port, learner.layout.pp_rank, pp, 1)
+    largest = max(p.numel() * p.element_size() for p in learner.model.parameters()) * learner.layout.tp
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = send_learner_weights(learner, group, version=3, bucket_bytes=bucket_bytes)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    model_bytes = sum(p.numel() * p.element_size() for p in learner.model.parameters())
+    if group:
+        group.close()
+    return {"report": report, "peak": peak, "largest": largest, "model_bytes": model_bytes}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_streaming_to_a_receiver_gives_identical_weights(tmp_path):
+    config = tiny_hf_config("qwen3", tied=False, vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8,
+                            num_kv_heads=4, head_dim=64, intermediate_size=1536)
+    d = make_tiny_hf_model(str(tmp_path / "medium"), config, seed=5)
+    bucket = 4 * 2**20
+    results = run_ranks(_stream_rank, 3, d, free_port(), 2, 2, bucket, tmp_path=tmp_path)
+    (received, checked, version, tamper_error), senders = results[2], results[:2]
+    original = hf_weights(d)
+    assert received.keys() == original.keys() and checked == len(original) and version == 3
+    assert "model.norm.weight" in tamper_error and "differs" in tamper_error
+    assert all(torch.equal(received[k], original[k]) for k in original)
+    for s in senders:
+        r = s["report"]
+        assert r.version == 3 and r.buckets >= 2 and r.bytes > 0 and r.seconds > 0
+        # the sender never holds its stage: at most one bucket plus the largest tensor (+ allocator slack)
+        assert s["peak"] <= bucket + s["largest"] + 16 * 2**20, (s["peak"], s["model_bytes"])
+    assert sum(s["report"].tensors for s in senders) == len(original)
+
+
+def test_checksums_are_exact_and_position_sensitive():
+    from spice_megatron.bridge.weight_sync import tensor_checksum
+
+    a = torch.randn(300, 7)
+    assert tensor_checksum(a) == tensor_checksum(a.clone())
+    assert tensor_checksum(a.T.contiguous()) != tensor_checksum(a)  # same values, other layout
+    b = a.clone()
+    b[17, 3] = torch.nextafter(b[17, 3], torch.tensor(1e9))  # one ulp
+    assert tensor_checksum(b) != tensor_checksum(a)
+    assert tensor_checksum(a.bfloat16()) != tensor_checksum(a)
+    assert tensor_checksum(torch.zeros(3)) != tensor_checksum(torch.zeros(4))
