@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -17,29 +17,13 @@ from spice_megatron.config import SelfPlayConfig
 from spice_megatron.corpus import Document
 from spice_megatron.loss import CHALLENGER, REASONER, role_advantages
 from spice_megatron.rewards import challenger_reward, reasoner_reward
+from spice_megatron.rollout.types import Completion, SamplingSpec
 from spice_megatron.tasks import ParseResult, Task, challenger_prompt, extract_boxed, parse_challenger_output, reasoner_prompt
 from spice_megatron.verify import AnswerVerifier, answer_key
 
 
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # of the sampled tokens, from the rollout engine
-    finish_reason: str = ""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    role: str
-    n: int
-    temperature: float
-    top_p: float
-    max_tokens: int
-
-
 # prompts, sampling -> for each prompt, sampling.n completions
-GenerateFn = Callable[[list[str], Sampling], list[list[Completion]]]
+GenerateFn = Callable[[list[str], SamplingSpec], list[list[Completion]]]
 
 
 @dataclass
@@ -68,9 +52,16 @@ def _pick_reservoir(slot: list, item, seen: int, rng: random.Random) -> None:
         slot[:] = [item]
 
 
+def _round_seed(seed: int | None, attempt: int) -> int | None:
+    """A distinct sampling seed per generation call, so that a resumed run samples the same."""
+    return None if seed is None else (seed * 1_000_003 + (attempt + 2) * 65_536) % 2**31  # prompt i adds i
+
+
 def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier: AnswerVerifier,
                   cfg: SelfPlayConfig, rng: random.Random, tokenizer=None, weights_version: int = 0,
-                  iteration: int = 0) -> IterationResult:
+                  iteration: int = 0, seed: int | None = None) -> IterationResult:
+    """One iteration's data. `seed` (None: unseeded sampling) makes the engine's sampling
+    reproducible for exact resume."""
     stats: dict[str, float] = {}
     records: list[dict] = []
     n_docs = len(documents)
@@ -91,8 +82,9 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
         for i in pending:
             by_n.setdefault(min(cfg.attempts_per_round, cfg.max_attempts - attempts[i]), []).append(i)
         for n, idx in by_n.items():
-            outs = generate([prompts[i] for i in idx], Sampling(CHALLENGER, n, cfg.challenger_temperature,
-                                                                   cfg.top_p, cfg.challenger_max_tokens))
+            outs = generate([prompts[i] for i in idx], SamplingSpec(
+                n=n, temperature=cfg.challenger_temperature, top_p=cfg.top_p, max_tokens=cfg.challenger_max_tokens,
+                seed=_round_seed(seed, attempts[idx[0]]), role=CHALLENGER))
             for i, comps in zip(idx, outs):
                 for c in comps:
                     attempts[i] += 1
@@ -115,8 +107,9 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     task_docs = [i for i in range(n_docs) if chosen_valid[i]]
     tasks: list[Task] = [chosen_valid[i][0][1].task for i in task_docs]
     r_prompts = [reasoner_prompt(t, tokenizer, cfg.use_chat_template) for t in tasks]
-    answers = generate(r_prompts, Sampling(REASONER, cfg.group_size, cfg.reasoner_temperature, cfg.top_p,
-                                           cfg.reasoner_max_tokens)) if tasks else []
+    answers = generate(r_prompts, SamplingSpec(
+        n=cfg.group_size, temperature=cfg.reasoner_temperature, top_p=cfg.top_p, max_tokens=cfg.reasoner_max_tokens,
+        seed=_round_seed(seed, -1), role=REASONER)) if tasks else []
     stats["time/reasoner_rollout"] = time.perf_counter() - t0
     stats["tokens/reasoner"] = sum(len(c.token_ids) for comps in answers for c in comps)
 

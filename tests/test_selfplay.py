@@ -5,7 +5,8 @@ import pytest
 
 from spice_megatron.config import SelfPlayConfig
 from spice_megatron.corpus import Document
-from spice_megatron.selfplay import Completion, Sampling, run_iteration
+from spice_megatron.rollout.types import Completion, SamplingSpec
+from spice_megatron.selfplay import run_iteration
 
 
 def doc(i, text):
@@ -24,7 +25,7 @@ class ScriptedModel:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, prompts, sampling: Sampling):
+    def __call__(self, prompts, sampling: SamplingSpec):
         self.calls.append((sampling.role, len(prompts), sampling.n))
         return [[self._one(p, sampling, j) for j in range(sampling.n)] for p in prompts]
 

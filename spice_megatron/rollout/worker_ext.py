@@ -1,0 +1,60 @@
+"""Methods added to every vLLM worker (vLLM's `worker_extension_cls`), called through
+`collective_rpc` by name: joining the weight-sync group and applying streamed weight buckets
+through vLLM's in-place weight-reload path."""
+from __future__ import annotations
+
+import time
+
+
+class SpiceWorkerExtension:
+    """Mixed into vLLM's worker class; `self` is the worker."""
+
+    def spice_join_weight_sync(self, host: str, port: int, first_rank: int, num_stages: int, num_receivers: int,
+                               backend: str = "auto") -> int:
+        from spice_megatron.bridge.weight_sync import WeightSyncGroup
+
+        rank = first_rank + getattr(self, "rank", 0)  # one sync rank per engine worker
+        self._spice_sync = WeightSyncGroup(host, port, rank, num_stages, num_receivers, backend)
+        self._spice_version = getattr(self, "_spice_version", 0)
+        return rank
+
+    def spice_receive_weights(self, expected_version: int) -> dict:
+        """Receive every stage's buckets and load them in place; verify against the senders'
+        checksums. Returns the new version, bytes and seconds."""
+        from spice_megatron.bridge.weight_sync import ReceivedManifest, WeightSyncError, receive_all, tensor_checksum
+
+        t0 = time.perf_counter()
+        manifest = ReceivedManifest()
+        received: dict[str, int] = {}
+        nbytes = 0
+
+        def stream():
+            nonlocal nbytes
+            for bucket in receive_all(self._spice_sync, manifest, reuse_buffer=True):
+                for name, tensor in bucket:
+                    received[name] = tensor_checksum(tensor)  # what this engine was handed
+                    nbytes += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=stream())
+        if manifest.version != expected_version:
+            raise WeightSyncError(f"received weights version {manifest.version}, expected {expected_version}")
+        for name, checksum in manifest.checksums.items():
+            if received.get(name) != checksum:
+                raise WeightSyncError(f"tensor {name!r} differs from the learner's after the sync "
+                                      f"(version {manifest.version})")
+        extra = sorted(set(received) - set(manifest.checksums))
+        if extra:
+            raise WeightSyncError(f"tensor {extra[0]!r} was received without a checksum")
+        self._spice_version = manifest.version
+        return {"version": manifest.version, "bytes": nbytes, "tensors": len(received),
+                "seconds": time.perf_counter() - t0}
+
+    def spice_weights_version(self) -> int:
+        return getattr(self, "_spice_version", 0)
+
+    def spice_leave_weight_sync(self) -> None:
+        sync = getattr(self, "_spice_sync", None)
+        if sync is not None:
+            sync.close()
+            self._spice_sync = None
