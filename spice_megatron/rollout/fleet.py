@@ -1,0 +1,200 @@
+"""The fleet client: many generation requests across R rollout engines.
+
+Prompts are cut into chunks; each chunk goes to the healthy engine with the fewest requests in
+flight. A chunk whose engine dies, errors or times out is retried on another engine; the first
+answer for a chunk is kept and any later one dropped, so every prompt is answered exactly once.
+Sampling seeds are per prompt (seed + global index), so results do not depend on which engine
+or chunk served a prompt.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+
+import requests
+
+from spice_megatron.rollout.types import Completion, SamplingSpec
+
+log = logging.getLogger(__name__)
+
+
+class FleetError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineStats:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+    tokens: int = 0
+    busy_seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+
+class RolloutFleet:
+    def __init__(self, urls: list[str], token: str, request_timeout: float = 600.0, max_attempts: int = 3,
+                 chunk_size: int = 64):
+        if not urls:
+            raise FleetError("rollout.engines: at least one engine address is needed")
+        self.token, self.request_timeout, self.max_attempts, self.chunk_size = token, request_timeout, max_attempts, chunk_size
+        self.engines = [EngineStats(u.rstrip("/")) for u in urls]
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(urls)), thread_name_prefix="spice-fleet")
+
+    def _headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    # ------------------------------------------------------------------------- health
+
+    def health(self) -> dict[str, dict | None]:
+        out = {}
+        for e in self.engines:
+            try:
+                r = requests.get(e.url + "/health", timeout=10)
+                r.raise_for_status()
+                out[e.url] = r.json()
+                e.healthy = True
+            except requests.RequestException:
+                out[e.url] = None
+                e.healthy = False
+        return out
+
+    def wait_until_healthy(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.health()
+            if all(v is not None for v in status.values()):
+                return
+            if time.monotonic() > deadline:
+                down = [u for u, v in status.items() if v is None]
+                raise FleetError(f"rollout engines not healthy after {timeout:.0f}s: {down}")
+            time.sleep(1.0)
+
+    def barrier(self, version: int) -> None:
+        """Every healthy engine must hold weights `version` before a phase starts."""
+        for url, st in self.health().items():
+            if st is not None and st["version"] != version:
+                raise FleetError(f"engine {url} holds weights version {st['version']}, expected {version}")
+        if not any(e.healthy for e in self.engines):
+            raise FleetError("no healthy rollout engine")
+
+    # ------------------------------------------------------------------------- generation
+
+    def _pick(self, exclude: set[str]) -> EngineStats | None:
+        with self._lock:
+            candidates = [e for e in self.engines if e.healthy and e.url not in exclude]
+            if not candidates:
+                candidates = [e for e in self.engines if e.healthy]
+            if not candidates:
+                return None
+            engine = min(candidates, key=lambda e: (e.in_flight, e.requests))
+            engine.in_flight += 1
+            return engine
+
+    def _post_generate(self, engine: EngineStats, prompts: list, spec: SamplingSpec) -> list[list[Completion]]:
+        t0 = time.perf_counter()
+        try:
+            r = requests.post(engine.url + "/generate", json={"prompts": prompts, "sampling": spec.to_json()},
+                              headers=self._headers(), timeout=self.request_timeout)
+            if r.status_code >= 400:
+                raise FleetError(f"engine {engine.url}: HTTP {r.status_code}: {r.text[:300]}")
+            body = r.json()
+        finally:
+            with self._lock:
+                engine.in_flight -= 1
+        dt = time.perf_counter() - t0
+        out = [[Completion(**c) for c in comps] for comps in body["completions"]]
+        with self._lock:
+            engine.requests += 1
+            engine.busy_seconds += dt
+            engine.latencies.append(dt)
+            engine.tokens += sum(len(c.token_ids) for comps in out for c in comps)
+        return out
+
+    def generate(self, prompts: list[str | list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        """For each prompt, spec.n completions, in prompt order."""
+        if not prompts:
+            return []
+        chunks = [(start, prompts[start:start + self.chunk_size]) for start in range(0, len(prompts), self.chunk_size)]
+        results: dict[int, list[list[Completion]]] = {}
+        attempts: dict[int, int] = {start: 0 for start, _ in chunks}
+        tried: dict[int, set[str]] = {start: set() for start, _ in chunks}
+        running: dict[Future, tuple[int, EngineStats]] = {}
+
+        def submit(start: int, chunk: list) -> None:
+            engine = self._pick(tried[start])
+            if engine is None:
+                raise FleetError("no healthy rollout engine left")
+            attempts[start] += 1
+            tried[start].add(engine.url)
+            chunk_spec = replace(spec, seed=None if spec.seed is None else spec.seed + start)
+            running[self._pool.submit(self._post_generate, engine, chunk, chunk_spec)] = (start, engine)
+
+        by_start = dict(chunks)
+        for start, chunk in chunks:
+            submit(start, chunk)
+        while running:
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for fut in done:
+                start, engine = running.pop(fut)
+                try:
+                    out = fut.result()
+                except (requests.RequestException, FleetError, ValueError) as e:
+                    with self._lock:
+                        engine.failures += 1
+                        engine.healthy = False  # until a health check says otherwise
+                    log.warning("engine %s failed on prompts %d..%d (%s); retrying elsewhere",
+                                engine.url, start, start + len(by_start[start]) - 1, e)
+                    if attempts[start] >= self.max_attempts:
+                        raise FleetError(f"prompts {start}..{start + len(by_start[start]) - 1} failed on "
+                                         f"{attempts[start]} engines; last error: {e}") from e
+                    submit(start, by_start[start])
+                    continue
+                if start not in results:  # exactly once: the first answer wins
+                    if len(out) != len(by_start[start]):
+                        raise FleetError(f"engine {engine.url} answered {len(out)} of {len(by_start[start])} prompts")
+                    results[start] = out
+        return [comps for start, _ in chunks for comps in results[start]]
+
+    # ------------------------------------------------------------------------- weight updates
+
+    def join_weight_sync(self, host: str, port: int, num_stages: int, workers_per_engine: int = 1,
+                         backend: str = "auto") -> list[Future]:
+        """Ask every engine to join the sync group; returns futures (the join completes only when
+        the learner's senders join too)."""
+        receivers = workers_per_engine * len(self.engines)
+        futures = []
+        for i, e in enumerate(self.engines):
+            body = {"host": host, "port": port, "first_rank": num_stages + i * workers_per_engine,
+                    "num_stages": num_stages, "num_receivers": receivers, "backend": backend}
+            futures.append(self._pool.submit(self._control, e, "/weight_sync/join", body))
+        return futures
+
+    def receive_weights(self, version: int) -> list[Future]:
+        """Ask every engine to receive version `version`; the learner sends meanwhile."""
+        return [self._pool.submit(self._control, e, "/weight_sync/receive", {"version": version}) for e in self.engines]
+
+    def _control(self, engine: EngineStats, path: str, body: dict) -> dict:
+        r = requests.post(engine.url + path, json=body, headers=self._headers(), timeout=self.request_timeout)
+        if r.status_code >= 400:
+            raise FleetError(f"engine {engine.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def stats(self) -> dict[str, dict]:
+        return {e.url: {"healthy": e.healthy, "requests": e.requests, "failures": e.failures, "tokens": e.tokens,
+                        "tokens_per_s": e.tokens_per_second,
+                        "latency_mean_s": sum(e.latencies) / len(e.latencies) if e.latencies else 0.0}
+                for e in self.engines}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
