@@ -21,7 +21,8 @@ WORKER_EXTENSION = "spice_megatron.rollout.worker_ext.SpiceWorkerExtension"
 
 class VLLMEngine:
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None):
+                 gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
+                 kv_cache_gib: float | None = None):
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             # In-process engine: starts in seconds instead of ~45 s, and `collective_rpc` reaches
@@ -29,16 +30,20 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
+        if on_cpu and kv_cache_gib is None:
+            kv_cache_gib = 1.0
         if gpu_memory_utilization is None:
-            # On the CPU backend this is the share of RAM reserved for the KV cache.
-            gpu_memory_utilization = 0.2 if on_cpu else 0.85
+            # On the CPU backend this is a share of RAM checked at start; with an explicit KV cache
+            # size it only needs to cover the model.
+            gpu_memory_utilization = 0.05 if on_cpu else 0.85
+        extra = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
         t0 = time.perf_counter()
         self.model_dir = model_dir
         self.llm = LLM(model=model_dir, dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-                       worker_extension_cls=WORKER_EXTENSION)
+                       worker_extension_cls=WORKER_EXTENSION, **extra)
         self.tokenizer = self.llm.get_tokenizer()
         self.start_seconds = time.perf_counter() - t0
         self._lock = threading.Lock()  # LLM is not re-entrant: one batch or update at a time

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: 1 GiB on CPU)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exposed = args.host not in LOOPBACK
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from spice_megatron.rollout.engine import VLLMEngine
 
     engine = VLLMEngine(args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
-                        args.gpu_memory_utilization, args.seed)
+                        args.gpu_memory_utilization, args.seed, kv_cache_gib=args.kv_cache_gib)
     app = build_app(engine, args.token, require_token_for_generate=exposed)
     log.info("serving %s on %s:%d (token %s)", args.model, args.host, args.port, "set" if args.token else "unset")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

