@@ -45,8 +45,7 @@ def start_engine(model_dir: str, token: str, log_dir: str, port: int | None = No
     log_path = os.path.join(log_dir, f"rollout_{port}.log")
     args = [sys.executable, "-m", "spice_megatron.rollout.serve", "--model", model_dir, "--port", str(port),
             *(extra or [])]
-    child_env = {**os.environ, "SPICE_ROLLOUT_TOKEN": token, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                 **(env or {})}
+    child_env = {**os.environ, "SPICE_ROLLOUT_TOKEN": token, **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
     return LocalEngine(f"http://127.0.0.1:{port}", proc, log_path, args)

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -54,7 +55,14 @@ class ReceiveBody(BaseModel):
     version: int
 
 
-def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
+def build_app(engine, token: str, require_token_for_generate: bool, engine_thread: ThreadPoolExecutor) -> FastAPI:
+    """engine_thread: the one thread that built the engine and runs all its work. vLLM's CPU
+    worker sets up its OpenMP threads from the thread that created it; work from other threads
+    would run with a fresh, unbound thread team (measured: 15% slower)."""
+
+    def on_engine(fn, *args):
+        return engine_thread.submit(fn, *args).result()
+
     app = FastAPI(title="spice rollout engine")
     state: dict[str, Any] = {"requests": 0, "tokens": 0, "busy_seconds": 0.0}
 
@@ -81,7 +89,7 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
             raise HTTPException(status_code=400, detail=str(e))
         t0 = time.perf_counter()
         try:
-            out = engine.generate(body.prompts, spec)
+            out = on_engine(engine.generate, body.prompts, spec)
         except VALIDATION_ERRORS as e:  # vLLM's own checks (e.g. n > 1 with greedy sampling)
             raise HTTPException(status_code=400, detail=f"{type(e).__name__}: {e}")
         state["requests"] += 1
@@ -98,7 +106,7 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
     @app.post("/weight_sync/receive")
     def receive(body: ReceiveBody, request: Request):
         check_token(request)
-        return engine.receive_weights(body.version)
+        return on_engine(engine.receive_weights, body.version)
 
     @app.post("/shutdown")
     def shutdown(request: Request):
@@ -132,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from spice_megatron.rollout.engine import VLLMEngine
 
-    engine = VLLMEngine(args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
-                        args.gpu_memory_utilization, args.seed, kv_cache_gib=args.kv_cache_gib)
-    app = build_app(engine, args.token, require_token_for_generate=exposed)
+    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spice-engine")
+    engine = engine_thread.submit(VLLMEngine, args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
+                                  args.gpu_memory_utilization, args.seed, None, args.kv_cache_gib).result()
+    app = build_app(engine, args.token, exposed, engine_thread)
     log.info("serving %s on %s:%d (token %s)", args.model, args.host, args.port, "set" if args.token else "unset")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
