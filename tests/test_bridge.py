@@ -101,14 +101,17 @@ def _convert_rank(hf_dir, out, tp, pp):
     convert_from_hf(hf_dir, out, tp, pp)
 
 
-def _expect_error(hf_dir, out):
+def _expect_errors(cases, root):
     from spice_megatron.bridge.convert import convert_from_hf
 
-    try:
-        convert_from_hf(hf_dir, out, 1, 1)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    errors = {}
+    for case, hf_dir in cases.items():
+        try:
+            convert_from_hf(hf_dir, os.path.join(root, case), 1, 1)
+            errors[case] = "no error"
+        except Exception as e:
+            errors[case] = f"{type(e).__name__}: {e}"
+    return errors
 
 
 @pytest.mark.multiprocess
@@ -137,8 +140,8 @@ def test_bad_checkpoints_name_the_tensor(tiny_models, tmp_path):
     json.dump(config, open(arch / "config.json", "w"))
     cases["arch"] = str(arch)
 
-    def error(case):
-        return run_ranks(_expect_error, 1, cases[case], str(tmp_path / f"out_{case}"), tmp_path=tmp_path)[0]
+    errors = run_ranks(_expect_errors, 1, cases, str(tmp_path / "out"), tmp_path=tmp_path)[0]
+    error = errors.__getitem__
 
     assert "model.layers.1.self_attn.k_proj.weight" in error("missing")
     assert "model.layers.0.mlp.down_proj.weight" in error("shape") and "(64, 96)" in error("shape")
