@@ -38,15 +38,18 @@ def services(models, tmp_path_factory):
         e.stop()
 
 
-def _in_process_greedy(model_dir, prompts, max_tokens):
+def _in_process_greedy(model_dir, prompts, max_tokens, with_logprobs=False):
     from vllm import LLM, SamplingParams
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.05,
               kv_cache_memory_bytes=2**28)
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
-    outs = llm.generate(inputs, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0 if with_logprobs else None)
+    outs = [o.outputs[0] for o in llm.generate(inputs, params, use_tqdm=False)]
+    if not with_logprobs:
+        return [list(o.token_ids) for o in outs]
+    return [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
 
 
 def greedy(url, prompts=PROMPTS, max_tokens=12):
@@ -158,18 +161,6 @@ def test_weight_update_makes_the_engine_equal_a_fresh_one(models, tmp_path):
         engine.stop()
 
 
-def _in_process_greedy_with_logprobs(model_dir, prompts, max_tokens):
-    from vllm import LLM, SamplingParams
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=512, gpu_memory_utilization=0.05,
-              kv_cache_memory_bytes=2**28)
-    inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
-    outs = llm.generate(inputs, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0), use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outs]
-
-
 def _megatron_roundtrip(hf_dir, root):
     from spice_megatron.bridge.convert import convert_from_hf, convert_to_hf
 
@@ -182,8 +173,8 @@ def test_a_checkpoint_exported_from_megatron_serves_identically_in_vllm(models, 
     run_ranks(_megatron_roundtrip, 2, models["llama"], root, tmp_path=tmp_path)
     # the tokenizer travels with the checkpoint's HF metadata
     assert os.path.exists(os.path.join(root, "exported", "tokenizer.json"))
-    (original,) = run_ranks(_in_process_greedy_with_logprobs, 1, models["llama"], PROMPTS, 8, tmp_path=tmp_path)
-    (exported,) = run_ranks(_in_process_greedy_with_logprobs, 1, os.path.join(root, "exported"), PROMPTS, 8,
+    (original,) = run_ranks(_in_process_greedy, 1, models["llama"], PROMPTS, 8, True, tmp_path=tmp_path)
+    (exported,) = run_ranks(_in_process_greedy, 1, os.path.join(root, "exported"), PROMPTS, 8, True,
                             tmp_path=tmp_path)
     assert [ids for ids, _ in exported] == [ids for ids, _ in original]
     assert max(abs(a - b) for (_, x), (_, y) in zip(exported, original) for a, b in zip(x, y)) < 1e-4
