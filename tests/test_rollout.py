@@ -107,19 +107,26 @@ def test_an_engine_killed_mid_batch_is_replaced_by_the_other(models, services, t
     survivor = services["qwen3_2"]
     fleet = RolloutFleet([victim.url, survivor.url], TOKEN, chunk_size=2, request_timeout=120)
     prompts = [f"Request number {i}:" for i in range(16)]
-    killer = threading.Timer(1.0, victim.kill)
+    def kill_while_busy():  # mid-batch: as soon as the victim has a request in flight
+        deadline = time.monotonic() + 60
+        while fleet.engines[0].in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        victim.kill()
+
+    killer = threading.Thread(target=kill_while_busy)
     try:
         killer.start()
-        out = fleet.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=64, seed=7))
+        out = fleet.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=128, seed=7))
     finally:
-        killer.cancel()
+        killer.join(60)
         victim.kill()
         fleet.close()
     assert len(out) == 16 and all(len(comps) == 2 for comps in out)  # every request answered exactly once
     stats = fleet.stats()
     assert stats[victim.url]["failures"] >= 1 and not stats[victim.url]["healthy"]
     # the same seeds on one healthy engine give the same answers: no request was duplicated or mixed up
-    alone = RolloutFleet([survivor.url], TOKEN).generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=64, seed=7))
+    alone = RolloutFleet([survivor.url], TOKEN).generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=128, seed=7))
     assert [[c.token_ids for c in x] for x in out] == [[c.token_ids for c in x] for x in alone]
 
 
