@@ -25,8 +25,6 @@ from spice_megatron.config import CorpusConfig, SourceConfig
 log = logging.getLogger(__name__)
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz")
-SKIP_REASONS = ("missing_field", "not_string", "empty", "undecodable", "too_large", "malformed_json",
-                "not_an_object", "too_short", "duplicate")
 
 
 class CorpusError(RuntimeError):

@@ -86,12 +86,12 @@ def build_app(engine, token: str, require_token_for_generate: bool, engine_threa
         try:
             spec = SamplingSpec.from_json(body.sampling)
         except (TypeError, ValueError) as e:
-            raise HTTPException(status_code=400, detail=str(e))
+            raise HTTPException(status_code=400, detail=str(e)) from e
         t0 = time.perf_counter()
         try:
             out = on_engine(engine.generate, body.prompts, spec)
         except VALIDATION_ERRORS as e:  # vLLM's own checks (e.g. n > 1 with greedy sampling)
-            raise HTTPException(status_code=400, detail=f"{type(e).__name__}: {e}")
+            raise HTTPException(status_code=400, detail=f"{type(e).__name__}: {e}") from e
         state["requests"] += 1
         state["tokens"] += sum(len(c.token_ids) for comps in out for c in comps)
         state["busy_seconds"] += time.perf_counter() - t0
