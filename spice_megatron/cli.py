@@ -45,6 +45,55 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    """Run SPICE: the recipe's config, overridden by key=value pairs."""
+    from recipes import get_recipe
+    from spice_megatron import offline_data
+    from spice_megatron.config import ConfigError, apply_overrides
+    from spice_megatron.launch import relaunch_with_torchrun
+
+    try:
+        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+    except (KeyError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.output_dir:
+        cfg.run.output_dir = args.output_dir
+    if args.model:
+        cfg.run.model = args.model
+    launched = "RANK" in os.environ
+    if not launched:  # one-machine conveniences, done once before any rank starts
+        if not cfg.run.model:
+            from spice_megatron.offline_assets import smollm2_dir
+
+            cfg.run.model = smollm2_dir()
+        data_dir = os.path.dirname(os.path.dirname(cfg.corpus.sources[0].path)) if cfg.corpus.sources else ""
+        if data_dir and not offline_data.is_prepared(data_dir) and not os.path.exists(cfg.corpus.sources[0].path):
+            offline_data.main(["--out", data_dir])
+        argv = [a for a in sys.argv[1:]]
+        if "--model" not in argv:
+            argv += ["--model", cfg.run.model]
+        relaunch_with_torchrun(cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel,
+                               [sys.argv[0], *argv])
+    from spice_megatron.trainer import KillSwitch, train
+
+    try:
+        summary = train(cfg, resume=args.resume)
+    except KillSwitch as e:
+        print(f"stopped by the kill switch: {e} (a checkpoint was saved)", file=sys.stderr)
+        return 3
+    if summary and int(os.environ.get("RANK", "0")) == 0:
+        keys = ["weights_version", "valid_task_rate", "attempts_per_doc", "reasoner_pass_rate", "challenger_reward_mean",
+                "train/loss", "train/grad_norm", "train/logprob_gap", "weight_sync/seconds", "time/iteration"]
+        print("\nSPICE run finished: " + cfg.run.output_dir)
+        for k in keys:
+            if k in summary:
+                print(f"  {k:24s} {summary[k]:.4f}")
+        print(f"  metrics: {cfg.run.output_dir}/metrics.jsonl, TensorBoard: {cfg.run.output_dir}/tensorboard, "
+              f"audit: {cfg.run.output_dir}/audit.jsonl, HF checkpoint: {cfg.run.output_dir}/hf_final")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from spice_megatron.offline_data import DEFAULT_CACHE, DEFAULT_OUT
 
@@ -68,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--show", type=int, default=3, help="documents to print")
     sc.add_argument("--save", help="write the pool (with provenance) to this jsonl file")
     sc.set_defaults(func=_cmd_corpus)
+
+    st = sub.add_parser("train", help="run SPICE self-play training from a recipe")
+    st.add_argument("--recipe", default="tiny_cpu")
+    st.add_argument("--model", help="HF directory of the base model (tiny_cpu default: SmolLM2-135M-Instruct)")
+    st.add_argument("--output-dir")
+    st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
+    st.add_argument("overrides", nargs="*", help="config overrides such as selfplay.batch_docs=8 run.iterations=5")
+    st.set_defaults(func=_cmd_train)
     return p
 
 

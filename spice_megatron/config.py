@@ -189,3 +189,60 @@ class PolicyTrainConfig:
         _require(self.old_logprobs in ("forward", "rollout"), f"{prefix}.old_logprobs", "must be forward or rollout")
         _require(self.temperature > 0, f"{prefix}.temperature", "must be > 0")
         _require(self.dtype in ("auto", "fp32", "bf16"), f"{prefix}.dtype", "must be auto, fp32 or bf16")
+
+
+@dataclass
+class RolloutConfig:
+    engines: list[str] = field(default_factory=list)  # attach to these URLs; empty: start local engines
+    local_engines: int = 1
+    token: str = ""  # shared secret of the engines' control endpoints ("" on local runs: generated)
+    max_model_len: int = 4096
+    kv_cache_gib: float = 1.0  # per local CPU engine
+    request_timeout: float = 900.0
+    chunk_size: int = 64
+    sync_host: str = "127.0.0.1"  # where the learner's stage senders rendezvous with the engines
+    sync_port: int = 0  # 0: pick a free port
+    bucket_mb: int = 512
+
+    def validate(self, prefix: str = "rollout") -> None:
+        _require(bool(self.engines) or self.local_engines >= 1, f"{prefix}.local_engines",
+                 "needs >= 1 when no rollout.engines are given")
+        _require(self.bucket_mb > 0, f"{prefix}.bucket_mb", "must be > 0")
+
+
+@dataclass
+class RunConfig:
+    name: str = "spice"
+    model: str = ""  # HF directory of the base model
+    output_dir: str = "runs/spice"
+    iterations: int = 640  # T
+    checkpoint_every: int = 10
+    keep_last: int = 2
+    seed: int = 1234
+    export_hf: bool = True  # write an HF checkpoint at the end
+    wandb_project: str = ""  # log to Weights & Biases when set
+    # kill switch
+    min_valid_task_rate: float = 0.0  # stop when the valid-task rate stays below this ...
+    patience: int = 5  # ... for this many iterations (also for reward collapse)
+    min_challenger_reward: float = -1.0  # stop when the mean challenger reward stays below this
+
+    def validate(self, prefix: str = "run") -> None:
+        _require(bool(self.model), f"{prefix}.model", "the base model's HF directory is required")
+        _require(self.iterations >= 1, f"{prefix}.iterations", "must be >= 1")
+        _require(self.checkpoint_every >= 1, f"{prefix}.checkpoint_every", "must be >= 1")
+        _require(self.patience >= 1, f"{prefix}.patience", "must be >= 1")
+
+
+@dataclass
+class SpiceConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: PolicyTrainConfig = field(default_factory=PolicyTrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)

@@ -14,6 +14,7 @@ class SpiceWorkerExtension:
         from spice_megatron.bridge.weight_sync import WeightSyncGroup
 
         rank = first_rank + getattr(self, "rank", 0)  # one sync rank per engine worker
+        self.spice_leave_weight_sync()  # re-forming the group (after another engine restarted)
         self._spice_sync = WeightSyncGroup(host, port, rank, num_stages, num_receivers, backend)
         self._spice_version = getattr(self, "_spice_version", 0)
         return rank

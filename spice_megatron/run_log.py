@@ -1,0 +1,72 @@
+"""Append-only run logs: per-iteration metrics (JSONL + TensorBoard + optional Weights & Biases) and
+the audit trail of every challenger output and reasoner answer.
+
+Both JSONL files are resumable: a checkpoint records their byte length, and a resumed run cuts
+them back to it, so records of an iteration that was killed before its checkpoint are not left
+behind twice.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+
+class JsonlLog:
+    def __init__(self, path: str, resume_at: int | None = None):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        if resume_at is not None and os.path.exists(path):
+            with open(path, "r+b") as f:
+                f.truncate(resume_at)
+        elif resume_at is None and os.path.exists(path):
+            os.replace(path, path + ".previous")  # a fresh run never appends to an old one
+        self._f = open(path, "ab")
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            self._f.write((json.dumps(r, ensure_ascii=False, default=_jsonable) + "\n").encode())
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def offset(self) -> int:
+        return self._f.tell()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "item"):
+        return x.item()
+    return str(x)
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str, resume_at: int | None = None, wandb_project: str = "", run_name: str = "",
+                 config: dict | None = None):
+        self.jsonl = JsonlLog(os.path.join(out_dir, "metrics.jsonl"), resume_at)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+        self.wandb = None
+        if wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, name=run_name, config=config, resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.jsonl.write([{"iteration": step, **metrics}])
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

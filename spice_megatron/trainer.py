@@ -1,0 +1,295 @@
+"""SPICE, Algorithm 1, top to bottom.
+
+Every learner rank runs `train` (SPMD, under torchrun or srun). Global rank 0 is also the driver:
+it owns the corpus, talks to the rollout fleet, verifies answers, computes rewards and writes the
+logs; the training sequences it builds are broadcast to every learner rank.
+
+One iteration:
+  1. sample B documents from the corpus
+  2. challenger: tasks from documents, up to N attempts each          (rollout fleet)
+  3. reasoner: G answers per valid task, without the document           (rollout fleet)
+  4. verify answers; rewards; role-specific DrGRPO advantages            (driver)
+  5. DrGRPO step(s) on the learner                                        (all ranks)
+  6. stream the new weights to the engines, verified by checksums       (stage senders)
+  7. log metrics and the audit trail; kill switch; checkpoint every k
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import random
+import secrets
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from spice_megatron.config import SpiceConfig
+from spice_megatron.policy.batching import TrainSequence
+
+log = logging.getLogger("spice.trainer")
+
+
+class KillSwitch(RuntimeError):
+    """The run stopped itself (non-finite loss, no valid tasks, reward collapse)."""
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Driver:
+    """Rank 0's side of the loop: corpus, rollout fleet, verifier, logs."""
+
+    def __init__(self, cfg: SpiceConfig, tokenizer, resume_state: dict | None):
+        from spice_megatron.corpus import Corpus, DocumentSampler
+        from spice_megatron.rollout.fleet import RolloutFleet
+        from spice_megatron.run_log import JsonlLog, MetricsLogger
+        from spice_megatron.verify import AnswerVerifier
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        out = cfg.run.output_dir
+        self.corpus = Corpus.build(cfg.corpus, tokenizer)
+        self.sampler = DocumentSampler(self.corpus, cfg.run.seed)
+        self.rng = random.Random(cfg.run.seed)
+        self.engines: list = []
+        token = cfg.rollout.token or secrets.token_hex(16)
+        urls = list(cfg.rollout.engines) or self._start_local_engines(token)
+        self.token = token
+        self.fleet = RolloutFleet(urls, token, cfg.rollout.request_timeout, chunk_size=cfg.rollout.chunk_size)
+        self.fleet.wait_until_healthy()
+        self.verifier = AnswerVerifier()
+        state = resume_state or {}
+        if resume_state:
+            self.sampler.load_state_dict(state["sampler"])
+            self.rng.setstate(_tuple_state(state["rng"]))
+        self.metrics = MetricsLogger(out, state.get("metrics_offset"), cfg.run.wandb_project, cfg.run.name,
+                                     dataclasses.asdict(cfg))
+        self.audit = JsonlLog(os.path.join(out, "audit.jsonl"), state.get("audit_offset"))
+        self.low_valid_streak = state.get("low_valid_streak", 0)
+        self.low_reward_streak = state.get("low_reward_streak", 0)
+        self._ids: dict[str, list[int]] = {}
+
+    def _start_local_engines(self, token: str) -> list[str]:
+        from spice_megatron.rollout.local import start_engine, wait_healthy
+
+        extra = ["--max-model-len", str(self.cfg.rollout.max_model_len), "--kv-cache-gib", str(self.cfg.rollout.kv_cache_gib),
+                 "--seed", str(self.cfg.run.seed)]
+        self.engines = [start_engine(self.cfg.run.model, token, os.path.join(self.cfg.run.output_dir, "logs"), extra=extra)
+                        for _ in range(self.cfg.rollout.local_engines)]
+        wait_healthy(self.engines)
+        return [e.url for e in self.engines]
+
+    def restart_dead_engines(self) -> bool:
+        """Restart local engines that died (the fleet served their requests elsewhere meanwhile).
+        Returns whether the weight-sync group must be formed again."""
+        from spice_megatron.rollout.local import restart, wait_healthy
+
+        restarted = False
+        for i, e in enumerate(self.engines):
+            if not e.alive():
+                log.warning("rollout engine %s died; restarting it", e.url)
+                self.engines[i] = restart(e, self.token)
+                wait_healthy([self.engines[i]])
+                restarted = True
+        if restarted:
+            self.fleet.wait_until_healthy()
+        return restarted
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        if prompt not in self._ids:
+            self._ids[prompt] = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return self._ids[prompt]
+
+    def generate(self, prompts, spec):
+        # Token ids go to the engines so that the learner trains on exactly the sampled sequence.
+        return self.fleet.generate([self.prompt_ids(p) for p in prompts], spec)
+
+    def selfplay(self, iteration: int, version: int):
+        from spice_megatron.selfplay import run_iteration
+
+        docs = self.sampler.next_batch(self.cfg.selfplay.batch_docs)
+        seed = self.cfg.run.seed * 100_003 + iteration
+        result = run_iteration(docs, self.generate, self.verifier, self.cfg.selfplay, self.rng, self.tokenizer,
+                               weights_version=version, iteration=iteration, seed=seed)
+        seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
+                              s.completion.logprobs or None) for s in result.samples if s.completion.token_ids]
+        return result, seqs
+
+    def check_kill_switch(self, stats: dict[str, float], loss: float, grad_norm: float) -> None:
+        run = self.cfg.run
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise KillSwitch(f"non-finite loss ({loss}) or gradient norm ({grad_norm})")
+        self.low_valid_streak = self.low_valid_streak + 1 if stats["valid_task_rate"] < run.min_valid_task_rate else 0
+        if self.low_valid_streak >= run.patience:
+            raise KillSwitch(f"valid-task rate below {run.min_valid_task_rate} for {run.patience} iterations")
+        self.low_reward_streak = (self.low_reward_streak + 1
+                                  if stats["challenger/reward_mean"] < run.min_challenger_reward else 0)
+        if self.low_reward_streak >= run.patience:
+            raise KillSwitch(f"challenger reward below {run.min_challenger_reward} for {run.patience} iterations")
+
+    def state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "rng": self.rng.getstate(),
+                "metrics_offset": self.metrics.jsonl.offset(), "audit_offset": self.audit.offset(),
+                "low_valid_streak": self.low_valid_streak, "low_reward_streak": self.low_reward_streak}
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.audit.close()
+        self.fleet.close()
+        self.verifier.close()
+        for e in self.engines:
+            e.stop()
+
+
+def _tuple_state(state):
+    """random.Random state after a JSON round trip (lists back to tuples)."""
+    return tuple(_tuple_state(x) for x in state) if isinstance(state, list) else state
+
+
+class WeightSync:
+    """The learner side of the engines' weight updates (stage senders + the driver's requests)."""
+
+    def __init__(self, cfg: SpiceConfig, learner, driver: Driver | None):
+        from spice_megatron.launch import free_port
+
+        self.cfg, self.learner, self.driver = cfg, learner, driver
+        port = cfg.rollout.sync_port or (free_port() if dist.get_rank() == 0 else 0)
+        self.port = _broadcast(port)
+        self.num_receivers = _broadcast(len(driver.fleet.engines) if driver else 0)
+        self.group = None
+        self.joined = False
+
+    def reform(self) -> None:
+        """After an engine restart every member joins a fresh group on a new port."""
+        from spice_megatron.launch import free_port
+
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.port = _broadcast(free_port() if dist.get_rank() == 0 else 0)
+        self.joined = False
+
+    def sync(self, version: int) -> dict:
+        from spice_megatron.bridge.weight_sync import WeightSyncGroup, send_learner_weights
+
+        t0 = time.perf_counter()
+        lay = self.learner.layout
+        is_sender = lay.tp_rank == 0 and lay.dp_rank == 0
+        futures = []
+        if not self.joined:
+            if self.driver:
+                futures = self.driver.fleet.join_weight_sync(self.cfg.rollout.sync_host, self.port, lay.pp)
+            if is_sender:
+                self.group = WeightSyncGroup(self.cfg.rollout.sync_host, self.port, lay.pp_rank, lay.pp, self.num_receivers)
+            for f in futures:
+                f.result()
+            self.joined = True
+        receives = self.driver.fleet.receive_weights(version) if self.driver else []
+        report = send_learner_weights(self.learner, self.group, version, self.cfg.rollout.bucket_mb * 2**20)
+        results = [f.result() for f in receives]
+        return {"weight_sync/seconds": time.perf_counter() - t0,
+                "weight_sync/bytes": float(sum(r["bytes"] for r in results)) if results else float(report.bytes if report else 0)}
+
+
+def train(cfg: SpiceConfig, resume: bool = False) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint
+    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from spice_megatron.policy.learner import Learner
+    from spice_megatron.policy.parallel import init_distributed
+
+    cfg.validate()
+    layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    is_driver = layout.rank == 0
+    ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
+
+    # --- The learner: the base model (HF -> Megatron), or the last checkpoint on resume.
+    learner = Learner.from_hf(cfg.run.model, cfg.parallel, cfg.optim, cfg.train, pad_id=tokenizer.pad_token_id or 0)
+    state: dict[str, Any] = {"iteration": 0, "version": 0}
+    latest = latest_checkpoint(ckpt_root) if resume else None
+    if resume and latest is None and is_driver:
+        log.warning("--resume: no checkpoint under %s; starting from the base model", ckpt_root)
+    if latest:
+        state = load_checkpoint(learner, latest)
+    if is_driver:
+        copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
+    driver = Driver(cfg, tokenizer, state.get("driver")) if is_driver else None
+    weights = WeightSync(cfg, learner, driver)
+    if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
+        weights.sync(state["version"])
+
+    def checkpoint(iteration: int, version: int) -> None:
+        trainer_state = {"iteration": iteration, "version": version, "driver": driver.state() if driver else None}
+        save_checkpoint(learner, ckpt_root, iteration, trainer_state, cfg.run.keep_last)  # rank 0 writes it
+
+    summary: dict[str, Any] = {}
+    iteration, version = state["iteration"], state["version"]
+    progress = tqdm(total=cfg.run.iterations, initial=iteration, desc="SPICE", disable=not is_driver)
+    try:
+        while iteration < cfg.run.iterations:
+            t_iter = time.perf_counter()
+            # 1-4. documents -> tasks -> answers -> rewards -> advantages (driver only)
+            result, seqs = driver.selfplay(iteration, version) if driver else (None, None)
+            seqs = _broadcast(seqs)
+            # 5. DrGRPO on the learner
+            steps = learner.train_on_batch(seqs) if seqs else []
+            # 6. new weights to the engines
+            version += 1
+            sync = weights.sync(version)
+            iteration += 1
+            # 7. logs, kill switch, checkpoint
+            if driver:
+                stats = dict(result.stats)
+                for i, m in enumerate(steps):
+                    stats.update({f"train/{k}" + (f"_{i}" if i else ""): v for k, v in m.as_dict().items()})
+                stats.update(sync)
+                stats["time/train"] = sum(m.seconds for m in steps)
+                stats["time/iteration"] = time.perf_counter() - t_iter
+                for phase in ("challenger", "reasoner"):
+                    secs = stats.get(f"time/{phase}_rollout", 0.0)
+                    stats[f"tokens_per_s/{phase}"] = stats[f"tokens/{phase}"] / secs if secs else 0.0
+                stats["weights_version"] = version
+                driver.audit.write(result.records)
+                driver.metrics.log(iteration, stats)
+                progress.update(1)
+                progress.set_postfix(valid=f"{stats['valid_task_rate']:.2f}", pass_rate=f"{stats['reasoner_pass_rate']:.2f}",
+                                     loss=f"{stats.get('train/loss', 0.0):.4f}")
+                summary = stats
+                loss = steps[-1].loss if steps else 0.0
+                grad = steps[-1].grad_norm if steps else 0.0
+                try:
+                    driver.check_kill_switch(stats, loss, grad)
+                    stop = ""
+                except KillSwitch as e:
+                    stop = str(e)
+                rejoin = driver.restart_dead_engines()
+            else:
+                stop, rejoin = "", False
+            stop, rejoin = _broadcast((stop, rejoin))
+            if rejoin:  # the restarted engine holds the base model: bring every engine up to date
+                weights.reform()
+                weights.sync(version)
+            if stop or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
+                checkpoint(iteration, version)
+            if stop:
+                raise KillSwitch(stop)
+    except KeyboardInterrupt:
+        if is_driver:
+            log.warning("interrupted: saving a checkpoint at iteration %d", iteration)
+        checkpoint(iteration, version)
+        raise
+    finally:
+        progress.close()
+        if driver:
+            driver.close()
+    if cfg.run.export_hf:
+        save_hf_checkpoint(learner, os.path.join(cfg.run.output_dir, "hf_final"), os.path.join(ckpt_root, HF_META_DIR))
+    return summary
