@@ -61,6 +61,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg.run.output_dir = args.output_dir
     if args.model:
         cfg.run.model = args.model
+    if args.corpus:
+        from spice_megatron.config import SourceConfig
+
+        cfg.corpus.sources = [SourceConfig(path=p) for p in args.corpus]
     launched = "RANK" in os.environ
     if not launched:  # one-machine conveniences, done once before any rank starts
         if not cfg.run.model:
@@ -70,7 +74,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         data_dir = os.path.dirname(os.path.dirname(cfg.corpus.sources[0].path)) if cfg.corpus.sources else ""
         if data_dir and not offline_data.is_prepared(data_dir) and not os.path.exists(cfg.corpus.sources[0].path):
             offline_data.main(["--out", data_dir])
-        argv = [a for a in sys.argv[1:]]
+        argv = list(sys.argv[1:])
         if "--model" not in argv:
             argv += ["--model", cfg.run.model]
         relaunch_with_torchrun(cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel,
@@ -122,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--recipe", default="tiny_cpu")
     st.add_argument("--model", help="HF directory of the base model (tiny_cpu default: SmolLM2-135M-Instruct)")
     st.add_argument("--output-dir")
+    st.add_argument("--corpus", action="append", help="corpus file/glob or hub id (repeatable); replaces the recipe's")
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
     st.add_argument("overrides", nargs="*", help="config overrides such as selfplay.batch_docs=8 run.iterations=5")
     st.set_defaults(func=_cmd_train)

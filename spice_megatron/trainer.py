@@ -78,7 +78,7 @@ class Driver:
         from spice_megatron.rollout.local import start_engine, wait_healthy
 
         extra = ["--max-model-len", str(self.cfg.rollout.max_model_len), "--kv-cache-gib", str(self.cfg.rollout.kv_cache_gib),
-                 "--seed", str(self.cfg.run.seed)]
+                 "--seed", str(self.cfg.run.seed), "--exit-with-parent", str(os.getpid())]
         self.engines = [start_engine(self.cfg.run.model, token, os.path.join(self.cfg.run.output_dir, "logs"), extra=extra)
                         for _ in range(self.cfg.rollout.local_engines)]
         wait_healthy(self.engines)

@@ -117,6 +117,19 @@ def build_app(engine, token: str, require_token_for_generate: bool, engine_threa
     return app
 
 
+def _watch_parent(pid: int) -> None:
+    def watch():
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                log.warning("parent %d is gone: exiting", pid)
+                os._exit(0)
+            time.sleep(2)
+
+    threading.Thread(target=watch, daemon=True, name="spice-parent-watch").start()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="one vLLM rollout engine behind HTTP")
     ap.add_argument("--model", required=True)
@@ -130,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: 1 GiB on CPU)")
+    ap.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                    help="exit when process PID is gone (a trainer that started this engine and was killed)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exposed = args.host not in LOOPBACK
@@ -137,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --token (or SPICE_ROLLOUT_TOKEN) is required: it guards the control endpoints", file=sys.stderr)
         return 2
     import uvicorn
+
+    if args.exit_with_parent:
+        _watch_parent(args.exit_with_parent)
 
     from spice_megatron.rollout.engine import VLLMEngine
 

