@@ -98,6 +98,37 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    """Print audit records of a run, filtered; each traces to its document and weights version."""
+    path = os.path.join(args.run, "audit.jsonl") if os.path.isdir(args.run) else args.run
+    if not os.path.exists(path):
+        print(f"error: {path} does not exist", file=sys.stderr)
+        return 1
+    shown = 0
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                print(f"warning: {path}:{line_no} is not valid JSON (a torn write?); skipped", file=sys.stderr)
+                continue
+            if ((args.kind and r.get("kind") != args.kind) or (args.doc and r.get("doc_id") != args.doc)
+                    or (args.iteration is not None and r.get("iteration") != args.iteration)
+                    or (args.version is not None and r.get("weights_version") != args.version)
+                    or (args.valid and not r.get("valid")) or (args.trained and not r.get("trained"))):
+                continue
+            if args.full:
+                print(json.dumps(r, ensure_ascii=False))
+            else:
+                what = (r.get("task") or {}).get("question") or r.get("reason") or r.get("extracted")
+                print(f"it={r.get('iteration')} v={r.get('weights_version')} {r.get('kind'):10s} doc={r.get('doc_id')} "
+                      f"reward={r.get('reward', '-')} adv={r.get('advantage', '-')} :: {str(what)[:100]!r}")
+            shown += 1
+            if args.limit and shown >= args.limit:
+                break
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from spice_megatron.offline_data import DEFAULT_CACHE, DEFAULT_OUT
 
@@ -130,6 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
     st.add_argument("overrides", nargs="*", help="config overrides such as selfplay.batch_docs=8 run.iterations=5")
     st.set_defaults(func=_cmd_train)
+
+    sa = sub.add_parser("audit", help="print or filter a run's audit trail")
+    sa.add_argument("run", help="run output directory (or its audit.jsonl)")
+    sa.add_argument("--kind", choices=["challenger", "reasoner"])
+    sa.add_argument("--doc", help="document provenance id, e.g. math/123/0")
+    sa.add_argument("--iteration", type=int)
+    sa.add_argument("--version", type=int, help="weights version that wrote the record")
+    sa.add_argument("--valid", action="store_true", help="valid challenger tasks only")
+    sa.add_argument("--trained", action="store_true", help="records that became training samples")
+    sa.add_argument("--full", action="store_true", help="whole records as JSON")
+    sa.add_argument("--limit", type=int, default=0)
+    sa.set_defaults(func=_cmd_audit)
     return p
 
 
