@@ -217,6 +217,7 @@ class RunConfig:
     output_dir: str = "runs/spice"
     iterations: int = 640  # T
     checkpoint_every: int = 10
+    eval_every: int = 0  # call the evaluation hook every m iterations (0: never)
     keep_last: int = 2
     seed: int = 1234
     export_hf: bool = True  # write an HF checkpoint at the end

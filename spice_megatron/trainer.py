@@ -22,7 +22,7 @@ import os
 import random
 import secrets
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -196,7 +196,12 @@ class WeightSync:
                 "weight_sync/bytes": float(sum(r["bytes"] for r in results)) if results else float(report.bytes if report else 0)}
 
 
-def train(cfg: SpiceConfig, resume: bool = False) -> dict[str, Any]:
+EvalHook = Callable[[int, Any], dict[str, float]]  # (iteration, rollout fleet) -> metrics, on the driver
+
+
+def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = None) -> dict[str, Any]:
+    """Run SPICE. `eval_hook` is called on the driver every run.eval_every iterations with the
+    rollout fleet (which holds the current weights); its metrics are logged under eval/."""
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
@@ -257,6 +262,12 @@ def train(cfg: SpiceConfig, resume: bool = False) -> dict[str, Any]:
                     secs = stats.get(f"time/{phase}_rollout", 0.0)
                     stats[f"tokens_per_s/{phase}"] = stats[f"tokens/{phase}"] / secs if secs else 0.0
                 stats["weights_version"] = version
+                if steps and stats["time/train"]:
+                    stats["tokens_per_s/train"] = sum(m.tokens for m in steps) / stats["time/train"]
+                if eval_hook and cfg.run.eval_every and iteration % cfg.run.eval_every == 0:
+                    t_eval = time.perf_counter()
+                    stats.update({f"eval/{k}": v for k, v in eval_hook(iteration, driver.fleet).items()})
+                    stats["time/eval"] = time.perf_counter() - t_eval
                 driver.audit.write(result.records)
                 driver.metrics.log(iteration, stats)
                 progress.update(1)

@@ -100,3 +100,23 @@ def test_run_resume_after_kill_and_kill_switch(setup):
     rc, text = spice_train(model, corpus, stopped, "run.iterations=4", "run.min_valid_task_rate=0.5", "run.patience=1")
     assert rc == 3 and "kill switch" in text
     assert os.path.exists(os.path.join(stopped, "checkpoints", "step_00000001", "layout.json"))
+
+
+def test_the_smollm2_demo_run(tmp_path):
+    """The README's main job, shortened: SmolLM2-135M-Instruct on real offline documents."""
+    from spice_megatron.offline_assets import smollm2_dir
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"Fact {i}. {PARA}"}) + "\n" for i in range(6)))
+    out = str(tmp_path / "demo")
+    args = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", smollm2_dir(),
+            "--output-dir", out, "--corpus", str(corpus), "run.iterations=1", "selfplay.batch_docs=2",
+            "selfplay.max_attempts=2", "selfplay.attempts_per_round=2", "selfplay.challenger_max_tokens=64",
+            "selfplay.reasoner_max_tokens=64", "corpus.min_doc_tokens=8", "rollout.kv_cache_gib=0.5"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "SPICE run finished" in proc.stdout
+    (m,) = records(os.path.join(out, "metrics.jsonl"))
+    assert m["weights_version"] == 1 and m["train/logprob_gap"] < 1e-3 and m["tokens/challenger"] > 0
+    assert os.path.exists(os.path.join(out, "hf_final", "model.safetensors.index.json"))
+    assert os.path.exists(os.path.join(out, "hf_final", "tokenizer.json"))
