@@ -98,9 +98,12 @@ def smollm2_dir(cache_dir: str | None = None) -> str:
     clean = LlamaForCausalLM(LlamaConfig.from_dict(config)).to(torch.float32)
     clean.load_state_dict(quantised.state_dict())
     clean.generation_config = quantised.generation_config
-    tmp = cache_dir + ".tmp"
+    tmp = f"{cache_dir}.tmp{os.getpid()}"  # per process: two test workers may build it at once
     shutil.rmtree(tmp, ignore_errors=True)
     clean.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, cache_dir)
+    try:
+        os.rename(tmp, cache_dir)
+    except OSError:  # another process finished first; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
     return cache_dir
