@@ -22,6 +22,7 @@ def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_c
                                 use_chat_template=True),
         parallel=ParallelConfig(tensor_parallel=1, pipeline_parallel=1),
         optim=OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0),
-        train=PolicyTrainConfig(max_gen_len=max_tokens, micro_batch_tokens=4096, dtype="fp32"),
+        # fp32 logits of 1024 tokens x 49,152 vocabulary are 200 MB per copy: keep micro-batches small
+        train=PolicyTrainConfig(max_gen_len=max_tokens, micro_batch_tokens=1024, dtype="fp32"),
         rollout=RolloutConfig(local_engines=1, max_model_len=2048, kv_cache_gib=1.0, bucket_mb=128),
     )

@@ -120,3 +120,24 @@ def test_the_smollm2_demo_run(tmp_path):
     assert m["weights_version"] == 1 and m["train/logprob_gap"] < 1e-3 and m["tokens/challenger"] > 0
     assert os.path.exists(os.path.join(out, "hf_final", "model.safetensors.index.json"))
     assert os.path.exists(os.path.join(out, "hf_final", "tokenizer.json"))
+
+
+def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup):
+    model, corpus, root = setup
+    out = str(root / "engine_death")
+    proc = spice_train(model, corpus, out, "run.iterations=3", "rollout.local_engines=2", wait=False)
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 600
+    while not (os.path.exists(metrics_path) and open(metrics_path).read().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first iteration"
+        time.sleep(0.1)
+    engines = subprocess.run(["pgrep", "-f", f"spice_megatron.rollout.serve.*--exit-with-parent {proc.pid}"],
+                             capture_output=True, text=True).stdout.split()
+    assert len(engines) == 2
+    os.kill(int(engines[0]), signal.SIGKILL)  # during iteration 2's rollouts
+    text, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, text[-3000:]
+    assert "died; restarting it" in text
+    metrics = records(metrics_path)
+    assert [m["iteration"] for m in metrics] == [1, 2, 3]
+    assert all(m["train/logprob_gap"] < 1e-3 for m in metrics)  # the restarted engine got the current weights
