@@ -246,8 +246,11 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
             seqs = _broadcast(seqs)
             # 5. DrGRPO on the learner
             steps = learner.train_on_batch(seqs) if seqs else []
-            # 6. new weights to the engines
+            # 6. new weights to the engines; an engine that died during the rollouts (the fleet
+            # served its requests elsewhere) is restarted first and the sync group formed anew
             version += 1
+            if _broadcast(driver.restart_dead_engines() if driver else False):
+                weights.reform()
             sync = weights.sync(version)
             iteration += 1
             # 7. logs, kill switch, checkpoint
@@ -281,13 +284,9 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
                     stop = ""
                 except KillSwitch as e:
                     stop = str(e)
-                rejoin = driver.restart_dead_engines()
             else:
-                stop, rejoin = "", False
-            stop, rejoin = _broadcast((stop, rejoin))
-            if rejoin:  # the restarted engine holds the base model: bring every engine up to date
-                weights.reform()
-                weights.sync(version)
+                stop = ""
+            stop = _broadcast(stop)
             if stop or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
                 checkpoint(iteration, version)
             if stop:
