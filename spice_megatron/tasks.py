@@ -114,7 +114,7 @@ def _last_tag(text: str, tag: str) -> str | None:
 
 _OPTION_LINE = re.compile(r"^\s*\(?([A-Za-z])\s*[).:]\s*(.*)$")
 _LETTER = re.compile(r"^\s*(?:\\boxed\{\s*)?\(?\s*([A-Da-d])\s*\)?\s*\}?\s*(?:[).:]\s*.*)?$", re.S)
-_INTEGER = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)$")
+INTEGER_ANSWER = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)$")
 _MATH_CHARS = re.compile(r"[0-9\\^_=+\-*/()\[\]{}<>]")
 
 
@@ -215,7 +215,7 @@ def _parse(text: str) -> ParseResult:
         gold = gold[len("\\boxed{"):-1].strip()
     if not gold:
         return ParseResult(None, "no_answer")
-    if answer_type == "integer" and not _INTEGER.match(gold):
+    if answer_type == "integer" and not INTEGER_ANSWER.match(gold):
         return ParseResult(None, "answer_type_mismatch", {"answer_type": answer_type, "answer": gold[:100]})
     if answer_type == "expression" and (len(gold) > MAX_EXPRESSION_CHARS or not _MATH_CHARS.search(gold)):
         return ParseResult(None, "answer_type_mismatch", {"answer_type": answer_type, "answer": gold[:100]})

@@ -23,11 +23,10 @@ import unicodedata
 from collections import deque
 from multiprocessing.connection import wait
 
-from spice_megatron.tasks import parse_letter
+from spice_megatron.tasks import INTEGER_ANSWER, parse_letter
 
 log = logging.getLogger(__name__)
 
-_INTEGER = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)$")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 MAX_ANSWER_CHARS = 2000  # longer predictions are wrong by construction, never parsed
@@ -158,7 +157,7 @@ def normalise_string(s: str) -> str:
 
 def _as_int(s: str) -> int | None:
     s = _unwrap(s).replace(" ", "")
-    if _INTEGER.match(s):
+    if INTEGER_ANSWER.match(s):
         return int(s.replace(",", ""))
     return None
 

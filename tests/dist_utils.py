@@ -1,17 +1,12 @@
 """Run a function on N local ranks with torch.distributed (gloo) and collect what each returns."""
 import os
 import pickle
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from spice_megatron.launch import free_port
 
 
 def _entry(rank, world, port, fn, args, out_dir):

@@ -277,20 +277,23 @@ def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None
 def verify_checksums(held: Iterable[tuple[str, torch.Tensor]], manifest: ReceivedManifest) -> int:
     """Compare the tensors a receiver holds with the senders' checksums; raises naming the first
     mismatching or missing tensor. Returns the number checked."""
-    seen = set()
-    for name, t in held:
+    return compare_checksums({name: tensor_checksum(t) for name, t in held}, manifest)
+
+
+def compare_checksums(held: dict[str, int], manifest: ReceivedManifest) -> int:
+    """The same check from checksums already computed (an engine checksums each tensor as it loads it)."""
+    for name, checksum in held.items():
         expected = manifest.checksums.get(name)
         if expected is None:
             raise WeightSyncError(f"tensor {name!r} is held by the engine but was not sent (version {manifest.version})")
-        if tensor_checksum(t) != expected:
+        if checksum != expected:
             raise WeightSyncError(f"tensor {name!r} differs from the learner's after the sync "
                                   f"(version {manifest.version})")
-        seen.add(name)
-    missing = sorted(set(manifest.checksums) - seen)
+    missing = sorted(set(manifest.checksums) - set(held))
     if missing:
         raise WeightSyncError(f"tensor {missing[0]!r} was sent but the engine does not hold it "
                               f"({len(missing)} missing, version {manifest.version})")
-    return len(seen)
+    return len(held)
 
 
 def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,

@@ -22,7 +22,8 @@ class SpiceWorkerExtension:
     def spice_receive_weights(self, expected_version: int) -> dict:
         """Receive every stage's buckets and load them in place; verify against the senders'
         checksums. Returns the new version, bytes and seconds."""
-        from spice_megatron.bridge.weight_sync import ReceivedManifest, WeightSyncError, receive_all, tensor_checksum
+        from spice_megatron.bridge.weight_sync import (ReceivedManifest, WeightSyncError, compare_checksums, receive_all,
+                                                       tensor_checksum)
 
         t0 = time.perf_counter()
         manifest = ReceivedManifest()
@@ -47,13 +48,7 @@ class SpiceWorkerExtension:
         self.model_runner.reload_weights(weights_iterator=stream())
         if manifest.version != expected_version:
             raise WeightSyncError(f"received weights version {manifest.version}, expected {expected_version}")
-        for name, checksum in manifest.checksums.items():
-            if received.get(name) != checksum:
-                raise WeightSyncError(f"tensor {name!r} differs from the learner's after the sync "
-                                      f"(version {manifest.version})")
-        extra = sorted(set(received) - set(manifest.checksums))
-        if extra:
-            raise WeightSyncError(f"tensor {extra[0]!r} was received without a checksum")
+        compare_checksums(received, manifest)
         self._spice_version = manifest.version
         return {"version": manifest.version, "bytes": nbytes, "tensors": len(received),
                 "seconds": time.perf_counter() - t0}
