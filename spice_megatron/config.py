@@ -113,6 +113,8 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
 def _parse_like(raw: str, current: Any, key: str) -> Any:
     if raw.lower() in ("none", "null"):
         return None
+    if isinstance(current, list):  # lists of strings: comma-separated (rollout.engines=http://a:8100,http://b:8100)
+        return [x.strip() for x in raw.split(",") if x.strip()]
     try:
         if isinstance(current, bool):
             if raw.lower() not in ("true", "false", "1", "0"):
@@ -195,19 +197,49 @@ class PolicyTrainConfig:
 class RolloutConfig:
     engines: list[str] = field(default_factory=list)  # attach to these URLs; empty: start local engines
     local_engines: int = 1
-    token: str = ""  # shared secret of the engines' control endpoints ("" on local runs: generated)
+    token: str = ""  # shared secret of the engines' control endpoints ("": $SPICE_ROLLOUT_TOKEN, else generated)
     max_model_len: int = 4096
     kv_cache_gib: float = 1.0  # per local CPU engine
     request_timeout: float = 900.0
+    health_timeout: float = 1800.0  # how long to wait for the engines to come up (large models load slowly)
     chunk_size: int = 64
-    sync_host: str = "127.0.0.1"  # where the learner's stage senders rendezvous with the engines
+    sync_host: str = ""  # where the stage senders meet the engines ("": loopback for local engines, else rank 0's host)
     sync_port: int = 0  # 0: pick a free port
     bucket_mb: int = 512
+    engine_tensor_parallel: int = 1  # GPUs per vLLM engine (cluster launchers start engines with it)
+    gpu_memory_utilization: float = 0.85  # vLLM's share of each engine GPU (weights + KV cache)
 
     def validate(self, prefix: str = "rollout") -> None:
         _require(bool(self.engines) or self.local_engines >= 1, f"{prefix}.local_engines",
                  "needs >= 1 when no rollout.engines are given")
         _require(self.bucket_mb > 0, f"{prefix}.bucket_mb", "must be > 0")
+        _require(self.engine_tensor_parallel >= 1, f"{prefix}.engine_tensor_parallel", "must be >= 1")
+        _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization", "must be in (0, 1]")
+
+
+@dataclass
+class ClusterConfig:
+    """Where a multi-node run goes: the launchers split the nodes into learner and rollout nodes,
+    and the planner checks that the layout fits (`spice plan`)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 80.0  # H100 80 GB; H200: 141
+    learner_nodes: int = 0  # 0: half of the nodes (rounded down, at least 1); the rest run rollout engines
+
+    def validate(self, prefix: str = "cluster") -> None:
+        _require(self.nodes >= 1, f"{prefix}.nodes", "must be >= 1")
+        _require(self.gpus_per_node >= 1, f"{prefix}.gpus_per_node", "must be >= 1")
+        _require(self.gpu_memory_gib > 0, f"{prefix}.gpu_memory_gib", "must be > 0")
+        _require(0 <= self.learner_nodes < self.nodes or (self.nodes == 1 and self.learner_nodes <= 1),
+                 f"{prefix}.learner_nodes", f"must leave at least one rollout node (nodes={self.nodes})")
+
+    def split(self) -> tuple[int, int]:
+        """(learner nodes, rollout nodes); a single node is shared (GPUs split in half)."""
+        if self.nodes == 1:
+            return 1, 0
+        learner = self.learner_nodes or max(1, self.nodes // 2)
+        return learner, self.nodes - learner
 
 
 @dataclass
@@ -243,6 +275,7 @@ class SpiceConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: PolicyTrainConfig = field(default_factory=PolicyTrainConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):

@@ -26,3 +26,20 @@ def relaunch_with_torchrun(nproc: int, argv: list[str] | None = None) -> None:
            f"--master_port={free_port()}", *argv]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.execv(sys.executable, cmd)
+
+
+def rollout_urls_from_env(env: dict | None = None) -> list[str]:
+    """Engine addresses handed over by a cluster launcher (slurm/*.sbatch, recipes/launch.py):
+    SPICE_ROLLOUT_NODES (comma-separated hosts), SPICE_ENGINES_PER_NODE and SPICE_ROLLOUT_PORT
+    (engine i of a node listens on port + i). Empty when SPICE_ROLLOUT_NODES is unset."""
+    env = os.environ if env is None else env
+    hosts = [h for h in env.get("SPICE_ROLLOUT_NODES", "").split(",") if h.strip()]
+    if not hosts:
+        return []
+    per_node = int(env.get("SPICE_ENGINES_PER_NODE", "1"))
+    port = int(env.get("SPICE_ROLLOUT_PORT", "8100"))
+    return [f"http://{h.strip()}:{port + i}" for h in hosts for i in range(per_node)]
+
+
+def global_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))

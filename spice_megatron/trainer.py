@@ -57,11 +57,11 @@ class Driver:
         self.sampler = DocumentSampler(self.corpus, cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
         self.engines: list = []
-        token = cfg.rollout.token or secrets.token_hex(16)
+        token = cfg.rollout.token or os.environ.get("SPICE_ROLLOUT_TOKEN") or secrets.token_hex(16)
         urls = list(cfg.rollout.engines) or self._start_local_engines(token)
         self.token = token
         self.fleet = RolloutFleet(urls, token, cfg.rollout.request_timeout, chunk_size=cfg.rollout.chunk_size)
-        self.fleet.wait_until_healthy()
+        self.fleet.wait_until_healthy(cfg.rollout.health_timeout)
         self.verifier = AnswerVerifier()
         state = resume_state or {}
         if resume_state:
@@ -151,6 +151,20 @@ def _tuple_state(state):
     return tuple(_tuple_state(x) for x in state) if isinstance(state, list) else state
 
 
+def _sync_host(cfg: SpiceConfig) -> str:
+    """The address the engines dial to join the weight-sync group (rank 0 hosts its store)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if cfg.rollout.sync_host:
+        return cfg.rollout.sync_host
+    loopback = ("127.0.0.1", "localhost", "::1", "")
+    if all(urlparse(u).hostname in loopback for u in cfg.rollout.engines):
+        return "127.0.0.1"
+    master = os.environ.get("MASTER_ADDR", "")  # torchrun --standalone sets a loopback one
+    return master if master not in loopback else socket.gethostbyname(socket.getfqdn())
+
+
 class WeightSync:
     """The learner side of the engines' weight updates (stage senders + the driver's requests)."""
 
@@ -160,7 +174,8 @@ class WeightSync:
         self.cfg, self.learner, self.driver = cfg, learner, driver
         port = cfg.rollout.sync_port or (free_port() if dist.get_rank() == 0 else 0)
         self.port = _broadcast(port)
-        self.num_receivers = _broadcast(len(driver.fleet.engines) if driver else 0)
+        self.host = _broadcast(_sync_host(cfg) if driver else "")
+        self.num_receivers = _broadcast(driver.fleet.num_receivers if driver else 0)
         self.group = None
         self.joined = False
 
@@ -172,6 +187,7 @@ class WeightSync:
             self.group.close()
             self.group = None
         self.port = _broadcast(free_port() if dist.get_rank() == 0 else 0)
+        self.num_receivers = _broadcast(self.driver.fleet.num_receivers if self.driver else 0)
         self.joined = False
 
     def sync(self, version: int) -> dict:
@@ -183,9 +199,9 @@ class WeightSync:
         futures = []
         if not self.joined:
             if self.driver:
-                futures = self.driver.fleet.join_weight_sync(self.cfg.rollout.sync_host, self.port, lay.pp)
+                futures = self.driver.fleet.join_weight_sync(self.host, self.port, lay.pp)
             if is_sender:
-                self.group = WeightSyncGroup(self.cfg.rollout.sync_host, self.port, lay.pp_rank, lay.pp, self.num_receivers)
+                self.group = WeightSyncGroup(self.host, self.port, lay.pp_rank, lay.pp, self.num_receivers)
             for f in futures:
                 f.result()
             self.joined = True

@@ -39,6 +39,7 @@ class VLLMEngine:
         extra = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
         t0 = time.perf_counter()
         self.model_dir = model_dir
+        self.workers = tensor_parallel_size  # one weight-sync receiver per worker
         self.llm = LLM(model=model_dir, dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed,

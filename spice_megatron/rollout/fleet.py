@@ -29,6 +29,7 @@ class FleetError(RuntimeError):
 class EngineStats:
     url: str
     healthy: bool = True
+    workers: int = 1  # vLLM workers (engine tensor parallel size): each one receives weights
     in_flight: int = 0
     requests: int = 0
     failures: int = 0
@@ -64,6 +65,7 @@ class RolloutFleet:
                 r.raise_for_status()
                 out[e.url] = r.json()
                 e.healthy = True
+                e.workers = int(out[e.url].get("workers", 1))
             except requests.RequestException:
                 out[e.url] = None
                 e.healthy = False
@@ -168,16 +170,21 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------------- weight updates
 
-    def join_weight_sync(self, host: str, port: int, num_stages: int, workers_per_engine: int = 1,
-                         backend: str = "auto") -> list[Future]:
+    @property
+    def num_receivers(self) -> int:
+        """Weight-sync receivers: every worker of every engine (as reported by /health)."""
+        return sum(e.workers for e in self.engines)
+
+    def join_weight_sync(self, host: str, port: int, num_stages: int, backend: str = "auto") -> list[Future]:
         """Ask every engine to join the sync group; returns futures (the join completes only when
-        the learner's senders join too)."""
-        receivers = workers_per_engine * len(self.engines)
-        futures = []
-        for i, e in enumerate(self.engines):
-            body = {"host": host, "port": port, "first_rank": num_stages + i * workers_per_engine,
-                    "num_stages": num_stages, "num_receivers": receivers, "backend": backend}
+        the learner's senders join too). Sync ranks: the stage senders first, then each engine's
+        workers in order."""
+        futures, first_rank = [], num_stages
+        for e in self.engines:
+            body = {"host": host, "port": port, "first_rank": first_rank,
+                    "num_stages": num_stages, "num_receivers": self.num_receivers, "backend": backend}
             futures.append(self._pool.submit(self._control, e, "/weight_sync/join", body))
+            first_rank += e.workers
         return futures
 
     def receive_weights(self, version: int) -> list[Future]:

@@ -73,7 +73,7 @@ def build_app(engine, token: str, require_token_for_generate: bool, engine_threa
 
     @app.get("/health")
     def health():
-        return {"status": "ok", "version": engine.version, "model": engine.model_dir, **state}
+        return {"status": "ok", "version": engine.version, "model": engine.model_dir, "workers": engine.workers, **state}
 
     @app.get("/version")
     def version():

@@ -1,0 +1,70 @@
+"""The paper's recipes (SPICE.md: B=128, G=8, N=1024, temperature 1.0, rho=-0.1, T=640, documents
+of at most 5,992 tokens) on its four base models, and the same algorithm on larger models with
+tensor + pipeline parallelism. Layouts are for nodes of 8 x H100 80 GB; `spice plan --recipe NAME`
+checks them (and proposes others) for a different cluster."""
+from __future__ import annotations
+
+from spice_megatron.config import (ClusterConfig, CorpusConfig, OptimConfig, ParallelConfig, PolicyTrainConfig,
+                                   RolloutConfig, RunConfig, SelfPlayConfig, SourceConfig, SpiceConfig)
+
+# The paper's corpus: Nemotron-CC-Math (math) and NaturalReasoning (general, drawn from DCLM),
+# a 20,000-document pool. Streamed: only the records the pool needs are read.
+PAPER_SOURCES = [
+    SourceConfig(path="nvidia/Nemotron-CC-Math-v1", name="nemotron_cc_math", hub_config="4plus", streaming=True,
+                 max_records=200_000),
+    SourceConfig(path="facebook/natural_reasoning", name="natural_reasoning", text_field="question", streaming=True,
+                 max_records=200_000),
+]
+# A context of 8,192 tokens: a 5,992-token document, the challenger's instructions and its task.
+MAX_MODEL_LEN = 8192
+
+
+def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: int, pp: int, engine_tp: int,
+                 micro_batch_tokens: int = 8192, gpu_memory_gib: float = 80.0) -> SpiceConfig:
+    return SpiceConfig(
+        run=RunConfig(name=name, model=model, output_dir=f"runs/{name}", iterations=640, checkpoint_every=10,
+                      keep_last=3, eval_every=0, min_valid_task_rate=0.02, patience=20),
+        corpus=CorpusConfig(sources=[SourceConfig(**vars(s)) for s in PAPER_SOURCES], max_doc_tokens=5992,
+                            max_docs=20000),
+        selfplay=SelfPlayConfig(batch_docs=128, group_size=8, max_attempts=1024, attempts_per_round=8,
+                                challenger_temperature=1.0, reasoner_temperature=1.0, invalid_penalty=-0.1,
+                                challenger_max_tokens=2048, reasoner_max_tokens=4096),
+        parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
+        optim=OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=True),
+        train=PolicyTrainConfig(max_gen_len=4096, micro_batch_tokens=micro_batch_tokens, dtype="bf16"),
+        rollout=RolloutConfig(max_model_len=MAX_MODEL_LEN, engine_tensor_parallel=engine_tp, request_timeout=3600.0,
+                              chunk_size=32, bucket_mb=1024),
+        cluster=ClusterConfig(nodes=nodes, gpus_per_node=8, gpu_memory_gib=gpu_memory_gib, learner_nodes=learner_nodes),
+    )
+
+
+def qwen3_4b() -> SpiceConfig:
+    return paper_config("qwen3_4b", "Qwen/Qwen3-4B-Base", nodes=2, learner_nodes=1, tp=1, pp=1, engine_tp=1)
+
+
+def qwen3_8b() -> SpiceConfig:
+    return paper_config("qwen3_8b", "Qwen/Qwen3-8B-Base", nodes=2, learner_nodes=1, tp=2, pp=1, engine_tp=1)
+
+
+def octothinker_3b() -> SpiceConfig:
+    return paper_config("octothinker_3b", "OctoThinker/OctoThinker-3B-Hybrid-Base", nodes=2, learner_nodes=1,
+                        tp=1, pp=1, engine_tp=1)
+
+
+def octothinker_8b() -> SpiceConfig:
+    return paper_config("octothinker_8b", "OctoThinker/OctoThinker-8B-Hybrid-Base", nodes=2, learner_nodes=1,
+                        tp=2, pp=1, engine_tp=1)
+
+
+def qwen3_14b() -> SpiceConfig:
+    return paper_config("qwen3_14b", "Qwen/Qwen3-14B-Base", nodes=4, learner_nodes=2, tp=4, pp=1, engine_tp=2)
+
+
+def qwen3_32b() -> SpiceConfig:
+    # Qwen3-32B has no published base checkpoint; the post-trained model stands in.
+    return paper_config("qwen3_32b", "Qwen/Qwen3-32B", nodes=8, learner_nodes=4, tp=8, pp=2, engine_tp=2)
+
+
+def llama3_70b() -> SpiceConfig:
+    return paper_config("llama3_70b", "meta-llama/Llama-3.3-70B-Instruct", nodes=16, learner_nodes=8, tp=8, pp=4,
+                        engine_tp=4, micro_batch_tokens=8192)

@@ -1,0 +1,284 @@
+"""Layout planner: learner TP/PP/DP and rollout engines for a cluster, with a memory estimate.
+
+The estimates are the usual back-of-envelope ones for Megatron-Core mixed precision (bf16 weights,
+fp32 gradient buffer, fp32 master weights and two Adam moments: 2 + 4 + 12 bytes per parameter)
+and for vLLM (bf16 weights, paged KV cache in what gpu_memory_utilization leaves). A layout that
+cannot fit is refused with the numbers, so the user sees which term is too large.
+
+`estimate_step_time` turns a plan into seconds per SPICE iteration from stated throughput
+assumptions (`Throughput`); it is a planning aid, not a measurement.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+from spice_megatron.config import ClusterConfig, SpiceConfig
+from spice_megatron.policy.model import ModelSpec, model_spec_from_hf
+
+GiB = 2**30
+
+
+class PlanError(ValueError):
+    """No layout fits, or the requested one does not; the message carries the numbers."""
+
+
+def _cfg(arch: str, hidden: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, tied: bool, theta: float,
+         **extra) -> dict:
+    return {"architectures": [arch], "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": 128, "intermediate_size": ffn, "vocab_size": vocab,
+            "tie_word_embeddings": tied, "rope_theta": theta, "max_position_embeddings": 32768, **extra}
+
+
+_LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}}
+# Architecture facts of the recipes' base models (their config.json), so that a plan can be made
+# on a machine that has not downloaded them. A local model directory always takes precedence.
+KNOWN_MODELS: dict[str, dict] = {
+    "Qwen/Qwen3-4B-Base": _cfg("Qwen3ForCausalLM", 2560, 36, 32, 8, 9728, 151936, True, 1e6),
+    "Qwen/Qwen3-8B-Base": _cfg("Qwen3ForCausalLM", 4096, 36, 32, 8, 12288, 151936, False, 1e6),
+    "Qwen/Qwen3-14B-Base": _cfg("Qwen3ForCausalLM", 5120, 40, 40, 8, 17408, 151936, False, 1e6),
+    "Qwen/Qwen3-32B": _cfg("Qwen3ForCausalLM", 5120, 64, 64, 8, 25600, 151936, False, 1e6),
+    "OctoThinker/OctoThinker-3B-Hybrid-Base": _cfg("LlamaForCausalLM", 3072, 28, 24, 8, 8192, 128256, True, 5e5,
+                                                   **_LLAMA3_ROPE),
+    "OctoThinker/OctoThinker-8B-Hybrid-Base": _cfg("LlamaForCausalLM", 4096, 32, 32, 8, 14336, 128256, False, 5e5,
+                                                   **_LLAMA3_ROPE),
+    "meta-llama/Llama-3.3-70B-Instruct": _cfg("LlamaForCausalLM", 8192, 80, 64, 8, 28672, 128256, False, 5e5,
+                                              **_LLAMA3_ROPE),
+}
+
+
+def model_spec(model: str) -> ModelSpec:
+    """The spec of a local HF directory, or of a known hub id."""
+    if os.path.isdir(model) or model.endswith(".json"):
+        return model_spec_from_hf(model)
+    if model in KNOWN_MODELS:
+        return model_spec_from_hf(KNOWN_MODELS[model])
+    raise PlanError(f"run.model={model!r}: not a local HF directory and not one of the known models "
+                    f"({', '.join(sorted(KNOWN_MODELS))}); pass the directory holding its config.json")
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+@dataclass
+class LearnerMemory:
+    """GiB per GPU on the fullest pipeline stage."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.overhead
+
+
+def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_tokens: int,
+                   distributed_optimizer: bool = True, overhead_gib: float = 4.0) -> LearnerMemory:
+    """Per-GPU memory of the learner. Activations follow Korthikanti et al. (2022) with sequence
+    parallelism and flash attention (34 x hidden bytes per token per layer, divided by TP); 1F1B
+    keeps up to PP micro-batches in flight on the first stage. The last stage holds fp32 logits
+    (and their gradient) for one micro-batch."""
+    h, layers_per_stage = spec.hidden_size, math.ceil(spec.num_layers / pp)
+    per_layer = spec.num_parameters - spec.vocab_size * h * (1 if spec.tied_embeddings else 2) - h
+    per_layer //= spec.num_layers
+    embedding = spec.vocab_size * h  # the first stage's input embedding or the last stage's output layer
+    params = (layers_per_stage * per_layer + embedding * (2 if pp == 1 and not spec.tied_embeddings else 1)) / tp
+    shard = dp if distributed_optimizer else 1
+    activations = 34 * h * micro_batch_tokens * layers_per_stage * pp / tp
+    logits = 2 * 4 * micro_batch_tokens * spec.vocab_size / tp
+    return LearnerMemory(weights=2 * params / GiB, gradients=4 * params / GiB, optimizer=12 * params / shard / GiB,
+                         activations=activations / GiB, logits=logits / GiB, overhead=overhead_gib)
+
+
+@dataclass
+class EngineMemory:
+    """GiB per GPU of one vLLM engine, and how many full-length sequences its KV cache holds."""
+
+    weights: float
+    kv_cache: float
+    kv_bytes_per_token: int
+    max_sequences: int  # of max_model_len tokens each
+
+
+def engine_memory(spec: ModelSpec, engine_tp: int, gpu_memory_gib: float, utilization: float,
+                  max_model_len: int, overhead_gib: float = 3.0) -> EngineMemory:
+    weights = 2 * spec.num_parameters / engine_tp / GiB
+    kv_heads = max(1, spec.num_kv_heads // engine_tp)  # replicated when TP exceeds the KV heads
+    kv_per_token = 2 * spec.num_layers * kv_heads * spec.head_dim * 2  # K and V, bf16
+    kv_cache = gpu_memory_gib * utilization - weights - overhead_gib
+    seqs = int(kv_cache * GiB // (kv_per_token * max_model_len)) if kv_cache > 0 else 0
+    return EngineMemory(weights, kv_cache, kv_per_token, seqs)
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class Plan:
+    model: str
+    params_billion: float
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    learner_gpus: int
+    rollout_gpus: int
+    tp: int
+    pp: int
+    dp: int
+    engine_tp: int
+    engines: int
+    learner: LearnerMemory
+    engine: EngineMemory
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["learner"]["total"] = self.learner.total
+        return d
+
+    def describe(self) -> str:
+        m, e = self.learner, self.engine
+        lines = [
+            f"model {self.model}: {self.params_billion:.2f}B parameters",
+            f"cluster: {self.nodes} node(s) x {self.gpus_per_node} GPUs of {self.gpu_memory_gib:.0f} GiB",
+            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp} DP={self.dp}",
+            f"  per GPU: weights {m.weights:.1f} + grads {m.gradients:.1f} + optimizer {m.optimizer:.1f} + activations "
+            f"{m.activations:.1f} + logits {m.logits:.1f} + overhead {m.overhead:.1f} = {m.total:.1f} GiB "
+            f"of {self.gpu_memory_gib:.0f}",
+            f"rollout: {self.engines} vLLM engine(s) x TP={self.engine_tp} on {self.rollout_gpus} GPUs",
+            f"  per GPU: weights {e.weights:.1f} GiB, KV cache {e.kv_cache:.1f} GiB "
+            f"({e.kv_bytes_per_token // 1024} KiB/token: {e.max_sequences} full-length sequences per engine)",
+        ]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(0, int(math.log2(limit)) + 1)]
+
+
+def _tp_ok(spec: ModelSpec, tp: int) -> bool:
+    return not (spec.num_heads % tp or spec.num_kv_heads % tp or spec.ffn_hidden_size % tp or spec.vocab_size % tp)
+
+
+def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = False, headroom: float = 0.9,
+                min_engine_sequences: int = 32) -> Plan:
+    """Check the config's layout (cfg.parallel, cfg.rollout.engine_tensor_parallel) against the
+    cluster, or with `choose` pick one.
+
+    Choosing, the learner takes the smallest TP x PP that fits `headroom` of a GPU (TP first, within
+    a node: it needs the fastest links); the rest of the learner GPUs are data parallel. An engine
+    takes the smallest TP whose KV cache holds `min_engine_sequences` sequences of max_model_len."""
+    cluster: ClusterConfig = cfg.cluster
+    spec = spec or model_spec(cfg.run.model)
+    learner_nodes, rollout_nodes = cluster.split()
+    if cluster.nodes == 1:
+        learner_gpus = max(1, cluster.gpus_per_node // 2)
+        rollout_gpus = cluster.gpus_per_node - learner_gpus
+    else:
+        learner_gpus, rollout_gpus = learner_nodes * cluster.gpus_per_node, rollout_nodes * cluster.gpus_per_node
+    if rollout_gpus < 1:
+        raise PlanError(f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs leave no GPU for rollout engines")
+    budget = cluster.gpu_memory_gib * headroom
+    tokens = cfg.train.micro_batch_tokens
+    fixed = not choose
+    candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)] if fixed else
+                  sorted(((tp, pp) for tp in _powers_of_two(min(8, cluster.gpus_per_node))
+                          for pp in range(1, spec.num_layers + 1) if spec.num_layers % pp == 0),
+                         key=lambda x: (x[0] * x[1], x[1])))
+    tried = []
+    for tp, pp in candidates:
+        if learner_gpus % (tp * pp) or not _tp_ok(spec, tp) or tp > cluster.gpus_per_node:
+            if fixed:
+                raise PlanError(f"parallel: TP={tp} x PP={pp} does not fit {learner_gpus} learner GPUs "
+                                f"({cluster.gpus_per_node} per node) or the model's head/layer counts")
+            continue
+        mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), tokens, cfg.optim.use_distributed_optimizer)
+        if mem.total <= budget:
+            break
+        tried.append(f"TP={tp} PP={pp}: {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads {mem.gradients:.1f}, "
+                     f"optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, logits {mem.logits:.1f})")
+    else:
+        shown = "; ".join(tried[:4]) + (f"; ... {len(tried) - 4} more" if len(tried) > 4 else "")
+        raise PlanError(f"learner: no layout fits {budget:.1f} GiB per GPU ({headroom:.0%} of {cluster.gpu_memory_gib:.0f}) "
+                        f"on {learner_gpus} GPUs: {shown}. Use more learner nodes, optim.use_distributed_optimizer=true "
+                        f"or a smaller train.micro_batch_tokens")
+    engine_tps = [cfg.rollout.engine_tensor_parallel] if fixed else [
+        t for t in _powers_of_two(min(8, cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0]
+    for etp in engine_tps:
+        em = engine_memory(spec, etp, cluster.gpu_memory_gib, cfg.rollout.gpu_memory_utilization, cfg.rollout.max_model_len)
+        if em.max_sequences >= min_engine_sequences and rollout_gpus % etp == 0:
+            break
+    else:
+        raise PlanError(f"rollout: with engine TP={engine_tps[-1]} the KV cache is {em.kv_cache:.1f} GiB per GPU "
+                        f"(weights {em.weights:.1f} GiB of {cluster.gpu_memory_gib * cfg.rollout.gpu_memory_utilization:.1f} "
+                        f"usable): {em.max_sequences} sequences of {cfg.rollout.max_model_len} tokens, fewer than "
+                        f"{min_engine_sequences}; raise rollout.engine_tensor_parallel or lower rollout.max_model_len")
+    notes = []
+    if cluster.nodes == 1:
+        notes.append("one node: learner and engines share it (GPUs split in half)")
+    if tp > 1 and cluster.nodes > 1:
+        notes.append("TP stays within a node; PP and DP cross nodes")
+    return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
+                learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp), etp, rollout_gpus // etp, mem, em, notes)
+
+
+# ------------------------------------------------------------------------------------------ step time
+
+
+@dataclass
+class Throughput:
+    """Assumptions behind `estimate_step_time` (H100 SXM numbers; change them for other parts)."""
+
+    peak_tflops: float = 989.0  # dense bf16
+    train_mfu: float = 0.35  # Megatron-Core dense models at this size typically reach 35-45%
+    prefill_mfu: float = 0.5
+    hbm_tb_s: float = 3.35
+    decode_bandwidth_efficiency: float = 0.6  # share of HBM bandwidth a decode step achieves
+    sync_gb_s: float = 20.0  # per pipeline stage sender, inter-node (NCCL over 400 Gb/s IB)
+    # the self-play workload per document (paper settings B=128, G=8; lengths are assumptions)
+    doc_tokens: int = 3000  # mean; segments are at most 5992
+    challenger_attempts_per_doc: float = 4.0  # mean attempts until a valid task (early training is higher)
+    challenger_gen_tokens: int = 600
+    question_tokens: int = 200
+    reasoner_gen_tokens: int = 1000  # mean; the tail runs to the reasoner's max tokens
+
+
+def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Throughput | None = None) -> dict[str, float]:
+    """Seconds per SPICE iteration by phase. Decode is bandwidth-bound: a step reads the engine's
+    weights and the live KV cache once; a phase lasts at least as long as its longest sequence
+    takes at that step time. Training costs 8 x params FLOPs per token (a forward pass for the
+    old log-probs, then forward and backward)."""
+    t = t or Throughput()
+    sp = cfg.selfplay
+    p = spec.num_parameters
+    bw = t.hbm_tb_s * 1e12 * t.decode_bandwidth_efficiency
+
+    def generate(prompts: float, prompt_tokens: int, gen_tokens: int, max_gen: int) -> float:
+        per_engine = prompts / plan.engines
+        concurrency = max(1.0, min(per_engine, plan.engine.max_sequences * cfg.rollout.max_model_len
+                                   / (prompt_tokens + gen_tokens)))
+        kv_read = concurrency * (prompt_tokens + gen_tokens / 2) * plan.engine.kv_bytes_per_token
+        step = (2 * p / plan.engine_tp + kv_read) / bw
+        waves = math.ceil(per_engine / concurrency)
+        decode = max(waves * gen_tokens, max_gen) * step
+        prefill = 2 * p * per_engine * prompt_tokens / (plan.engine_tp * t.peak_tflops * 1e12 * t.prefill_mfu)
+        return decode + prefill
+
+    docs = sp.batch_docs
+    attempts = docs * t.challenger_attempts_per_doc
+    answers = docs * sp.group_size
+    challenger = generate(attempts, t.doc_tokens, t.challenger_gen_tokens, sp.challenger_max_tokens)
+    reasoner = generate(answers, t.question_tokens, t.reasoner_gen_tokens, sp.reasoner_max_tokens)
+    train_tokens = docs * (t.doc_tokens + t.challenger_gen_tokens) + answers * (t.question_tokens + t.reasoner_gen_tokens)
+    train = 8 * p * train_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
+    sync = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
+    out = {"challenger_rollout": challenger, "reasoner_rollout": reasoner, "train": train, "weight_sync": sync}
+    out["total"] = sum(out.values())
+    out["train_tokens"] = float(train_tokens)
+    return out

@@ -1,0 +1,164 @@
+"""The Slurm scripts: syntax, shellcheck, agreement with their recipes, and what they would launch,
+run against stand-in `srun` / `scontrol` / `curl` / `python` commands (stand-ins only because no
+Slurm controller or GPU can run here)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from recipes import get_recipe
+from spice_megatron.planner import plan_layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sbatch")))
+SCRIPTS = SBATCH + sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
+
+# Records its argv and the launch-relevant environment to $FAKE_LOG, then acts like the real command.
+STAND_IN = r'''#!{python}
+import json, os, sys, time
+name = os.path.basename(sys.argv[0]); argv = sys.argv[1:]
+env = {{k: v for k, v in os.environ.items() if k.startswith(("SPICE_", "NCCL_", "TORCH_NCCL", "CUDA_", "HF_HUB"))}}
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({{"cmd": name, "argv": argv, "env": env}}) + "\n")
+if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
+    print("\n".join(os.environ["FAKE_NODES"].split()))
+elif name == "srun" and "hostname" in argv:
+    print("10.1.2.3")
+elif name == "srun" and "slurm/rollout_node.sh" in argv:
+    time.sleep(120)  # a rollout service runs until the job script stops it
+elif name == "srun" and "torch.distributed.run" in argv:
+    sys.exit(int(os.environ.get("FAKE_LEARNER_RC", "0")))
+elif name == "python":  # rollout_node.sh starting one engine
+    port = argv[argv.index("--port") + 1]
+    if port == os.environ.get("FAKE_EXIT_PORT"):
+        time.sleep(1); sys.exit(7)
+    time.sleep(120)
+'''
+
+
+@pytest.fixture
+def fake_bin(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("srun", "scontrol", "curl", "python"):
+        p = bin_dir / name
+        p.write_text(STAND_IN.format(python=sys.executable))
+        p.chmod(0o755)
+    return bin_dir
+
+
+def _records(log) -> list[dict]:
+    return [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_syntax_and_shellcheck(script):
+    subprocess.run(["bash", "-n", script], check=True)
+    shellcheck = shutil.which("shellcheck") or os.path.join(os.path.dirname(sys.executable), "shellcheck")
+    r = subprocess.run([shellcheck, "-x", script], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _sbatch_settings(path: str) -> dict:
+    text = open(path).read()
+    header = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
+    body = dict(re.findall(r"^([A-Z_]+)=(\S+)$", text, re.M))
+    return {**header, **body}
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=os.path.basename)
+def test_sbatch_matches_its_recipe(script):
+    s = _sbatch_settings(script)
+    cfg = get_recipe(s["RECIPE"])
+    assert int(s["nodes"]) == cfg.cluster.nodes
+    assert int(s["LEARNER_NODES"]) == cfg.cluster.split()[0]
+    assert int(s["ENGINE_TP"]) == cfg.rollout.engine_tensor_parallel
+    assert int(s["MAX_MODEL_LEN"]) == cfg.rollout.max_model_len
+    assert int(s["gpus-per-node"]) == cfg.cluster.gpus_per_node
+    plan = plan_layout(cfg)  # the recipe's layout fits the nodes the script asks for
+    assert plan.learner_gpus == int(s["LEARNER_NODES"]) * cfg.cluster.gpus_per_node
+
+
+def _run_job(script, fake_bin, tmp_path, learner_rc=0, restart=0, extra=()):
+    log = tmp_path / "calls.jsonl"
+    s = _sbatch_settings(script)
+    nodes = [f"gpu{i:03d}" for i in range(int(s["nodes"]))]
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_NODES": " ".join(nodes),
+           "FAKE_LEARNER_RC": str(learner_rc), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": f"gpu[000-{len(nodes) - 1:03d}]",
+           "SLURM_SUBMIT_DIR": ROOT, "SLURM_RESTART_COUNT": str(restart), "SLURM_GPUS_ON_NODE": "8",
+           "MODEL_DIR": "/models/base", "OUTPUT_DIR": str(tmp_path / "run"), "CONTAINER_IMAGE": "/images/spice.sqsh",
+           "CONTAINER_MOUNTS": "/lustre/models:/models"}
+    env.pop("SPICE_ROLLOUT_TOKEN", None)
+    r = subprocess.run(["bash", script, *extra], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    return r, _records(log), nodes, s
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=os.path.basename)
+def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
+    r, calls, nodes, s = _run_job(script, fake_bin, tmp_path, extra=["run.iterations=5"])
+    assert r.returncode == 0, r.stderr
+    learners, rollouts = nodes[:int(s["LEARNER_NODES"])], nodes[int(s["LEARNER_NODES"]):]
+    sruns = [c for c in calls if c["cmd"] == "srun"]
+    rollout = next(c for c in sruns if "slurm/rollout_node.sh" in c["argv"])
+    learner = next(c for c in sruns if "torch.distributed.run" in c["argv"])
+    # placement: each role on its own nodes, inside the container
+    assert f"-w={','.join(rollouts)}" in "=".join(rollout["argv"]) or ",".join(rollouts) in rollout["argv"]
+    assert ",".join(learners) in learner["argv"]
+    for c in (rollout, learner):
+        assert "--container-image=/images/spice.sqsh" in c["argv"]
+        assert any(a.startswith("--container-mounts=") and "/lustre/models:/models" in a for a in c["argv"])
+        assert any(a.startswith("--output=") and str(tmp_path / "run" / "logs") in a for a in c["argv"])
+    assert any("rollout_%N" in a for a in rollout["argv"]) and any("learner_%N" in a for a in learner["argv"])
+    # the engines are healthy before the learner starts
+    order = [c["cmd"] + (":learner" if "torch.distributed.run" in c["argv"] else "") for c in calls]
+    engines = int(s["nodes"]) - int(s["LEARNER_NODES"])
+    per_node = 8 // int(s["ENGINE_TP"])
+    health = [c["argv"][-1] for c in calls if c["cmd"] == "curl"]
+    assert sorted(health) == sorted(f"http://{h}:{8100 + i}/health" for h in rollouts for i in range(per_node))
+    assert len(health) == engines * per_node and order.index("srun:learner") > max(
+        i for i, o in enumerate(order) if o == "curl")
+    # torchrun rendezvous over the learner nodes; the recipe, resume and overrides reach the trainer
+    a = learner["argv"]
+    assert f"--nnodes={s['LEARNER_NODES']}" in a and "--nproc-per-node=8" in a
+    assert "--rdzv-endpoint=10.1.2.3:29500" in a and "--rdzv-id=4242" in a
+    assert a[a.index("--recipe") + 1] == s["RECIPE"] and "--resume" in a and "run.iterations=5" in a
+    # addresses and token through the environment, the token never on a command line
+    env = learner["env"]
+    assert env["SPICE_ROLLOUT_NODES"] == ",".join(rollouts) and env["SPICE_ENGINES_PER_NODE"] == str(per_node)
+    assert len(env["SPICE_ROLLOUT_TOKEN"]) == 32 and rollout["env"]["SPICE_ROLLOUT_TOKEN"] == env["SPICE_ROLLOUT_TOKEN"]
+    assert all(env["SPICE_ROLLOUT_TOKEN"] not in " ".join(c["argv"]) for c in calls)
+    assert env["NCCL_CUMEM_ENABLE"] == "0" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    from spice_megatron.launch import rollout_urls_from_env
+    assert len(rollout_urls_from_env(env)) == engines * per_node
+    assert not [c for c in calls if c["cmd"] == "scontrol" and "requeue" in c["argv"]]
+
+
+@pytest.mark.parametrize("rc,restart,requeued", [(1, 0, True), (1, 3, False), (3, 0, False)])
+def test_sbatch_requeues_failures_not_the_kill_switch(fake_bin, tmp_path, rc, restart, requeued):
+    script = os.path.join(ROOT, "slurm", "spice_8b.sbatch")
+    r, calls, _, _ = _run_job(script, fake_bin, tmp_path, learner_rc=rc, restart=restart)
+    assert r.returncode == rc
+    requeues = [c for c in calls if c["cmd"] == "scontrol" and c["argv"][:1] == ["requeue"]]
+    assert bool(requeues) == requeued and all(c["argv"] == ["requeue", "4242"] for c in requeues)
+
+
+def test_rollout_node_starts_one_engine_per_gpu_group_and_fails_with_any(fake_bin, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_EXIT_PORT": "8102",
+           "SPICE_MODEL": "/models/base", "SPICE_ROLLOUT_TOKEN": "t" * 32, "SPICE_ENGINE_TP": "2",
+           "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": "8100", "SPICE_LOG_DIR": str(tmp_path / "logs")}
+    r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 7, r.stderr  # the engine on port 8102 exited with 7: the node fails with it
+    engines = [c for c in _records(log) if c["cmd"] == "python"]
+    assert sorted((c["env"]["CUDA_VISIBLE_DEVICES"], c["argv"][c["argv"].index("--port") + 1]) for c in engines) == [
+        ("0,1", "8100"), ("2,3", "8101"), ("4,5", "8102"), ("6,7", "8103")]
+    assert all(c["argv"][c["argv"].index("--tensor-parallel-size") + 1] == "2" for c in engines)
+    assert all("t" * 32 not in c["argv"] for c in engines)
