@@ -99,6 +99,42 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Check a recipe's layout against a cluster (or choose one) and estimate its step time."""
+    from recipes import get_recipe
+    from spice_megatron.config import ConfigError, apply_overrides
+    from spice_megatron.planner import PlanError, Throughput, estimate_step_time, model_spec, plan_layout
+
+    try:
+        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        if args.nodes is not None and args.learner_nodes is None:
+            cfg.cluster.learner_nodes = 0  # another node count: split it in half
+        for name in ("nodes", "gpus_per_node", "gpu_memory_gib", "learner_nodes"):
+            if getattr(args, name) is not None:
+                setattr(cfg.cluster, name, getattr(args, name))
+        cfg.cluster.validate()
+        spec = model_spec(args.model or cfg.run.model)
+        plan = plan_layout(cfg, spec, choose=args.choose)
+    except (KeyError, ConfigError, PlanError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    step = estimate_step_time(plan, spec, cfg, Throughput())
+    if args.json:
+        print(json.dumps({"plan": plan.as_dict(), "step_seconds": step}, indent=2))
+        return 0
+    print(plan.describe())
+    print(f"estimated seconds per iteration (B={cfg.selfplay.batch_docs}, G={cfg.selfplay.group_size}; "
+          f"assumptions in spice_megatron/planner.py:Throughput):")
+    for k, v in step.items():
+        if k != "train_tokens":
+            print(f"  {k:20s} {v:8.1f}")
+    print(f"  {cfg.run.iterations} iterations: {step['total'] * cfg.run.iterations / 3600:.1f} h")
+    if args.choose:
+        print(f"to use it: parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
+              f"rollout.engine_tensor_parallel={plan.engine_tp}")
+    return 0
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     """Print audit records of a run, filtered; each traces to its document and weights version."""
     path = os.path.join(args.run, "audit.jsonl") if os.path.isdir(args.run) else args.run
@@ -162,6 +198,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
     st.add_argument("overrides", nargs="*", help="config overrides such as selfplay.batch_docs=8 run.iterations=5")
     st.set_defaults(func=_cmd_train)
+
+    sl = sub.add_parser("plan", help="check or choose a cluster layout for a recipe, with memory and step-time estimates")
+    sl.add_argument("--recipe", default="qwen3_8b")
+    sl.add_argument("--model", help="HF directory whose config.json to plan for (default: the recipe's model)")
+    sl.add_argument("--nodes", type=int)
+    sl.add_argument("--gpus-per-node", type=int)
+    sl.add_argument("--gpu-memory-gib", type=float)
+    sl.add_argument("--learner-nodes", type=int)
+    sl.add_argument("--choose", action="store_true", help="choose TP/PP and engine TP instead of checking the recipe's")
+    sl.add_argument("--json", action="store_true")
+    sl.add_argument("overrides", nargs="*", help="config overrides key=value")
+    sl.set_defaults(func=_cmd_plan)
 
     sa = sub.add_parser("audit", help="print or filter a run's audit trail")
     sa.add_argument("run", help="run output directory (or its audit.jsonl)")

@@ -204,3 +204,20 @@ def test_smollm2_through_the_service_equals_in_process(tmp_path):
         assert "Paris" in text
     finally:
         engine.stop()
+
+
+def test_join_gives_each_engine_worker_its_own_sync_rank():
+    """Engines with tensor parallelism have several workers, each a weight-sync receiver."""
+    from spice_megatron.rollout.fleet import RolloutFleet
+
+    fleet = RolloutFleet(["http://a:1", "http://b:2", "http://c:3"], token="t")
+    for e, workers in zip(fleet.engines, (2, 1, 4)):
+        e.workers = workers
+    bodies = []
+    fleet._control = lambda engine, path, body: bodies.append((engine.url, body))
+    for f in fleet.join_weight_sync("10.0.0.1", 29600, num_stages=2):
+        f.result()
+    fleet.close()
+    ranks = {url: (b["first_rank"], b["num_receivers"]) for url, b in bodies}
+    assert fleet.num_receivers == 7
+    assert ranks == {"http://a:1": (2, 7), "http://b:2": (4, 7), "http://c:3": (5, 7)}

