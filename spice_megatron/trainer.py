@@ -226,7 +226,10 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     from spice_megatron.policy.learner import Learner
     from spice_megatron.policy.parallel import init_distributed
 
+    from spice_megatron.bridge.hf_io import resolve_model_dir
+
     cfg.validate()
+    cfg.run.model = resolve_model_dir(cfg.run.model)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
     is_driver = layout.rank == 0
     ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")

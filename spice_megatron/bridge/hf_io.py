@@ -16,6 +16,20 @@ class CheckpointError(RuntimeError):
     pass
 
 
+def resolve_model_dir(model: str) -> str:
+    """A local HF directory as is; a hub id is downloaded (config, tokenizer, safetensors) into the
+    HF cache, or found there when HF_HUB_OFFLINE=1. Clusters usually pass a directory."""
+    if os.path.isdir(model):
+        return model
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"])
+    except Exception as e:  # noqa: BLE001 - offline, unknown id, no access: all end the same way
+        raise CheckpointError(f"run.model={model!r} is not a local directory and could not be fetched from the hub "
+                              f"({type(e).__name__}: {e}); pass --model /path/to/hf_dir") from e
+
+
 class HFCheckpointReader:
     """Tensors of an HF model directory (model.safetensors, or shards + model.safetensors.index.json)."""
 
