@@ -82,8 +82,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                [sys.argv[0], *argv])
     from spice_megatron.trainer import KillSwitch, train
 
+    eval_hook = None
+    if args.eval_benchmarks and cfg.run.eval_every and global_rank() == 0:
+        from transformers import AutoTokenizer
+
+        from spice_megatron.eval.benchmarks import benchmark_names
+        from spice_megatron.eval.harness import EvalSettings
+        from spice_megatron.eval.run import training_eval_hook
+
+        settings = EvalSettings(max_tokens=cfg.selfplay.reasoner_max_tokens, seed=cfg.run.seed,
+                                use_chat_template=cfg.selfplay.use_chat_template)
+        eval_hook = training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data,
+                                       AutoTokenizer.from_pretrained(cfg.run.model), settings, args.eval_limit or None)
     try:
-        summary = train(cfg, resume=args.resume)
+        summary = train(cfg, resume=args.resume, eval_hook=eval_hook)
     except KillSwitch as e:
         print(f"stopped by the kill switch: {e} (a checkpoint was saved)", file=sys.stderr)
         return 3
@@ -132,6 +144,76 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.choose:
         print(f"to use it: parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
               f"rollout.engine_tensor_parallel={plan.engine_tp}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a model on benchmarks; writes results.md, results.json and items.jsonl."""
+    from spice_megatron.eval.benchmarks import benchmark_names
+    from spice_megatron.eval.harness import EvalSettings, markdown_table
+    from spice_megatron.eval.run import run_evaluation
+
+    try:
+        names = benchmark_names(args.benchmarks)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    settings = EvalSettings(max_tokens=args.max_tokens, sample_temperature=args.sample_temperature, seed=args.seed,
+                            use_chat_template=args.chat_template)
+    try:
+        report, paths = run_evaluation(args.model, names, args.output, args.data, args.source, args.limit or None,
+                                       settings, engines=args.engines.split(",") if args.engines else None,
+                                       kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(markdown_table(report))
+    print(f"written: {paths['markdown']}, {paths['json']}, per-item records {paths['items']}")
+    return 0
+
+
+def _cmd_curves(args: argparse.Namespace) -> int:
+    """Training curves of a run (metrics.jsonl) as a PNG."""
+    from spice_megatron.eval.analysis import plot_training_curves
+
+    path = os.path.join(args.run, "metrics.jsonl") if os.path.isdir(args.run) else args.run
+    if not os.path.exists(path):
+        print(f"error: {path} does not exist", file=sys.stderr)
+        return 1
+    out = args.out or os.path.join(os.path.dirname(path), "training_curves.png")
+    try:
+        print(f"written: {plot_training_curves(path, out)}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_coevolution(args: argparse.Namespace) -> int:
+    """Paper fig. 3 for a list of HF checkpoints on a fixed pool of documents."""
+    from transformers import AutoTokenizer
+
+    from recipes import get_recipe
+    from spice_megatron.config import CorpusConfig, SourceConfig, apply_overrides
+    from spice_megatron.eval.analysis import coevolution, fixed_documents
+
+    checkpoints = [c for c in args.checkpoints.split(",") if c]
+    missing = [c for c in checkpoints if not os.path.exists(os.path.join(c, "config.json"))]
+    if len(checkpoints) < 2 or missing:
+        print(f"error: --checkpoints needs at least two HF directories; without config.json: {missing}", file=sys.stderr)
+        return 2
+    cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+    paths = args.source or [os.path.join(args.data, "corpus", "math.jsonl"), os.path.join(args.data, "corpus", "general.jsonl")]
+    corpus_cfg = CorpusConfig(sources=[SourceConfig(path=p) for p in paths], max_doc_tokens=args.max_doc_tokens,
+                              max_docs=max(args.documents * 4, 100), min_doc_tokens=cfg.corpus.min_doc_tokens)
+    docs = fixed_documents(corpus_cfg, AutoTokenizer.from_pretrained(checkpoints[0]), args.documents, args.seed)
+    result = coevolution(checkpoints, docs, cfg.selfplay, args.output, args.fixed_reasoner, args.fixed_challenger,
+                         args.seed, args.kv_cache_gib, args.max_model_len)
+    for key in ("fixed_reasoner_vs_challengers", "reasoners_vs_fixed_challenger"):
+        print(key)
+        for r in result[key]:
+            print(f"  {r['checkpoint']}: {r['correct']}/{r['answers']} correct on {r['tasks']} tasks")
+    print(f"written: {args.output}/coevolution.json, {result['png']}")
     return 0
 
 
@@ -196,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--output-dir")
     st.add_argument("--corpus", action="append", help="corpus file/glob or hub id (repeatable); replaces the recipe's")
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
+    st.add_argument("--eval-benchmarks", default="", help="evaluate every run.eval_every iterations: 'offline', "
+                    "'paper' or a comma-separated list")
+    st.add_argument("--eval-limit", type=int, default=0, help="items per benchmark during training (0: all)")
+    st.add_argument("--eval-data", default=DEFAULT_OUT, help="prepared data directory holding eval/")
     st.add_argument("overrides", nargs="*", help="config overrides such as selfplay.batch_docs=8 run.iterations=5")
     st.set_defaults(func=_cmd_train)
 
@@ -210,6 +296,44 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--json", action="store_true")
     sl.add_argument("overrides", nargs="*", help="config overrides key=value")
     sl.set_defaults(func=_cmd_plan)
+
+    se = sub.add_parser("eval", help="evaluate a model on the paper's benchmarks (or the offline sets)")
+    se.add_argument("--model", required=True, help="HF directory, SPICE run directory or Megatron checkpoint")
+    se.add_argument("--benchmarks", default="offline", help="'paper', 'offline' or a comma-separated list")
+    se.add_argument("--output", default="eval_results")
+    se.add_argument("--data", default=DEFAULT_OUT, help="prepared data directory (offline sets under eval/)")
+    se.add_argument("--source", choices=["auto", "offline", "hub"], default="auto",
+                    help="auto: the offline file when there is one, else the hub")
+    se.add_argument("--limit", type=int, default=0, help="first N items of each benchmark (0: all)")
+    se.add_argument("--max-tokens", type=int, default=4096)
+    se.add_argument("--sample-temperature", type=float, default=0.6, help="for avg@k benchmarks (AIME: 32 samples)")
+    se.add_argument("--seed", type=int, default=1234)
+    se.add_argument("--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template")
+    se.add_argument("--engines", default="", help="comma-separated rollout engine URLs (default: start one here)")
+    se.add_argument("--kv-cache-gib", type=float, default=1.0)
+    se.add_argument("--max-model-len", type=int, default=8192)
+    se.set_defaults(func=_cmd_eval)
+
+    sv = sub.add_parser("curves", help="plot a run's training curves (valid-task rate, pass rate, rewards, loss, times)")
+    sv.add_argument("run", help="run output directory (or its metrics.jsonl)")
+    sv.add_argument("--out", help="PNG path (default: RUN/training_curves.png)")
+    sv.set_defaults(func=_cmd_curves)
+
+    so = sub.add_parser("coevolution", help="pass rates of fixed vs evolving challenger/reasoner checkpoints (paper fig. 3)")
+    so.add_argument("--checkpoints", required=True, help="comma-separated HF directories, in training order")
+    so.add_argument("--fixed-reasoner", help="default: the first checkpoint")
+    so.add_argument("--fixed-challenger", help="default: the first checkpoint")
+    so.add_argument("--recipe", default="tiny_cpu", help="recipe whose selfplay settings (G, lengths, template) apply")
+    so.add_argument("--data", default=DEFAULT_OUT)
+    so.add_argument("--source", action="append", help="document source (default: the prepared corpus)")
+    so.add_argument("--documents", type=int, default=64)
+    so.add_argument("--max-doc-tokens", type=int, default=1024)
+    so.add_argument("--seed", type=int, default=1234)
+    so.add_argument("--output", default="coevolution")
+    so.add_argument("--kv-cache-gib", type=float, default=1.0)
+    so.add_argument("--max-model-len", type=int, default=4096)
+    so.add_argument("overrides", nargs="*", help="config overrides, e.g. selfplay.group_size=8")
+    so.set_defaults(func=_cmd_coevolution)
 
     sa = sub.add_parser("audit", help="print or filter a run's audit trail")
     sa.add_argument("run", help="run output directory (or its audit.jsonl)")

@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field
 
 ANSWER_TYPES = ("multiple_choice", "integer", "expression", "string")
-OPTION_LETTERS = ("A", "B", "C", "D")
+OPTION_LETTERS = ("A", "B", "C", "D")  # a challenger's multiple-choice task has exactly four options
+ANSWER_LETTERS = "ABCDEFGHIJ"  # benchmarks such as MMLU-Pro and SuperGPQA have up to ten
 MAX_OUTPUT_CHARS = 32_000  # longer challenger outputs are rejected before any parsing
 MAX_QUESTION_CHARS = 4_000
 MAX_STRING_ANSWER_CHARS = 100
@@ -64,7 +65,7 @@ class Task:
         """The question as the reasoner sees it (options included, document never)."""
         if self.answer_type != "multiple_choice":
             return self.question
-        opts = "\n".join(f"{letter}) {text}" for letter, text in zip(OPTION_LETTERS, self.options))
+        opts = "\n".join(f"{letter}) {text}" for letter, text in zip(ANSWER_LETTERS, self.options))
         return f"{self.question}\n\n{opts}"
 
 
@@ -113,7 +114,7 @@ def _last_tag(text: str, tag: str) -> str | None:
 
 
 _OPTION_LINE = re.compile(r"^\s*\(?([A-Za-z])\s*[).:]\s*(.*)$")
-_LETTER = re.compile(r"^\s*(?:\\boxed\{\s*)?\(?\s*([A-Da-d])\s*\)?\s*\}?\s*(?:[).:]\s*.*)?$", re.S)
+_LETTER = re.compile(r"^\s*(?:\\boxed\{\s*)?\(?\s*([A-Ja-j])\s*\)?\s*\}?\s*(?:[).:]\s*.*)?$", re.S)
 INTEGER_ANSWER = re.compile(r"^[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)$")
 _MATH_CHARS = re.compile(r"[0-9\\^_=+\-*/()\[\]{}<>]")
 
@@ -202,6 +203,8 @@ def _parse(text: str) -> ParseResult:
         if len({t.lower() for t in texts}) != 4:
             return ParseResult(None, "duplicate_options")
         letter = parse_letter(answer)
+        if letter is not None and letter not in OPTION_LETTERS:
+            return ParseResult(None, "answer_not_in_options", {"answer": answer[:100]})
         if letter is None:
             # The gold may be written as the option's text instead of its letter.
             matches = [x for x, t in options if t.strip().lower() == answer.strip().lower()]

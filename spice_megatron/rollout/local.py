@@ -3,10 +3,12 @@ srun on rollout nodes and hand the trainer their addresses instead."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import requests
@@ -77,3 +79,26 @@ def restart(engine: LocalEngine, token: str) -> LocalEngine:
     model = engine.args[engine.args.index("--model") + 1]
     extra = engine.args[engine.args.index("--port") + 2:]
     return start_engine(model, token, os.path.dirname(engine.log_path), port, extra)
+
+
+@contextmanager
+def local_fleet(model_dir: str, log_dir: str, max_model_len: int = 4096, kv_cache_gib: float = 1.0, seed: int = 0,
+                engines: int = 1):
+    """Local rollout services on `model_dir` for the duration of a block (evaluation, analysis);
+    yields a RolloutFleet over them and stops them afterwards."""
+    from spice_megatron.rollout.fleet import RolloutFleet
+
+    token = secrets.token_hex(16)
+    extra = ["--max-model-len", str(max_model_len), "--kv-cache-gib", str(kv_cache_gib), "--seed", str(seed),
+             "--exit-with-parent", str(os.getpid())]
+    started = [start_engine(model_dir, token, log_dir, extra=extra) for _ in range(engines)]
+    fleet = None
+    try:
+        wait_healthy(started)
+        fleet = RolloutFleet([e.url for e in started], token)
+        yield fleet
+    finally:
+        if fleet is not None:
+            fleet.close()
+        for e in started:
+            e.stop()

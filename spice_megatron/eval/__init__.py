@@ -1,0 +1,1 @@
+"""Evaluation on the paper's benchmarks and analysis of runs."""

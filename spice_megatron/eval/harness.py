@@ -1,0 +1,152 @@
+"""Generate answers to benchmark items, grade them, and write the paper-style table.
+
+Prompts are the reasoner's (`tasks.reasoner_prompt`): the model is evaluated the way it was trained
+to answer. Decoding is greedy, except for benchmarks scored as avg@k (AIME: 32 samples at
+`sample_temperature`). Grading is `verify.py`'s; an optional judge is asked only about answers the
+rules reject, and what it accepted is marked in the per-item records.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
+
+from spice_megatron.eval.benchmarks import LoadedBenchmark
+from spice_megatron.rollout.types import Completion, SamplingSpec
+from spice_megatron.tasks import extract_boxed, reasoner_prompt
+
+log = logging.getLogger(__name__)
+
+Generate = Callable[[list[str], SamplingSpec], list[list[Completion]]]
+
+
+class Judge(Protocol):
+    def __call__(self, question: str, prediction: str, gold: str) -> bool: ...
+
+
+@dataclass
+class EvalSettings:
+    max_tokens: int = 4096
+    sample_temperature: float = 0.6  # for avg@k benchmarks
+    sample_top_p: float = 0.95
+    seed: int = 1234
+    use_chat_template: bool = False
+
+
+@dataclass
+class BenchmarkResult:
+    name: str
+    category: str
+    status: str  # ok | unavailable
+    reason: str = ""
+    source: str = ""
+    items: int = 0
+    samples_per_item: int = 1
+    correct: float = 0.0  # answers graded correct, summed over samples
+    accuracy: float = float("nan")  # percent; avg@k over samples where samples_per_item > 1
+    judged_correct: int = 0  # answers the judge accepted after the rules rejected them
+    no_answer: int = 0  # answers without a \boxed{}
+    skipped_records: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class EvalReport:
+    model: str
+    results: list[BenchmarkResult]
+    summary: dict[str, float] = field(default_factory=dict)
+
+
+def evaluate_benchmark(loaded: LoadedBenchmark, generate: Generate, verifier, tokenizer, settings: EvalSettings,
+                       judge: Judge | None = None) -> tuple[BenchmarkResult, list[dict]]:
+    b, items = loaded.benchmark, loaded.items
+    t0 = time.perf_counter()
+    prompts = [reasoner_prompt(it.task(), tokenizer, settings.use_chat_template) for it in items]
+    if b.samples > 1:
+        spec = SamplingSpec(n=b.samples, temperature=settings.sample_temperature, top_p=settings.sample_top_p,
+                            max_tokens=settings.max_tokens, seed=settings.seed, logprobs=False)
+    else:
+        spec = SamplingSpec(n=1, temperature=0.0, max_tokens=settings.max_tokens, logprobs=False)
+    outputs = generate(prompts, spec)
+    flat = [(it, c, extract_boxed(c.text)) for it, comps in zip(items, outputs) for c in comps]
+    verdicts = verifier.verify_batch([(pred, it.answer, it.answer_type) for it, _, pred in flat])
+    records, judged = [], 0
+    for (it, c, pred), ok in zip(flat, verdicts):
+        by_judge = False
+        if not ok and judge is not None and pred:
+            by_judge = ok = bool(judge(it.question, pred, it.answer))
+            judged += by_judge
+        records.append({"benchmark": b.name, "id": it.id, "answer_type": it.answer_type, "gold": it.answer,
+                        "extracted": pred, "correct": ok, "by_judge": by_judge, "finish_reason": c.finish_reason,
+                        "output": c.text})
+    correct = float(sum(r["correct"] for r in records))
+    result = BenchmarkResult(b.name, b.category, "ok", source=loaded.source, items=len(items),
+                             samples_per_item=b.samples, correct=correct,
+                             accuracy=100.0 * correct / len(records) if records else float("nan"),
+                             judged_correct=judged, no_answer=sum(r["extracted"] is None for r in records),
+                             skipped_records=sum(loaded.skipped.values()), seconds=time.perf_counter() - t0)
+    return result, records
+
+
+def summarise(results: list[BenchmarkResult]) -> dict[str, float]:
+    """Unweighted means over available benchmarks, as the paper averages them."""
+    def mean(cat: str | None) -> float:
+        accs = [r.accuracy for r in results if r.status == "ok" and (cat is None or r.category == cat)]
+        return sum(accs) / len(accs) if accs else float("nan")
+
+    return {"math_average": mean("math"), "general_average": mean("general"), "overall_average": mean(None),
+            "benchmarks_evaluated": float(sum(r.status == "ok" for r in results)),
+            "benchmarks_unavailable": float(sum(r.status != "ok" for r in results))}
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.1f}"
+
+
+def markdown_table(report: EvalReport) -> str:
+    lines = [f"# Evaluation of `{report.model}`", "",
+             "| benchmark | category | accuracy (%) | items | samples/item | correct | no \\boxed{} | source |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report.results:
+        if r.status == "ok":
+            lines.append(f"| {r.name} | {r.category} | {_pct(r.accuracy)} | {r.items} | {r.samples_per_item} | "
+                         f"{r.correct:g} | {r.no_answer} | {r.source} |")
+        else:
+            lines.append(f"| {r.name} | {r.category} | unavailable | 0 | - | - | - | {r.reason} |")
+    s = report.summary
+    lines += ["", "| average | value (%) |", "|---|---|",
+              f"| math | {_pct(s['math_average'])} |", f"| general | {_pct(s['general_average'])} |",
+              f"| overall | {_pct(s['overall_average'])} |", "",
+              f"{int(s['benchmarks_evaluated'])} benchmark(s) evaluated, {int(s['benchmarks_unavailable'])} unavailable. "
+              "Greedy decoding; avg@k benchmarks sample k answers per item."]
+    return "\n".join(lines) + "\n"
+
+
+def json_safe(obj):
+    """NaN (an unavailable benchmark's accuracy, a pass rate over no answers) as null: strict JSON."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def write_report(out_dir: str, report: EvalReport, records: list[dict]) -> dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, "results.json"), "markdown": os.path.join(out_dir, "results.md"),
+             "items": os.path.join(out_dir, "items.jsonl")}
+    with open(paths["json"], "w") as f:
+        json.dump(json_safe({"model": report.model, "summary": report.summary,
+                             "benchmarks": [asdict(r) for r in report.results]}), f, indent=2, allow_nan=False)
+    with open(paths["markdown"], "w") as f:
+        f.write(markdown_table(report))
+    with open(paths["items"], "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return paths

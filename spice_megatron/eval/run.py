@@ -1,0 +1,97 @@
+"""`spice eval`: a model (HF directory, SPICE run, or Megatron checkpoint) on a set of benchmarks,
+generated through rollout engines (started here, or given), graded, tabulated."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+
+from spice_megatron.eval.benchmarks import BenchmarkUnavailable, load_benchmark
+from spice_megatron.eval.harness import (BenchmarkResult, EvalReport, EvalSettings, Judge, evaluate_benchmark,
+                                         summarise, write_report)
+
+log = logging.getLogger(__name__)
+
+
+def resolve_eval_model(path: str, work_dir: str) -> str:
+    """An HF directory for `path`: itself, a run's hf_final/, or a Megatron checkpoint (root or
+    step directory) converted into work_dir/hf_model."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if os.path.exists(os.path.join(path, "hf_final", "config.json")):
+        return os.path.join(path, "hf_final")
+    ckpt = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    if not (os.path.exists(os.path.join(ckpt, "latest")) or os.path.exists(os.path.join(ckpt, "layout.json"))):
+        raise FileNotFoundError(f"--model {path}: neither an HF directory (config.json), a SPICE run (hf_final/) "
+                                f"nor a Megatron checkpoint (latest or layout.json)")
+    out = os.path.join(work_dir, "hf_model")
+    # a fresh process: the conversion initialises torch.distributed for its own world of one
+    code = "import sys; from spice_megatron.bridge.convert import convert_to_hf; convert_to_hf(sys.argv[1], sys.argv[2])"
+    subprocess.run([sys.executable, "-c", code, ckpt, out], check=True)
+    return out
+
+
+def run_evaluation(model: str, names: list[str], out_dir: str, data_dir: str = "", source: str = "auto",
+                   limit: int | None = None, settings: EvalSettings | None = None, engines: list[str] | None = None,
+                   token: str = "", judge: Judge | None = None, kv_cache_gib: float = 1.0,
+                   max_model_len: int = 8192) -> tuple[EvalReport, dict[str, str]]:
+    from transformers import AutoTokenizer
+
+    from spice_megatron.rollout.fleet import RolloutFleet
+    from spice_megatron.rollout.local import local_fleet
+    from spice_megatron.verify import AnswerVerifier
+
+    settings = settings or EvalSettings()
+    model_dir = resolve_eval_model(model, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if engines:
+        fleet_ctx = contextlib.closing(RolloutFleet(engines, token or os.environ.get("SPICE_ROLLOUT_TOKEN", "")))
+    else:
+        fleet_ctx = local_fleet(model_dir, os.path.join(out_dir, "logs"), max_model_len, kv_cache_gib, settings.seed)
+    results: list[BenchmarkResult] = []
+    records: list[dict] = []
+    verifier = AnswerVerifier()
+    try:
+        with fleet_ctx as fleet:
+            for name in names:
+                try:
+                    loaded = load_benchmark(name, data_dir, source, limit)
+                except BenchmarkUnavailable as e:
+                    from spice_megatron.eval.benchmarks import BENCHMARKS
+
+                    log.warning("benchmark %s unavailable: %s", name, e)
+                    results.append(BenchmarkResult(name, BENCHMARKS[name].category, "unavailable", reason=str(e)))
+                    continue
+                log.info("evaluating %s: %d items from %s", name, len(loaded.items), loaded.source)
+                result, recs = evaluate_benchmark(loaded, fleet.generate, verifier, tokenizer, settings, judge)
+                results.append(result)
+                records.extend(recs)
+    finally:
+        verifier.close()
+    report = EvalReport(model, results, summarise(results))
+    return report, write_report(out_dir, report, records)
+
+
+def training_eval_hook(names: list[str], data_dir: str, tokenizer, settings: EvalSettings, limit: int | None = None):
+    """The trainer's evaluation hook: the given benchmarks through the training fleet (which holds
+    the current weights); returns accuracies and averages, logged under eval/."""
+    from spice_megatron.verify import AnswerVerifier
+
+    loaded, verifier = {}, None
+    for name in names:
+        try:
+            loaded[name] = load_benchmark(name, data_dir, "auto", limit)
+        except BenchmarkUnavailable as e:
+            log.warning("evaluation during training: %s unavailable (%s); left out", name, e)
+
+    def hook(iteration: int, fleet) -> dict[str, float]:
+        nonlocal verifier
+        verifier = verifier or AnswerVerifier(processes=1)
+        results = [evaluate_benchmark(b, fleet.generate, verifier, tokenizer, settings)[0] for b in loaded.values()]
+        out = {r.name: r.accuracy for r in results}
+        out.update({k: v for k, v in summarise(results).items() if k.endswith("average")})
+        return out
+
+    return hook
