@@ -21,6 +21,8 @@ import math
 import os
 import random
 import secrets
+import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -34,6 +36,33 @@ log = logging.getLogger("spice.trainer")
 
 class KillSwitch(RuntimeError):
     """The run stopped itself (non-finite loss, no valid tasks, reward collapse)."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C or SIGTERM: the run finished its iteration, saved a checkpoint and stopped."""
+
+
+class StopRequest:
+    """The first Ctrl-C (or SIGTERM, as Slurm sends before a kill) asks the loop to stop after the
+    current iteration, with a checkpoint that resumes exactly; a second Ctrl-C aborts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("%s: stopping after this iteration with a checkpoint (Ctrl-C again to abort without one)",
+                    signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _broadcast(obj: Any) -> Any:
@@ -257,6 +286,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     summary: dict[str, Any] = {}
     iteration, version = state["iteration"], state["version"]
     progress = tqdm(total=cfg.run.iterations, initial=iteration, desc="SPICE", disable=not is_driver)
+    stop_request = StopRequest()
     try:
         while iteration < cfg.run.iterations:
             t_iter = time.perf_counter()
@@ -305,17 +335,16 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
                     stop = str(e)
             else:
                 stop = ""
+            interrupted = _broadcast(stop_request.requested if driver else False)  # rank 0's signal counts
             stop = _broadcast(stop)
-            if stop or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
+            if stop or interrupted or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
                 checkpoint(iteration, version)
             if stop:
                 raise KillSwitch(stop)
-    except KeyboardInterrupt:
-        if is_driver:
-            log.warning("interrupted: saving a checkpoint at iteration %d", iteration)
-        checkpoint(iteration, version)
-        raise
+            if interrupted and iteration < cfg.run.iterations:
+                raise Interrupted(f"stopped after iteration {iteration} with a checkpoint; continue with --resume")
     finally:
+        stop_request.restore()
         progress.close()
         if driver:
             driver.close()

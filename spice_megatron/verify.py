@@ -16,6 +16,7 @@ import atexit
 import logging
 import multiprocessing as mp
 import re
+import signal
 import string
 import threading
 import time
@@ -33,13 +34,16 @@ MAX_ANSWER_CHARS = 2000  # longer predictions are wrong by construction, never p
 
 
 def _worker_main(conn, soft_timeout: int) -> None:
+    # Ctrl-C reaches the whole process group; the trainer decides what it means (finish the
+    # iteration) and closes the pool itself, so a worker must neither die nor fail a verdict on it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.disable(logging.WARNING)  # Math-Verify logs every parse failure
     from math_verify import parse, verify
 
     while True:
         try:
             gold, pred = conn.recv()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             return
         try:
             ok = bool(verify(parse(gold, parsing_timeout=soft_timeout), parse(pred, parsing_timeout=soft_timeout),

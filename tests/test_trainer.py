@@ -58,11 +58,18 @@ def weights(out):
     return w
 
 
-def test_run_resume_after_kill_and_kill_switch(setup):
+@pytest.fixture(scope="module")
+def straight(setup):
+    """4 iterations without interruption: the reference for the resume tests."""
     model, corpus, root = setup
-    straight = str(root / "straight")
-    rc, text = spice_train(model, corpus, straight, "run.iterations=4")
+    out = str(root / "straight")
+    rc, text = spice_train(model, corpus, out, "run.iterations=4")
     assert rc == 0, text[-3000:]
+    return out
+
+
+def test_run_resume_after_kill_and_kill_switch(setup, straight):
+    model, corpus, root = setup
     metrics = records(os.path.join(straight, "metrics.jsonl"))
     audit = records(os.path.join(straight, "audit.jsonl"))
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
@@ -95,11 +102,45 @@ def test_run_resume_after_kill_and_kill_switch(setup):
     base = load_file(os.path.join(model, "model.safetensors"))
     assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
 
-    # the kill switch: no valid task for 1 iteration stops the run with a checkpoint
+    # the kill switch: no valid task for 1 iteration stops the run with a checkpoint. The evaluation
+    # hook runs first (run.eval_every=1) on a small offline set through the training fleet.
+    eval_dir = root / "eval_data" / "eval"
+    eval_dir.mkdir(parents=True)
+    (eval_dir / "gsm8k_test.jsonl").write_text("".join(
+        json.dumps({"id": f"g{i}", "question": f"What is {i} plus {i}?", "answer": str(2 * i), "answer_type": "integer"})
+        + "\n" for i in range(3)))
     stopped = str(root / "stopped")
-    rc, text = spice_train(model, corpus, stopped, "run.iterations=4", "run.min_valid_task_rate=0.5", "run.patience=1")
+    rc, text = spice_train(model, corpus, stopped, "run.iterations=4", "run.min_valid_task_rate=0.5", "run.patience=1",
+                           "run.eval_every=1", "--eval-benchmarks", "gsm8k,mmlu", "--eval-data", str(root / "eval_data"),
+                           "--eval-limit", "2")
     assert rc == 3 and "kill switch" in text
     assert os.path.exists(os.path.join(stopped, "checkpoints", "step_00000001", "layout.json"))
+    (m,) = records(os.path.join(stopped, "metrics.jsonl"))
+    assert m["eval/gsm8k"] == 0.0 and "eval/overall_average" in m and m["time/eval"] > 0  # mmlu: unavailable, left out
+    assert "mmlu unavailable" in text
+
+
+def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_that_resumes_exactly(setup, straight):
+    model, corpus, root = setup
+    out = str(root / "interrupted")
+    proc = spice_train(model, corpus, out, "run.iterations=4", wait=False)
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 600
+    while not (os.path.exists(metrics_path) and open(metrics_path).read().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first iteration"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)  # during iteration 2
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 130, text[-3000:]
+    assert "stopping after this iteration" in text and "continue with --resume" in text
+    done = len(records(metrics_path))
+    assert 2 <= done < 4
+    assert os.path.exists(os.path.join(out, "checkpoints", f"step_{done:08d}", "trainer_state.json"))
+    rc, text = spice_train(model, corpus, out, "run.iterations=4", resume=True)
+    assert rc == 0, text[-3000:]
+    assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
+    a, b = weights(straight), weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_smollm2_demo_run(tmp_path):
