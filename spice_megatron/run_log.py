@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 from typing import Any
 
 
@@ -52,9 +53,20 @@ class MetricsLogger:
         self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
         self.wandb = None
         if wandb_project:
-            import wandb
-
-            self.wandb = wandb.init(project=wandb_project, name=run_name, config=config, resume="allow")
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError("run.wandb_project is set but wandb is not installed: "
+                                   "pip install 'spice_megatron[wandb]'") from None
+            # The run id lives with the run, so a resumed run continues the same W&B run.
+            id_path = os.path.join(out_dir, "wandb_run_id")
+            if not os.path.exists(id_path):
+                with open(id_path, "w") as f:
+                    f.write(secrets.token_hex(8))
+            with open(id_path) as f:
+                run_id = f.read().strip()
+            self.wandb = wandb.init(project=wandb_project, name=run_name or None, config=config, id=run_id,
+                                    resume="allow", dir=out_dir)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.jsonl.write([{"iteration": step, **metrics}])

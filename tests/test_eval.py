@@ -87,6 +87,23 @@ def test_grading_of_known_answers(verifier):
     assert [r["by_judge"] for r in records] == [True, False, False, False, False]
 
 
+def test_llm_judge_asks_a_served_model():
+    from spice_megatron.eval.harness import LLMJudge
+
+    class Fleet:
+        prompts = []
+
+        def generate(self, prompts, spec):
+            self.prompts += prompts
+            assert spec.temperature == 0.0
+            return [[Completion(" Yes." if "Candidate answer: forty-two" in p else "no")] for p in prompts]
+
+    fleet = Fleet()
+    judge = LLMJudge(fleet)
+    assert judge("6*7?", "forty-two", "42") and not judge("6*7?", "41", "42")
+    assert judge.calls == 2 and "Reference answer: 42" in fleet.prompts[0]
+
+
 def test_aime_is_the_average_of_32_samples(verifier):
     items = [EvalItem("x", "AIME one", "7", "integer"), EvalItem("y", "AIME two", "100", "integer")]
     generate, calls = _scripted({"one": ["\\boxed{7}"] * 8 + ["\\boxed{1}"] * 24, "two": ["\\boxed{100}"] * 32})

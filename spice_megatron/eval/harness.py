@@ -150,3 +150,27 @@ def write_report(out_dir: str, report: EvalReport, records: list[dict]) -> dict[
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     return paths
+
+
+JUDGE_PROMPT = ("You are grading an answer to a problem. Decide whether the candidate answer means the same as "
+                "the reference answer (equal values, equivalent expressions, the same entity). Reply with one "
+                "word: yes or no.\n\nProblem:\n{question}\n\nReference answer: {gold}\nCandidate answer: {prediction}\n"
+                "\nSame answer?")
+
+
+class LLMJudge:
+    """A judge model behind rollout engines (a RolloutFleet): greedy, one word, 'yes' accepts."""
+
+    def __init__(self, fleet, tokenizer=None, max_tokens: int = 8):
+        self.fleet, self.tokenizer, self.max_tokens = fleet, tokenizer, max_tokens
+        self.calls = 0
+
+    def __call__(self, question: str, prediction: str, gold: str) -> bool:
+        text = JUDGE_PROMPT.format(question=question[:4000], gold=gold, prediction=prediction[:500])
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        self.calls += 1
+        (reply,), = self.fleet.generate([text], SamplingSpec(n=1, temperature=0.0, max_tokens=self.max_tokens,
+                                                            logprobs=False))
+        return reply.text.strip().lower().startswith("yes")
