@@ -186,13 +186,21 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_file(run: str, name: str) -> str | None:
+    """RUN/name for a run directory, else `run` itself; None, with the error printed, when missing."""
+    path = os.path.join(run, name) if os.path.isdir(run) else run
+    if not os.path.exists(path):
+        print(f"error: {path} does not exist", file=sys.stderr)
+        return None
+    return path
+
+
 def _cmd_curves(args: argparse.Namespace) -> int:
     """Training curves of a run (metrics.jsonl) as a PNG."""
     from spice_megatron.eval.analysis import plot_training_curves
 
-    path = os.path.join(args.run, "metrics.jsonl") if os.path.isdir(args.run) else args.run
-    if not os.path.exists(path):
-        print(f"error: {path} does not exist", file=sys.stderr)
+    path = _run_file(args.run, "metrics.jsonl")
+    if path is None:
         return 1
     out = args.out or os.path.join(os.path.dirname(path), "training_curves.png")
     try:
@@ -233,9 +241,8 @@ def _cmd_coevolution(args: argparse.Namespace) -> int:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     """Print audit records of a run, filtered; each traces to its document and weights version."""
-    path = os.path.join(args.run, "audit.jsonl") if os.path.isdir(args.run) else args.run
-    if not os.path.exists(path):
-        print(f"error: {path} does not exist", file=sys.stderr)
+    path = _run_file(args.run, "audit.jsonl")
+    if path is None:
         return 1
     shown = 0
     with open(path) as f:

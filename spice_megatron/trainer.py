@@ -251,11 +251,10 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     from transformers import AutoTokenizer
 
     from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint
+    from spice_megatron.bridge.hf_io import resolve_model_dir
     from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from spice_megatron.policy.learner import Learner
     from spice_megatron.policy.parallel import init_distributed
-
-    from spice_megatron.bridge.hf_io import resolve_model_dir
 
     cfg.validate()
     cfg.run.model = resolve_model_dir(cfg.run.model)
@@ -333,10 +332,8 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
                     stop = ""
                 except KillSwitch as e:
                     stop = str(e)
-            else:
-                stop = ""
-            interrupted = _broadcast(stop_request.requested if driver else False)  # rank 0's signal counts
-            stop = _broadcast(stop)
+            # rank 0 decides for all: its kill switch, and its Ctrl-C / SIGTERM
+            stop, interrupted = _broadcast((stop, stop_request.requested) if driver else None)
             if stop or interrupted or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
                 checkpoint(iteration, version)
             if stop:

@@ -147,7 +147,6 @@ def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier):
     'What is k plus k?'; checkpoint k's reasoner answers 2k to every question, so it is right only
     on its own tasks."""
     import contextlib
-    import re
     from types import SimpleNamespace
 
     import transformers

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import random
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
