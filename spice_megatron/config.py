@@ -206,6 +206,9 @@ class RolloutConfig:
     sync_host: str = ""  # where the stage senders meet the engines ("": loopback for local engines, else rank 0's host)
     sync_port: int = 0  # 0: pick a free port
     bucket_mb: int = 512
+    # How long a weight-sync member waits for its peers in one step. It bounds how long the engines
+    # wait for buckets from a sender that failed (an engine died mid-sync) before the sync is retried.
+    sync_timeout: float = 300.0
     engine_tensor_parallel: int = 1  # GPUs per vLLM engine (cluster launchers start engines with it)
     gpu_memory_utilization: float = 0.85  # vLLM's share of each engine GPU (weights + KV cache)
 
@@ -213,6 +216,7 @@ class RolloutConfig:
         _require(bool(self.engines) or self.local_engines >= 1, f"{prefix}.local_engines",
                  "needs >= 1 when no rollout.engines are given")
         _require(self.bucket_mb > 0, f"{prefix}.bucket_mb", "must be > 0")
+        _require(self.sync_timeout > 0, f"{prefix}.sync_timeout", "must be > 0")
         _require(self.engine_tensor_parallel >= 1, f"{prefix}.engine_tensor_parallel", "must be >= 1")
         _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization", "must be in (0, 1]")
 

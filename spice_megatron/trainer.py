@@ -44,7 +44,7 @@ class Interrupted(RuntimeError):
 
 class StopRequest:
     """The first Ctrl-C (or SIGTERM, as Slurm sends before a kill) asks the loop to stop after the
-    current iteration, with a checkpoint that resumes exactly; a second Ctrl-C aborts at once."""
+    current iteration, with a checkpoint that resumes exactly; a second signal aborts at once."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -54,7 +54,7 @@ class StopRequest:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
+        if self.requested:  # a second signal of either kind
             raise KeyboardInterrupt
         self.requested = True
         log.warning("%s: stopping after this iteration with a checkpoint (Ctrl-C again to abort without one)",
@@ -207,6 +207,7 @@ class WeightSync:
         self.num_receivers = _broadcast(driver.fleet.num_receivers if driver else 0)
         self.group = None
         self.joined = False
+        self.bytes = 0.0
 
     def reform(self) -> None:
         """After an engine restart every member joins a fresh group on a new port."""
@@ -220,25 +221,66 @@ class WeightSync:
         self.joined = False
 
     def sync(self, version: int) -> dict:
+        """Stream the learner's weights to every engine. If an engine dies during the sync, the
+        engines the trainer started are restarted, everyone joins a fresh group and the sync is
+        tried once more; an engine that cannot be restarted (a cluster's) fails the run."""
+        t0 = time.perf_counter()
+        for attempt in (1, 2):
+            error = self._attempt(version)
+            if not _any_rank(bool(error)):
+                return {"weight_sync/seconds": time.perf_counter() - t0, "weight_sync/bytes": self.bytes,
+                        "weight_sync/retries": float(attempt - 1)}
+            if attempt == 2:
+                raise RuntimeError(f"weight sync of version {version} failed twice: {error or 'on another rank'}")
+            if self.driver:
+                log.warning("weight sync of version %d failed (%s); restarting dead engines and retrying",
+                            version, error or "on another learner rank")
+            _broadcast(self.driver.restart_dead_engines() if self.driver else None)
+            self.reform()
+        raise AssertionError("unreachable")
+
+    def _attempt(self, version: int) -> str:
+        """One sync; returns this rank's error message ("" when it went through)."""
         from spice_megatron.bridge.weight_sync import WeightSyncGroup, send_learner_weights
 
-        t0 = time.perf_counter()
         lay = self.learner.layout
         is_sender = lay.tp_rank == 0 and lay.dp_rank == 0
-        futures = []
-        if not self.joined:
-            if self.driver:
-                futures = self.driver.fleet.join_weight_sync(self.host, self.port, lay.pp)
-            if is_sender:
-                self.group = WeightSyncGroup(self.host, self.port, lay.pp_rank, lay.pp, self.num_receivers)
-            for f in futures:
-                f.result()
-            self.joined = True
-        receives = self.driver.fleet.receive_weights(version) if self.driver else []
-        report = send_learner_weights(self.learner, self.group, version, self.cfg.rollout.bucket_mb * 2**20)
-        results = [f.result() for f in receives]
-        return {"weight_sync/seconds": time.perf_counter() - t0,
-                "weight_sync/bytes": float(sum(r["bytes"] for r in results)) if results else float(report.bytes if report else 0)}
+        receives, error = [], ""
+        try:
+            if not self.joined:
+                timeout = self.cfg.rollout.sync_timeout
+                futures = (self.driver.fleet.join_weight_sync(self.host, self.port, lay.pp, timeout_s=timeout)
+                           if self.driver else [])
+                if is_sender:
+                    self.group = WeightSyncGroup(self.host, self.port, lay.pp_rank, lay.pp, self.num_receivers,
+                                                 timeout_s=timeout)
+                for f in futures:
+                    f.result()
+                self.joined = True
+            receives = self.driver.fleet.receive_weights(version) if self.driver else []
+            report = send_learner_weights(self.learner, self.group, version, self.cfg.rollout.bucket_mb * 2**20)
+            self.bytes = float(report.bytes) if report else 0.0
+        except Exception as e:  # noqa: BLE001 - a dead peer surfaces as gloo/NCCL, HTTP or protocol errors
+            error = f"{type(e).__name__}: {e}"
+            if self.group is not None:
+                self.group.close()  # unblocks the engines still waiting for buckets
+        received = 0.0
+        for f in receives:  # every engine's answer, so none is left mid-request
+            try:
+                received += f.result()["bytes"]
+            except Exception as e:  # noqa: BLE001
+                error = error or f"{type(e).__name__}: {e}"
+        if receives:
+            self.bytes = received  # on the driver: what the engines took in, all together
+        return error
+
+
+def _any_rank(flag: bool) -> bool:
+    import torch
+
+    t = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 EvalHook = Callable[[int, Any], dict[str, float]]  # (iteration, rollout fleet) -> metrics, on the driver

@@ -166,7 +166,13 @@ def test_the_smollm2_demo_run(tmp_path):
 def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup):
     model, corpus, root = setup
     out = str(root / "engine_death")
-    proc = spice_train(model, corpus, out, "run.iterations=3", "rollout.local_engines=2", wait=False)
+    # besides the kill below, the first engine to receive weights version 3 exits in the middle of it
+    os.environ["SPICE_FAULT_DIE_IN_SYNC"] = f"3:{root / 'sync_fault_marker'}"
+    try:
+        proc = spice_train(model, corpus, out, "run.iterations=4", "rollout.local_engines=2", "rollout.sync_timeout=20",
+                           wait=False)
+    finally:
+        del os.environ["SPICE_FAULT_DIE_IN_SYNC"]
     metrics_path = os.path.join(out, "metrics.jsonl")
     deadline = time.monotonic() + 600
     while not (os.path.exists(metrics_path) and open(metrics_path).read().count("\n") >= 1):
@@ -179,6 +185,8 @@ def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup):
     text, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, text[-3000:]
     assert "died; restarting it" in text
+    assert "weight sync of version 3 failed" in text and (root / "sync_fault_marker").exists()
     metrics = records(metrics_path)
-    assert [m["iteration"] for m in metrics] == [1, 2, 3]
-    assert all(m["train/logprob_gap"] < 1e-3 for m in metrics)  # the restarted engine got the current weights
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["weight_sync/retries"] for m in metrics] == [0, 0, 1, 0]
+    assert all(m["train/logprob_gap"] < 1e-3 for m in metrics)  # the restarted engines got the current weights

@@ -313,4 +313,11 @@ def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,
         return None
     if group is None or group.sync_rank != lay.pp_rank:
         raise WeightSyncError(f"stage {lay.pp_rank}'s sender needs a WeightSyncGroup with sync_rank {lay.pp_rank}")
-    return send_stage(group, pairs, version, bucket_bytes)
+    try:
+        return send_stage(group, pairs, version, bucket_bytes)
+    except Exception:
+        # A receiver died mid-sync. The other TP ranks are still inside the stage's gathers: take
+        # part in the rest of them, so that the learner stays in step and can retry.
+        for _ in pairs:
+            pass
+        raise

@@ -68,11 +68,11 @@ class VLLMEngine:
                             c.finish_reason or "") for c in out.outputs] for out in outputs]
 
     def join_weight_sync(self, host: str, port: int, first_rank: int, num_stages: int, num_receivers: int,
-                         backend: str = "auto") -> list[int]:
+                         backend: str = "auto", timeout_s: float = 600.0) -> list[int]:
         """Join the learner's weight-sync group (blocks until every member has joined)."""
         with self._lock:
             return self.llm.collective_rpc("spice_join_weight_sync",
-                                           args=(host, port, first_rank, num_stages, num_receivers, backend))
+                                           args=(host, port, first_rank, num_stages, num_receivers, backend, timeout_s))
 
     def receive_weights(self, version: int) -> dict:
         """Receive and load one weight update (blocks until the learner has sent it)."""

@@ -175,14 +175,16 @@ class RolloutFleet:
         """Weight-sync receivers: every worker of every engine (as reported by /health)."""
         return sum(e.workers for e in self.engines)
 
-    def join_weight_sync(self, host: str, port: int, num_stages: int, backend: str = "auto") -> list[Future]:
+    def join_weight_sync(self, host: str, port: int, num_stages: int, backend: str = "auto",
+                         timeout_s: float = 600.0) -> list[Future]:
         """Ask every engine to join the sync group; returns futures (the join completes only when
         the learner's senders join too). Sync ranks: the stage senders first, then each engine's
         workers in order."""
         futures, first_rank = [], num_stages
         for e in self.engines:
             body = {"host": host, "port": port, "first_rank": first_rank,
-                    "num_stages": num_stages, "num_receivers": self.num_receivers, "backend": backend}
+                    "num_stages": num_stages, "num_receivers": self.num_receivers, "backend": backend,
+                    "timeout_s": timeout_s}
             futures.append(self._pool.submit(self._control, e, "/weight_sync/join", body))
             first_rank += e.workers
         return futures

@@ -49,6 +49,7 @@ class JoinBody(BaseModel):
     num_stages: int
     num_receivers: int
     backend: str = "auto"
+    timeout_s: float = 600.0
 
 
 class ReceiveBody(BaseModel):
@@ -101,7 +102,7 @@ def build_app(engine, token: str, require_token_for_generate: bool, engine_threa
     def join(body: JoinBody, request: Request):
         check_token(request)
         return {"ranks": engine.join_weight_sync(body.host, body.port, body.first_rank, body.num_stages,
-                                                 body.num_receivers, body.backend)}
+                                                 body.num_receivers, body.backend, body.timeout_s)}
 
     @app.post("/weight_sync/receive")
     def receive(body: ReceiveBody, request: Request):
