@@ -37,17 +37,14 @@ def local_experiment(recipe: str, overrides: list[str] | None = None, output_dir
     (gloo on CPU), the rollout engines started by the driver rank."""
     import nemo_run as run
 
-    from spice_megatron import offline_data
+    from spice_megatron import cli, offline_data
     from spice_megatron.offline_assets import smollm2_dir
 
     overrides = list(overrides or [])
     cfg = apply_overrides(get_recipe(recipe), overrides)
     cfg.run.output_dir = os.path.abspath(output_dir or cfg.run.output_dir)
     model_dir = model_dir or cfg.run.model or smollm2_dir()
-    # What `spice train` does before it starts ranks: the demo's corpus must exist on this machine.
-    data_dir = os.path.dirname(os.path.dirname(cfg.corpus.sources[0].path))
-    if not os.path.exists(cfg.corpus.sources[0].path) and not offline_data.is_prepared(data_dir):
-        offline_data.main(["--out", data_dir])
+    offline_data.prepare_for(cfg.corpus.sources)  # as `spice train` does before it starts ranks
     nproc = cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel
     # NeMo-Run's local scheduler runs `torchrun` from PATH: use this environment's.
     bin_dir = os.path.dirname(sys.executable)
@@ -55,9 +52,7 @@ def local_experiment(recipe: str, overrides: list[str] | None = None, output_dir
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     executor = run.LocalExecutor(ntasks_per_node=nproc, launcher="torchrun",
                                  env_vars={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    script = run.Script(path=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                          "spice_megatron", "cli.py"),
-                        args=_train_args(recipe, model_dir, cfg.run.output_dir, overrides), entrypoint="python")
+    script = run.Script(path=os.path.abspath(cli.__file__), args=_train_args(recipe, model_dir, cfg.run.output_dir, overrides), entrypoint="python")
     exp = run.Experiment(f"spice_{recipe}", executor=executor)
     with exp:
         exp.add(script, name="spice")

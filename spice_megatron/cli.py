@@ -72,9 +72,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             from spice_megatron.offline_assets import smollm2_dir
 
             cfg.run.model = smollm2_dir()
-        data_dir = os.path.dirname(os.path.dirname(cfg.corpus.sources[0].path)) if cfg.corpus.sources else ""
-        if data_dir and not offline_data.is_prepared(data_dir) and not os.path.exists(cfg.corpus.sources[0].path):
-            offline_data.main(["--out", data_dir])
+        offline_data.prepare_for(cfg.corpus.sources)
         argv = list(sys.argv[1:])
         if "--model" not in argv:
             argv += ["--model", cfg.run.model]

@@ -238,6 +238,18 @@ def is_prepared(out: str) -> bool:
     return os.path.exists(os.path.join(out, "MANIFEST.json"))
 
 
+def prepare_for(sources) -> None:
+    """Build the offline data a config's first corpus source points into (DATA/corpus/*.jsonl),
+    unless it is there already or the source is not such a file (a hub id, the user's own)."""
+    if not sources:
+        return
+    path = sources[0].path
+    data_dir = os.path.dirname(os.path.dirname(path))
+    if data_dir and os.path.basename(os.path.dirname(path)) == "corpus" and not os.path.exists(path) \
+            and not is_prepared(data_dir):
+        main(["--out", data_dir])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: $SPICE_DATA_DIR or ./data)")

