@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import sys
 import time
 
@@ -76,9 +75,9 @@ def _rank(rank: int, world: int, port: int, variant: str, tokens: int, hidden: i
 
 
 def run_variant(variant: str, args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from spice_megatron.launch import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, 2, port, variant, args.tokens, args.hidden, args.repeats, q))

@@ -15,7 +15,6 @@ import argparse
 import os
 import pickle
 import resource
-import socket
 import sys
 import time
 
@@ -23,16 +22,6 @@ import torch
 import torch.multiprocessing as mp
 
 LEARNERS, TP, PP = 4, 2, 2
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]  # held open together: n distinct ports
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _rss_mb() -> float:
@@ -168,7 +157,9 @@ def run(receivers: int, args) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     world = LEARNERS + receivers
-    lp, sp = _ports(2)
+    from spice_megatron.launch import free_port
+
+    lp, sp = free_port(), free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, lp, sp, receivers, args, q)) for r in range(world)]
     for p in procs:
         p.start()
