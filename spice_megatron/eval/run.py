@@ -46,8 +46,10 @@ def run_evaluation(model: str, names: list[str], out_dir: str, data_dir: str = "
     settings = settings or EvalSettings()
     model_dir = resolve_eval_model(model, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if engines:
-        fleet_ctx = contextlib.closing(RolloutFleet(engines, token or os.environ.get("SPICE_ROLLOUT_TOKEN", "")))
+    if engines:  # already serving this model
+        attached = RolloutFleet(engines, token or os.environ.get("SPICE_ROLLOUT_TOKEN", ""))
+        attached.wait_until_healthy(timeout=120)
+        fleet_ctx = contextlib.closing(attached)
     else:
         fleet_ctx = local_fleet(model_dir, os.path.join(out_dir, "logs"), max_model_len, kv_cache_gib, settings.seed)
     results: list[BenchmarkResult] = []
