@@ -109,6 +109,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 print(f"  {k:24s} {summary[k]:.4f}")
         print(f"  metrics: {cfg.run.output_dir}/metrics.jsonl, TensorBoard: {cfg.run.output_dir}/tensorboard, "
               f"audit: {cfg.run.output_dir}/audit.jsonl, HF checkpoint: {cfg.run.output_dir}/hf_final")
+        print(f"  plots: spice curves {cfg.run.output_dir}; evaluation: spice eval --model {cfg.run.output_dir}")
     return 0
 
 
