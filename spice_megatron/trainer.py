@@ -104,10 +104,9 @@ class Driver:
         self._ids: dict[str, list[int]] = {}
 
     def _start_local_engines(self, token: str) -> list[str]:
-        from spice_megatron.rollout.local import start_engine, wait_healthy
+        from spice_megatron.rollout.local import engine_args, start_engine, wait_healthy
 
-        extra = ["--max-model-len", str(self.cfg.rollout.max_model_len), "--kv-cache-gib", str(self.cfg.rollout.kv_cache_gib),
-                 "--seed", str(self.cfg.run.seed), "--exit-with-parent", str(os.getpid())]
+        extra = engine_args(self.cfg.rollout.max_model_len, self.cfg.rollout.kv_cache_gib, self.cfg.run.seed)
         self.engines = [start_engine(self.cfg.run.model, token, os.path.join(self.cfg.run.output_dir, "logs"), extra=extra)
                         for _ in range(self.cfg.rollout.local_engines)]
         wait_healthy(self.engines)

@@ -81,6 +81,12 @@ def restart(engine: LocalEngine, token: str) -> LocalEngine:
     return start_engine(model, token, os.path.dirname(engine.log_path), port, extra)
 
 
+def engine_args(max_model_len: int, kv_cache_gib: float, seed: int) -> list[str]:
+    """The service's arguments for an engine that lives and dies with this process."""
+    return ["--max-model-len", str(max_model_len), "--kv-cache-gib", str(kv_cache_gib), "--seed", str(seed),
+            "--exit-with-parent", str(os.getpid())]
+
+
 @contextmanager
 def local_fleet(model_dir: str, log_dir: str, max_model_len: int = 4096, kv_cache_gib: float = 1.0, seed: int = 0,
                 engines: int = 1):
@@ -89,8 +95,7 @@ def local_fleet(model_dir: str, log_dir: str, max_model_len: int = 4096, kv_cach
     from spice_megatron.rollout.fleet import RolloutFleet
 
     token = secrets.token_hex(16)
-    extra = ["--max-model-len", str(max_model_len), "--kv-cache-gib", str(kv_cache_gib), "--seed", str(seed),
-             "--exit-with-parent", str(os.getpid())]
+    extra = engine_args(max_model_len, kv_cache_gib, seed)
     started = [start_engine(model_dir, token, log_dir, extra=extra) for _ in range(engines)]
     fleet = None
     try:
