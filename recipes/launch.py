@@ -110,15 +110,10 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
 
 
 def completed_iterations(output_dir: str) -> int:
-    import json
-
-    from spice_megatron.policy.checkpoint import latest_checkpoint
+    from spice_megatron.policy.checkpoint import latest_checkpoint, read_trainer_state
 
     latest = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
-    if not latest:
-        return 0
-    with open(os.path.join(latest, "trainer_state.json")) as f:
-        return int(json.load(f).get("iteration", 0))
+    return int(read_trainer_state(latest).get("iteration", 0)) if latest else 0
 
 
 def _default_job_dir() -> str:

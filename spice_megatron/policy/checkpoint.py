@@ -157,5 +157,10 @@ def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, A
     with open(os.path.join(path, "scheduler.json")) as f:
         learner.scheduler.load_state_dict(json.load(f))
     learner.steps = saved.get("learner_steps", 0)
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: str) -> dict[str, Any]:
+    """The trainer's state saved with a checkpoint (iteration, weights version, driver state)."""
     with open(os.path.join(path, "trainer_state.json")) as f:
         return json.load(f)
