@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from spice_megatron.eval.benchmarks import BenchmarkUnavailable, load_benchmark
+from spice_megatron.eval.benchmarks import BENCHMARKS, BenchmarkUnavailable, load_benchmark
 from spice_megatron.eval.harness import (BenchmarkResult, EvalReport, EvalSettings, Judge, evaluate_benchmark,
                                          summarise, write_report)
 
@@ -61,8 +61,6 @@ def run_evaluation(model: str, names: list[str], out_dir: str, data_dir: str = "
                 try:
                     loaded = load_benchmark(name, data_dir, source, limit)
                 except BenchmarkUnavailable as e:
-                    from spice_megatron.eval.benchmarks import BENCHMARKS
-
                     log.warning("benchmark %s unavailable: %s", name, e)
                     results.append(BenchmarkResult(name, BENCHMARKS[name].category, "unavailable", reason=str(e)))
                     continue
