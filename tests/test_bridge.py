@@ -188,6 +188,8 @@ def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes):
     model_bytes = sum(p.numel() * p.element_size() for p in learner.model.parameters())
     if group:
         group.close()
+    if report is None:
+        return None
     return {"report": report, "peak": peak, "largest": largest, "model_bytes": model_bytes}
 
 
@@ -198,8 +200,10 @@ def test_streaming_to_a_receiver_gives_identical_weights(tmp_path):
                             num_kv_heads=4, head_dim=64, intermediate_size=1536)
     d = make_tiny_hf_model(str(tmp_path / "medium"), config, seed=5)
     bucket = 4 * 2**20
-    results = run_ranks(_stream_rank, 3, d, free_port(), 2, 2, bucket, tmp_path=tmp_path)
-    (received, checked, version, tamper_error), senders = results[2], results[:2]
+    # TP=2 x PP=2: each stage's TP rank 0 gathers its peer's shards straight into its buckets
+    results = run_ranks(_stream_rank, 5, d, free_port(), 4, 2, bucket, tmp_path=tmp_path)
+    (received, checked, version, tamper_error), senders = results[4], [results[0], results[2]]
+    assert results[1] is None and results[3] is None  # the TP peers only send their shards
     original = hf_weights(d)
     assert received.keys() == original.keys() and checked == len(original) and version == 3
     assert "model.norm.weight" in tamper_error and "differs" in tamper_error
@@ -210,6 +214,46 @@ def test_streaming_to_a_receiver_gives_identical_weights(tmp_path):
         # the sender never holds its stage: at most one bucket plus the largest tensor (+ allocator slack)
         assert s["peak"] <= bucket + s["largest"] + 16 * 2**20, (s["peak"], s["model_bytes"])
     assert sum(s["report"].tensors for s in senders) == len(original)
+
+
+def _dying_receiver_rank(hf_dir, port):
+    """Ranks 0-1: a TP=2 learner; rank 2: a receiver that takes one bucket and goes away."""
+    rank = int(os.environ["RANK"])
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all, send_learner_weights
+
+    if rank == 2:
+        group = WeightSyncGroup("127.0.0.1", port, 1, 1, 1, timeout_s=60)
+        next(iter(receive_all(group)))
+        group.close()  # the engine is gone: its sockets close
+        return "left"
+    os.environ["WORLD_SIZE"] = "2"
+    import torch.distributed as dist
+
+    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy.learner import Learner
+
+    learner = Learner.from_hf(hf_dir, ParallelConfig(2, 1), OptimConfig(), PolicyTrainConfig())
+    group = WeightSyncGroup("127.0.0.1", port, 0, 1, 1, timeout_s=60) if learner.layout.tp_rank == 0 else None
+    try:
+        send_learner_weights(learner, group, version=1, bucket_bytes=2**20)
+        outcome = "sent"
+    except Exception as e:  # noqa: BLE001
+        outcome = f"failed: {type(e).__name__}"
+    # both TP ranks went through every gather: the learner's next collective still matches up
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return outcome, float(t.item())
+
+
+@pytest.mark.multiprocess
+def test_a_receiver_dying_mid_sync_fails_the_sender_and_keeps_tp_ranks_in_step(tmp_path):
+    config = tiny_hf_config("qwen3", tied=False, vocab_size=4096, hidden_size=256, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=64, intermediate_size=768)
+    d = make_tiny_hf_model(str(tmp_path / "small"), config, seed=3)
+    sender, peer, receiver = run_ranks(_dying_receiver_rank, 3, d, free_port(), tmp_path=tmp_path, timeout=300)
+    assert receiver == "left"
+    assert sender[0].startswith("failed") and sender[1] == 2.0
+    assert peer == ("sent", 2.0)
 
 
 def test_checksums_are_exact_and_position_sensitive():
@@ -223,3 +267,15 @@ def test_checksums_are_exact_and_position_sensitive():
     assert tensor_checksum(b) != tensor_checksum(a)
     assert tensor_checksum(a.bfloat16()) != tensor_checksum(a)
     assert tensor_checksum(torch.zeros(3)) != tensor_checksum(torch.zeros(4))
+    # sizes that are not whole 32-bit words, and views that do not start on one
+    c = torch.randn(9999).bfloat16()
+    d = c.clone()
+    d[-1] = -d[-1]
+    assert tensor_checksum(c) != tensor_checksum(d)
+    assert tensor_checksum(c[1:]) == tensor_checksum(c[1:].clone())
+    assert tensor_checksum(c[1:]) != tensor_checksum(c[:-1])
+    # large enough for several blocks and a partial last chunk
+    e = torch.randn(3 * 2**20 + 5)
+    f = e.clone()
+    f[2**20 + 17] += 1
+    assert tensor_checksum(e) == tensor_checksum(e.clone()) != tensor_checksum(f)

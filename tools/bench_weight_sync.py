@@ -17,6 +17,7 @@ import pickle
 import resource
 import sys
 import time
+import warnings
 
 import torch
 import torch.multiprocessing as mp
@@ -72,6 +73,7 @@ def _rank(rank: int, world: int, learner_port: int, sync_port: int, receivers: i
 def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receivers: int, args, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(learner_port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")  # megatron-core's notes about missing TE/Apex, once per rank
     from spice_megatron.bridge.export import gather_stage_tensors
     from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all, send_learner_weights, send_stage
 
@@ -97,9 +99,11 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
             group.broadcast(raw, 0)
             timings.setdefault("raw", []).append(time.perf_counter() - t0)
         del raw
-        t0 = time.perf_counter()
-        _naive_receive(group)
-        timings["naive"] = [time.perf_counter() - t0]
+        for trial in range(args.repeats):
+            group.barrier()
+            t0 = time.perf_counter()
+            _naive_receive(group)
+            timings.setdefault("naive", []).append(time.perf_counter() - t0)
         out.put(("receiver", rank, {k: min(v) for k, v in timings.items()}, nbytes, _rss_mb()))
         group.close()
         return
@@ -127,7 +131,7 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
         report = send_learner_weights(learner, group, version=trial, bucket_bytes=bucket)
         timings.setdefault("bucketed", []).append(time.perf_counter() - t0)
     # Isolate the bucket stream from the TP gather: gather first, then time only the sending.
-    gathered = [(n, t.clone()) for n, t in gather_stage_tensors(learner)] if lay.dp_rank == 0 else []
+    gathered = list(gather_stage_tensors(learner)) if lay.dp_rank == 0 else []
     for trial in range(args.repeats):
         if group:
             group.barrier()
@@ -143,10 +147,13 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
             group.broadcast(raw, 0)
             timings.setdefault("raw", []).append(time.perf_counter() - t0)
         del raw
-    dist.barrier()
-    t0 = time.perf_counter()
-    _naive_send(learner, group)
-    timings["naive"] = [time.perf_counter() - t0]
+    for trial in range(args.repeats):
+        if group:
+            group.barrier()
+        dist.barrier()
+        t0 = time.perf_counter()
+        _naive_send(learner, group)
+        timings.setdefault("naive", []).append(time.perf_counter() - t0)
     out.put(("learner", rank, {k: min(v) for k, v in timings.items()}, report.bytes if report else 0, _rss_mb()))
     if group:
         group.close()
@@ -187,7 +194,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     print(f"model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; learner TP={TP} x PP={PP}; "
-          f"bucket {args.bucket_mb} MiB; gloo on CPU")
+          f"bucket {args.bucket_mb} MiB; gloo on CPU, {LEARNERS} learner + 1-2 receiver processes on "
+          f"{os.cpu_count()} cores")
     ok = True
     for receivers in (1, 2):
         r = run(receivers, args)

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from spice_megatron.bridge.mapping import LAYER, gather_layout, join_shards, to_hf
+from spice_megatron.bridge.mapping import LAYER, full_shape, gather_layout, hf_outputs, place_shard, shard_destination
 
 
 def _global_name(name: str, offset: int) -> str:
@@ -15,32 +15,58 @@ def _global_name(name: str, offset: int) -> str:
     return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
 
 
-def gather_stage_tensors(learner) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for this pipeline stage's parameters, gathered across TP.
+# allocate([(hf_name, shape, dtype), ...]) -> the tensors one parameter's HF outputs are written into
+Allocate = Callable[[list[tuple[str, tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
 
-    Collective over the TP group; every TP rank yields the same tensors, one parameter at a time.
-    With tied embeddings, the last stage's copy of the embedding is skipped (the first stage
-    exports it).
+
+def _fresh(specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    return [torch.empty(shape, dtype=dtype) for _, shape, dtype in specs]
+
+
+def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for this pipeline stage's parameters, one parameter at a time.
+
+    Collective over the TP group: the other TP ranks send their shards to the stage's TP rank 0,
+    which writes every shard straight into its place in the HF tensors (memory from `allocate`,
+    e.g. a slot in a send bucket; fresh tensors by default) and yields them. Only TP rank 0
+    yields anything. With tied embeddings, the last stage's copy of the embedding is skipped
+    (the first stage exports it).
     """
     from megatron.core import parallel_state as ps
 
     from spice_megatron.bridge.hf_io import layer_offset
 
     offset = layer_offset(learner.model)
-    tp, group = learner.layout.tp, ps.get_tensor_model_parallel_group()
+    tp, tp_rank, group = learner.layout.tp, learner.layout.tp_rank, ps.get_tensor_model_parallel_group()
+    root = dist.get_global_rank(group, 0) if tp > 1 else dist.get_rank()
+    allocate = allocate or _fresh
+    spare = torch.empty(0)  # receive buffer for shards that cannot land in place, reused
     for name, param in learner.model.named_parameters():
-        if name == "output_layer.weight" and learner.spec.tied_embeddings:
-            continue
         local = param.detach()
-        dim, glu = gather_layout(name)
-        if tp > 1 and dim is not None:
-            stacked = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-            dist.all_gather_into_tensor(stacked, local.contiguous(), group=group)
-            # dim-0 shards back to back are the full tensor already; the others need one reorder
-            full = stacked if dim == 0 and not glu else join_shards(name, list(stacked.view(tp, *local.shape)))
-        else:
-            full = local
-        yield from to_hf(_global_name(name, offset), full, learner.spec)
+        global_name = _global_name(name, offset)
+        outputs = hf_outputs(global_name, full_shape(name, tuple(local.shape), tp), learner.spec)
+        if not outputs:
+            continue
+        sharded = tp > 1 and gather_layout(name)[0] is not None
+        if tp_rank != 0:
+            if sharded:
+                dist.send(local.contiguous(), dst=root, group=group)
+            continue
+        full = allocate([(hf_name, shape, local.dtype) for hf_name, shape in outputs])
+        pending = []
+        if sharded:  # post every receive first, so that all TP ranks send at once
+            if spare.numel() < (tp - 1) * local.numel() or spare.dtype != local.dtype:
+                spare = torch.empty((tp - 1) * local.numel(), dtype=local.dtype, device=local.device)
+            for r in range(1, tp):
+                into = shard_destination(name, full, r, tp)
+                if into is None:
+                    into = spare[(r - 1) * local.numel():r * local.numel()].view(local.shape)
+                pending.append((r, into, dist.irecv(into, src=dist.get_global_rank(group, r), group=group)))
+        place_shard(name, local, 0, tp, learner.spec, full)
+        for r, into, work in pending:
+            work.wait()
+            place_shard(name, into, r, tp, learner.spec, full)
+        yield from zip((hf_name for hf_name, _ in outputs), full)
 
 
 def gathered_hf_state_dict(learner) -> dict[str, torch.Tensor] | None:

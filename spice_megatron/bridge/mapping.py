@@ -9,7 +9,7 @@ tensors without materialising the full model anywhere.
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -88,47 +88,82 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: in
     return torch.cat(parts, dim=1).reshape(-1, *tail)
 
 
-def split_qkv(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, per, hd = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
-    tail = qkv.shape[1:]
-    x = qkv.reshape(groups, per + 2, hd, *tail)
-    return (x[:, :per].reshape(-1, *tail), x[:, per].reshape(-1, *tail), x[:, per + 1].reshape(-1, *tail))
-
-
-def to_hf(name: str, full: torch.Tensor, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs for one full (TP-gathered) megatron tensor, global layer numbering."""
+def hf_outputs(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF tensors (name, shape) that one full megatron tensor of `shape` becomes, global
+    layer numbering; [] for what an HF checkpoint does not store (a tied output layer, TE extra state)."""
     if name == "embedding.word_embeddings.weight":
-        yield "model.embed_tokens.weight", full
-        return
+        return [("model.embed_tokens.weight", shape)]
     if name == "output_layer.weight":
-        if not spec.tied_embeddings:
-            yield "lm_head.weight", full
-        return  # tied: lm_head is the embedding, exported once
+        return [] if spec.tied_embeddings else [("lm_head.weight", shape)]
     if name == "decoder.final_layernorm.weight":
-        yield "model.norm.weight", full
-        return
+        return [("model.norm.weight", shape)]
     m = LAYER.match(name)
     if not m:
         raise MappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
     h, rest = f"model.layers.{m.group(1)}.", m.group(2)
     if rest in _NORMS:
-        yield h + _NORMS[rest], full
-    elif rest in _ROW_PARALLEL:
-        yield h + _ROW_PARALLEL[rest], full
-    elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        suffix = rest.rsplit(".", 1)[1]
-        q, k, v = split_qkv(full, spec)
-        yield f"{h}self_attn.q_proj.{suffix}", q
-        yield f"{h}self_attn.k_proj.{suffix}", k
-        yield f"{h}self_attn.v_proj.{suffix}", v
-    elif rest == "mlp.linear_fc1.weight":
-        gate, up = full.chunk(2, dim=0)
-        yield h + "mlp.gate_proj.weight", gate
-        yield h + "mlp.up_proj.weight", up
-    elif rest.endswith("_extra_state"):
+        return [(h + _NORMS[rest], shape)]
+    if rest in _ROW_PARALLEL:
+        return [(h + _ROW_PARALLEL[rest], shape)]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        suffix, tail = rest.rsplit(".", 1)[1], tuple(shape[1:])
+        q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        return [(f"{h}self_attn.q_proj.{suffix}", (q_rows, *tail)), (f"{h}self_attn.k_proj.{suffix}", (kv_rows, *tail)),
+                (f"{h}self_attn.v_proj.{suffix}", (kv_rows, *tail))]
+    if rest == "mlp.linear_fc1.weight":
+        half = (shape[0] // 2, *shape[1:])
+        return [(h + "mlp.gate_proj.weight", half), (h + "mlp.up_proj.weight", half)]
+    if rest.endswith("_extra_state"):
+        return []
+    raise MappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
+
+
+def full_shape(name: str, local_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape of megatron parameter `name` gathered over `tp` ranks."""
+    dim, _ = gather_layout(name)
+    if dim is None or tp == 1:
+        return tuple(local_shape)
+    shape = list(local_shape)
+    shape[dim] *= tp
+    return tuple(shape)
+
+
+def shard_destination(name: str, outputs: list[torch.Tensor], tp_rank: int, tp: int) -> torch.Tensor | None:
+    """Where a shard lands when it is one contiguous block of one HF tensor (vocab-parallel
+    embeddings and output layers, replicated tensors): it can be received straight into place."""
+    dim, glu = gather_layout(name)
+    if dim is None:
+        return outputs[0]
+    if dim == 0 and not glu and len(outputs) == 1:
+        return outputs[0].view(tp, -1, *outputs[0].shape[1:])[tp_rank]
+    return None
+
+
+def place_shard(name: str, shard: torch.Tensor, tp_rank: int, tp: int, spec: ModelSpec,
+                outputs: list[torch.Tensor]) -> None:
+    """Copy TP shard `tp_rank` of megatron parameter `name` into the full HF tensors `outputs`
+    (as listed by hf_outputs): one strided copy per output, no intermediate full tensor."""
+    direct = shard_destination(name, outputs, tp_rank, tp)
+    if direct is not None:
+        if direct.data_ptr() != shard.data_ptr():
+            direct.copy_(shard)
         return
-    else:
-        raise MappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
+    dim, glu = gather_layout(name)
+    if dim == 1:  # [rows, tp * cols_r]: shard r is the r-th column block
+        rows, cols = shard.shape
+        outputs[0].view(rows, tp, cols)[:, tp_rank].copy_(shard)
+    elif glu:  # shard r is [gate_r; up_r]
+        gate, up = shard.chunk(2, dim=0)
+        outputs[0].view(tp, *gate.shape)[tp_rank].copy_(gate)
+        outputs[1].view(tp, *up.shape)[tp_rank].copy_(up)
+    else:  # linear_qkv: shard r holds whole KV groups, rows [q heads of the group, k, v] per group
+        q, k, v = outputs
+        per, hd, tail = spec.num_heads // spec.num_kv_heads, spec.head_dim, tuple(shard.shape[1:])
+        x = shard.view(-1, per + 2, hd, *tail)
+        groups = x.shape[0]
+        q.view(tp, groups, per, hd, *tail)[tp_rank].copy_(x[:, :per])
+        k.view(tp, groups, hd, *tail)[tp_rank].copy_(x[:, per])
+        v.view(tp, groups, hd, *tail)[tp_rank].copy_(x[:, per + 1])
 
 
 def gather_layout(name: str) -> tuple[int | None, bool]:
@@ -144,17 +179,6 @@ def gather_layout(name: str) -> tuple[int | None, bool]:
     if rest == "mlp.linear_fc1.weight":
         return 0, True
     return None, False
-
-
-def join_shards(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    """The full tensor from its TP shards, in TP rank order."""
-    dim, glu = gather_layout(name)
-    if dim is None or len(shards) == 1:
-        return shards[0]
-    if glu:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=dim)
 
 
 def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -14,8 +14,9 @@ HF names and full (TP-gathered) tensors, as a sequence of messages:
   header + meta      {"version", "stage", "end": true, "checksums": {name: checksum}}
 
 The bucket is two half-size buffers: one is on the wire while the other fills, so the sender holds
-at most one bucket plus the tensor being gathered, and packing overlaps sending. Tensors larger
-than half a bucket go out directly from their own memory. Checksums are computed while the
+at most one bucket plus the tensor being gathered, and packing overlaps sending. The TP gather
+writes shards straight into their bucket slots (offsets aligned to 64 bytes), so a gathered
+tensor is never copied again. Tensors larger than half a bucket go out from their own memory. Checksums are computed while the
 bucket is in flight and sent last; the engine checks what it loaded against them. No pickle
 crosses the wire.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -36,8 +38,9 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)}
 _MOD = 2**31 - 1
-_CHUNK = 1 << 14
+_CHUNK = 1 << 12  # 32-bit words per dot product
 _BLOCK = 1 << 20  # words per float64 block: 8 MiB of temporaries
+_ALIGN = 64  # bytes: every tensor in a bucket starts aligned, so it can be viewed as any dtype
 
 
 class WeightSyncError(RuntimeError):
@@ -46,23 +49,27 @@ class WeightSyncError(RuntimeError):
 
 def tensor_checksum(t: torch.Tensor) -> int:
     """A position-sensitive checksum of a tensor's bytes, exact on any device and in any
-    summation order: 16-bit words times small weights summed in float64 stay integers below
-    2^53, so BLAS may add them in any order and still agree bit for bit."""
+    summation order: 32-bit words times small weights, summed in float64 over chunks of 2^12,
+    stay integers below 2^51, so BLAS may add them in any order and still agree bit for bit."""
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
+    if raw.storage_offset() % 4:  # a 32-bit view needs 4-byte alignment
+        raw = raw.clone()
     nbytes = raw.numel()
-    if nbytes % 2:
-        raw = torch.cat([raw, raw.new_zeros(1)])
-    words = raw.view(torch.int16)
-    inner = ((torch.arange(_CHUNK, dtype=torch.float64, device=words.device) * 40503) % 251) + 1
+    whole = nbytes - nbytes % 4
+    words = raw[:whole].view(torch.int32)
+    blocks = [(start, words[start:start + _BLOCK]) for start in range(0, words.numel(), _BLOCK)]
+    if nbytes % 4:  # the last 1-3 bytes, zero-padded, as one more chunk after the words
+        tail = torch.cat([raw[whole:], raw.new_zeros(4 - nbytes % 4)]).view(torch.int32)
+        blocks.append((-(-words.numel() // _CHUNK) * _CHUNK, tail))
+    inner = ((torch.arange(_CHUNK, dtype=torch.float64, device=raw.device) * 40503) % 251) + 1
     total = 0
-    for start in range(0, words.numel(), _BLOCK):  # bounded float64 temporaries
-        block = words[start:start + _BLOCK]
+    for start, block in blocks:
         pad = (-block.numel()) % _CHUNK
         if pad:
             block = torch.cat([block, block.new_zeros(pad)])
-        sums = block.view(-1, _CHUNK).to(torch.float64) @ inner  # each < 2^15 * 2^8 * 2^14
+        sums = block.view(-1, _CHUNK).to(torch.float64) @ inner  # |each| < 2^31 * 2^8 * 2^12
         idx = torch.arange(sums.numel(), dtype=torch.float64, device=sums.device) + start // _CHUNK
-        weights = (idx * 2909 % 251) + 1  # partial sums stay below 2^31 * 2^8 * 2^10 < 2^53
+        weights = (idx * 2909 % 251) + 1  # partial sums stay below 2^31 * 2^8 * 2^8 < 2^53
         total = (total + int(torch.remainder(torch.remainder(sums, _MOD) * weights, _MOD).sum().item())) % _MOD
     return total ^ (nbytes << 31)
 
@@ -169,67 +176,152 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+TensorSpec = tuple[str, tuple[int, ...], torch.dtype]  # (hf_name, shape, dtype)
+
+
+def _layout(start: int, specs: list[TensorSpec]) -> tuple[list, int]:
+    """Bucket entries [name, dtype, shape, offset, nbytes] for tensors placed from byte `start`, and the end."""
+    entries, end = [], start
+    for name, shape, dtype in specs:
+        offset = _aligned(end)
+        nbytes = math.prod(shape) * dtype.itemsize
+        entries.append([name, str(dtype), list(shape), offset, nbytes])
+        end = offset + nbytes
+    return entries, end
+
+
+def _views(payload: torch.Tensor, entries: list) -> list[torch.Tensor]:
+    views = []
+    for name, dtype, shape, offset, nbytes in entries:
+        if dtype not in _DTYPES:
+            raise WeightSyncError(f"tensor {name!r}: unsupported dtype {dtype}")
+        views.append(payload[offset:offset + nbytes].view(_DTYPES[dtype]).view(shape))
+    return views
+
+
+class BucketSender:
+    """One stage's side of a sync: fills the two half buckets and sends them.
+
+    Tensors come in two ways: `add` copies an existing tensor into the bucket, and `reserve`
+    hands out bucket slots that the caller writes into (the TP gather places shards there
+    directly, so a gathered tensor is never copied again). A reserved slot is sent once the
+    next reservation, or `close`, shows that the caller has finished writing it. If sending
+    fails (a receiver died), reservations keep being served from scratch memory so that the
+    caller's collectives stay in step, and `close` raises the error.
+    """
+
+    def __init__(self, group: WeightSyncGroup, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.group, self.stage = group, group.sync_rank
+        self.report = SyncReport(version)
+        self.half = max(bucket_bytes // 2, 1)
+        self.buffers = group.buffers("send", 2, self.half)
+        self.in_flight: list = [None, None]  # per half: its broadcast, until it completes
+        self.current, self.used, self.entries = 0, 0, []
+        self.own: tuple | None = None  # a reservation too large for a half bucket: (buffer, entries)
+        self.error: BaseException | None = None
+        self._t0 = time.perf_counter()
+
+    # -- public
+    def reserve(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
+        """Bucket slots for tensors the caller will write (all in the same bucket)."""
+        if self.error is None:
+            try:
+                return self._reserve(specs)
+            except Exception as e:  # noqa: BLE001 - kept and raised by close()
+                self.error = e
+        return [torch.empty(shape, dtype=dtype, device=self.group.device) for _, shape, dtype in specs]
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Send an existing tensor: copied into the bucket, or sent from its own memory if larger than a half."""
+        t = tensor.detach()
+        nbytes = t.numel() * t.element_size()
+        if nbytes <= self.half:
+            self.reserve([(name, tuple(t.shape), t.dtype)])[0].copy_(t)
+            return
+        self._send_own()
+        self._flush()
+        self._settle(1 - self.current)
+        payload = _as_bytes(t.contiguous()).to(self.group.device)
+        self._launch(payload, [[name, str(t.dtype), list(t.shape), 0, nbytes]]).wait()
+        self.report.tensors += 1
+
+    def close(self) -> SyncReport:
+        """Send what is left, then the checksums; raises if any send failed."""
+        if self.error is None:
+            try:
+                self._send_own()
+                self._flush()
+                self._settle(0)
+                self._settle(1)
+                _send_meta(self.group, self.stage, {"version": self.report.version, "stage": self.stage, "end": True,
+                                                    "checksums": self.report.checksums})
+            except Exception as e:  # noqa: BLE001 - raised below
+                self.error = e
+        if self.error is not None:
+            raise self.error
+        self.report.seconds = time.perf_counter() - self._t0
+        return self.report
+
+    # -- internals
+    def _reserve(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
+        self._send_own()
+        self.report.tensors += len(specs)
+        entries, need = _layout(0, specs)
+        if need > self.half:
+            self._flush()
+            buffer = torch.empty(need, dtype=torch.uint8, device=self.group.device)
+            self.own = (buffer, entries)
+            return _views(buffer, entries)
+        if _aligned(self.used) + need > self.half:
+            self._flush()
+        entries, self.used = _layout(self.used, specs)
+        self.entries += entries
+        return _views(self.buffers[self.current], entries)
+
+    def _send_own(self) -> None:
+        if self.own is not None:
+            (buffer, entries), self.own = self.own, None
+            self._flush()
+            self._settle(1 - self.current)
+            self._launch(buffer, entries).wait()
+
+    def _launch(self, payload: torch.Tensor, entries: list):
+        _send_meta(self.group, self.stage, {"version": self.report.version, "stage": self.stage, "end": False,
+                                           "tensors": entries})
+        work = self.group.broadcast(payload, self.stage, async_op=True)
+        for entry, view in zip(entries, _views(payload, entries)):  # overlaps the transfer; only reads
+            self.report.checksums[entry[0]] = tensor_checksum(view)
+        self.report.buckets += 1
+        self.report.bytes += payload.numel()
+        return work
+
+    def _settle(self, i: int) -> None:
+        if self.in_flight[i] is not None:
+            work, self.in_flight[i] = self.in_flight[i], None
+            work.wait()
+
+    def _flush(self) -> None:
+        """Send the current half and make the other one ready to be filled."""
+        if self.entries:
+            self.in_flight[self.current] = self._launch(self.buffers[self.current][:self.used], self.entries)
+            self.current = 1 - self.current
+            self._settle(self.current)
+        self.used, self.entries = 0, []
+
+
 def send_stage(group: WeightSyncGroup, pairs: Iterable[tuple[str, torch.Tensor]], version: int,
                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
     """Send one stage's (hf_name, tensor) pairs; each tensor is packed as soon as it is produced."""
-    stage = group.sync_rank
-    report = SyncReport(version)
-    t0 = time.perf_counter()
-    half = max(bucket_bytes // 2, 1)
-    buffers = group.buffers("send", 2, half)
-    in_flight: list = [None, None]  # per buffer: (work, entries) still on the wire
-    current, used, entries = 0, 0, []
-
-    def settle(i: int) -> None:
-        """Wait for buffer i's broadcast (its checksums were computed while it was sent)."""
-        if in_flight[i] is not None:
-            in_flight[i].wait()
-            in_flight[i] = None
-
-    def launch(payload: torch.Tensor, items: list, views: list[torch.Tensor]) -> object:
-        _send_meta(group, stage, {"version": version, "stage": stage, "end": False, "tensors": items})
-        work = group.broadcast(payload, stage, async_op=True)
-        for item, view in zip(items, views):  # overlaps the transfer; the bytes are only read
-            report.checksums[item[0]] = tensor_checksum(view)
-        report.buckets += 1
-        report.bytes += payload.numel()
-        return work
-
-    def flush() -> None:
-        nonlocal current, used, entries
-        if entries:
-            buf = buffers[current]
-            views = [buf[e[3]:e[3] + e[4]].view(_DTYPES[e[1]]).view(e[2]) for e in entries]
-            in_flight[current] = launch(buf[:used], entries, views)
-            current = 1 - current
-            settle(current)  # the other half must be free before it is refilled
-        used, entries = 0, []
-
+    sender = BucketSender(group, version, bucket_bytes)
     for name, tensor in pairs:
-        t = tensor.detach()
-        nbytes = t.numel() * t.element_size()
-        entry = [name, str(t.dtype), list(t.shape), 0, nbytes]
-        if nbytes > half:  # too large for a half bucket: send it from its own memory
-            flush()
-            settle(1 - current)
-            t = t.contiguous()
-            launch(_as_bytes(t).to(group.device), [entry], [t]).wait()
-        else:
-            if used + nbytes > half:
-                flush()
-            entry[3] = used
-            # one strided copy straight into the bucket (q/k/v and gate/up arrive as views)
-            buffers[current][used:used + nbytes].view(t.dtype).view(t.shape).copy_(t)
-            entries.append(entry)
-            used += nbytes
-        report.tensors += 1
-        del t, tensor
-    flush()
-    settle(0)
-    settle(1)
-    _send_meta(group, stage, {"version": version, "stage": stage, "end": True, "checksums": report.checksums})
-    report.seconds = time.perf_counter() - t0
-    return report
+        if sender.error is not None:
+            break
+        sender.add(name, tensor)
+    return sender.close()
 
 
 # ----------------------------------------------------------------------------- receiving
@@ -259,12 +351,7 @@ def receive_stage(group: WeightSyncGroup, stage: int, manifest: ReceivedManifest
         payload = (group.buffers("recv", 1, size)[0][:size] if reuse_buffer
                    else torch.empty(size, dtype=torch.uint8, device=group.device))
         group.broadcast(payload, stage)
-        bucket = []
-        for name, dtype, shape, offset, nbytes in meta["tensors"]:
-            if dtype not in _DTYPES:
-                raise WeightSyncError(f"tensor {name!r}: unsupported dtype {dtype}")
-            bucket.append((name, payload[offset:offset + nbytes].view(_DTYPES[dtype]).view(shape)))
-        yield bucket
+        yield list(zip((e[0] for e in meta["tensors"]), _views(payload, meta["tensors"])))
 
 
 def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None, reuse_buffer: bool = False
@@ -299,25 +386,22 @@ def compare_checksums(held: dict[str, int], manifest: ReceivedManifest) -> int:
 def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport | None:
     """Collective over the learner: every rank calls it. The TP ranks of data-parallel rank 0
-    gather each stage's tensors; the stage's TP rank 0 (its member of the sync group) sends.
-    Returns the stage sender's report (None on other ranks)."""
+    gather each stage's tensors onto the stage's TP rank 0 (its member of the sync group), which
+    places them straight into its send buckets. Returns the stage sender's report (None on other
+    ranks). A failed send is raised only after the stage's gathers have all run, so that the
+    learner stays in step and can retry."""
     from spice_megatron.bridge.export import gather_stage_tensors
 
     lay = learner.layout
     if lay.dp_rank != 0:
         return None
-    pairs = gather_stage_tensors(learner)
     if lay.tp_rank != 0:
-        for _ in pairs:  # take part in the TP gathers only
+        for _ in gather_stage_tensors(learner):  # sends this rank's shards
             pass
         return None
     if group is None or group.sync_rank != lay.pp_rank:
         raise WeightSyncError(f"stage {lay.pp_rank}'s sender needs a WeightSyncGroup with sync_rank {lay.pp_rank}")
-    try:
-        return send_stage(group, pairs, version, bucket_bytes)
-    except Exception:
-        # A receiver died mid-sync. The other TP ranks are still inside the stage's gathers: take
-        # part in the rest of them, so that the learner stays in step and can retry.
-        for _ in pairs:
-            pass
-        raise
+    sender = BucketSender(group, version, bucket_bytes)
+    for _ in gather_stage_tensors(learner, allocate=sender.reserve):
+        pass
+    return sender.close()
