@@ -4,8 +4,9 @@ streamed to 1 and to 2 receiver processes over gloo. In the same run, against:
   (a) raw: one broadcast of the same number of bytes as a single buffer over the same group
       (the transport's limit; target: bucketed sync within 1.3x of it). "stream_only" times the
       bucket stream alone from pre-gathered tensors, separating the protocol from the TP gather;
-  (b) naive: per parameter, gather the full tensor and ship it as its own pickled message, the
-      way per-parameter RPC refits do (target: bucketed sync at least 5x faster).
+  (b) naive: per parameter, all-gather the full tensor on every TP rank and ship each HF tensor
+      as its own pickled message, the way per-parameter RPC refits do (target: bucketed sync at
+      least 5x faster).
 
   python tools/bench_weight_sync.py [--layers 6] [--hidden 1024] [--vocab 32768] [--bucket-mb 512]
 """
@@ -30,12 +31,29 @@ def _rss_mb() -> float:
 
 
 def _naive_send(learner, group) -> None:
-    """Per parameter: TP gather, then one pickled message each (object broadcast)."""
-    from spice_megatron.bridge.export import gather_stage_tensors
+    """The refit users complain about: per parameter, all-gather the full tensor on every TP rank
+    (as gather_from_tensor_model_parallel_region does), convert it to HF, and ship each HF tensor
+    as its own pickled message from the stage's TP rank 0."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    for name, t in gather_stage_tensors(learner):
+    from spice_megatron.bridge.export import global_param_name
+    from spice_megatron.bridge.mapping import full_shape, gather_layout, hf_outputs, place_shard
+
+    tp, spec = learner.layout.tp, learner.spec
+    for name, param in learner.model.named_parameters():
+        local = param.detach()
+        shards = [local]
+        if tp > 1 and gather_layout(name)[0] is not None:
+            shards = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(shards, local, group=ps.get_tensor_model_parallel_group())
+        outputs = hf_outputs(global_param_name(learner, name), full_shape(name, tuple(local.shape), tp), spec)
+        full = [torch.empty(shape, dtype=local.dtype) for _, shape in outputs]
+        for r, shard in enumerate(shards):
+            place_shard(name, shard, r, tp, spec, full)
         if group is not None:
-            _object_broadcast(group, (name, t.contiguous()), learner.layout.pp_rank)
+            for (hf_name, _), t in zip(outputs, full):
+                _object_broadcast(group, (hf_name, t), learner.layout.pp_rank)
     if group is not None:
         _object_broadcast(group, None, learner.layout.pp_rank)
 
@@ -191,7 +209,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--bucket-mb", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     print(f"model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; learner TP={TP} x PP={PP}; "
           f"bucket {args.bucket_mb} MiB; gloo on CPU, {LEARNERS} learner + 1-2 receiver processes on "

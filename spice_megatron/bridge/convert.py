@@ -55,11 +55,8 @@ def save_hf_checkpoint(learner, out_dir: str, metadata_dir: str, bucket_bytes: i
                 written.append((name, list(bucket)))
             bucket, used = {}, 0
 
-        for hf_name, tensor in gather_stage_tensors(learner):
-            if lay.tp_rank != 0:
-                continue
-            # a copy: q/k/v and gate/up are views of one fused parameter, which safetensors refuses
-            t = tensor.detach().to("cpu", dtype or tensor.dtype, copy=True).contiguous()
+        for hf_name, tensor in gather_stage_tensors(learner):  # yields on TP rank 0 only
+            t = tensor.to("cpu", dtype or tensor.dtype)
             nbytes = t.numel() * t.element_size()
             if bucket and used + nbytes > bucket_bytes:
                 flush()

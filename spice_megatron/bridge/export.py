@@ -10,17 +10,16 @@ import torch.distributed as dist
 from spice_megatron.bridge.mapping import LAYER, full_shape, gather_layout, hf_outputs, place_shard, shard_destination
 
 
-def _global_name(name: str, offset: int) -> str:
+def global_param_name(learner, name: str) -> str:
+    """A parameter's name with the global layer number (each pipeline stage numbers its layers from 0)."""
+    from spice_megatron.bridge.hf_io import layer_offset
+
     m = LAYER.match(name)
-    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
+    return f"decoder.layers.{int(m.group(1)) + layer_offset(learner.model)}.{m.group(2)}" if m else name
 
 
 # allocate([(hf_name, shape, dtype), ...]) -> the tensors one parameter's HF outputs are written into
 Allocate = Callable[[list[tuple[str, tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
-
-
-def _fresh(specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    return [torch.empty(shape, dtype=dtype) for _, shape, dtype in specs]
 
 
 def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -34,17 +33,14 @@ def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[
     """
     from megatron.core import parallel_state as ps
 
-    from spice_megatron.bridge.hf_io import layer_offset
-
-    offset = layer_offset(learner.model)
     tp, tp_rank, group = learner.layout.tp, learner.layout.tp_rank, ps.get_tensor_model_parallel_group()
     root = dist.get_global_rank(group, 0) if tp > 1 else dist.get_rank()
-    allocate = allocate or _fresh
+    device = next(learner.model.parameters()).device
+    allocate = allocate or (lambda specs: [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in specs])
     spare = torch.empty(0)  # receive buffer for shards that cannot land in place, reused
     for name, param in learner.model.named_parameters():
         local = param.detach()
-        global_name = _global_name(name, offset)
-        outputs = hf_outputs(global_name, full_shape(name, tuple(local.shape), tp), learner.spec)
+        outputs = hf_outputs(global_param_name(learner, name), full_shape(name, tuple(local.shape), tp), learner.spec)
         if not outputs:
             continue
         sharded = tp > 1 and gather_layout(name)[0] is not None
@@ -74,7 +70,7 @@ def gathered_hf_state_dict(learner) -> dict[str, torch.Tensor] | None:
 
     Holds the full model on rank 0: meant for small models and tests; large models stream
     bucket by bucket instead."""
-    mine = {k: v.cpu().clone() for k, v in gather_stage_tensors(learner)}
+    mine = {k: v.cpu() for k, v in gather_stage_tensors(learner)}
     keep = mine if (learner.layout.tp_rank == 0 and learner.layout.dp_rank == 0) else {}
     parts: list = [None] * learner.layout.world_size
     dist.all_gather_object(parts, keep)
