@@ -12,7 +12,8 @@ one srun task per node) and the learner on the first ones (one srun task per GPU
 SLURM_PROCID). They meet through the environment the job exports (SPICE_ROLLOUT_NODES,
 SPICE_ENGINES_PER_NODE, SPICE_ROLLOUT_PORT, SPICE_ROLLOUT_TOKEN); the learner waits for the engines
 to be healthy (rollout.health_timeout). NeMo-Run requeues a failed job up to --retries times and the
-learner always starts with --resume.
+learner always starts with --resume; after the kill switch (exit code 3, which NeMo-Run's script
+requeues like any failure) the learner refuses to resume and the requeued job ends at once.
 """
 from __future__ import annotations
 

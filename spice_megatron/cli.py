@@ -93,9 +93,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         eval_hook = training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data,
                                        AutoTokenizer.from_pretrained(cfg.run.model), settings, args.eval_limit or None)
     try:
-        summary = train(cfg, resume=args.resume, eval_hook=eval_hook)
+        summary = train(cfg, resume=args.resume or args.resume_after_kill_switch, eval_hook=eval_hook,
+                        resume_after_kill_switch=args.resume_after_kill_switch)
     except KillSwitch as e:
-        print(f"stopped by the kill switch: {e} (a checkpoint was saved)", file=sys.stderr)
+        print(f"kill switch: {e}", file=sys.stderr)
         return 3
     except Interrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
@@ -298,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--output-dir")
     st.add_argument("--corpus", action="append", help="corpus file/glob or hub id (repeatable); replaces the recipe's")
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
+    st.add_argument("--resume-after-kill-switch", action="store_true",
+                    help="--resume, even if the kill switch stopped the run (otherwise it refuses, exit code 3)")
     st.add_argument("--eval-benchmarks", default="", help="evaluate every run.eval_every iterations: 'offline', "
                     "'paper' or a comma-separated list")
     st.add_argument("--eval-limit", type=int, default=0, help="items per benchmark during training (0: all)")

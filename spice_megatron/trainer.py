@@ -285,15 +285,18 @@ def _any_rank(flag: bool) -> bool:
 EvalHook = Callable[[int, Any], dict[str, float]]  # (iteration, rollout fleet) -> metrics, on the driver
 
 
-def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = None) -> dict[str, Any]:
+def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = None,
+          resume_after_kill_switch: bool = False) -> dict[str, Any]:
     """Run SPICE. `eval_hook` is called on the driver every run.eval_every iterations with the
-    rollout fleet (which holds the current weights); its metrics are logged under eval/."""
+    rollout fleet (which holds the current weights); its metrics are logged under eval/.
+    A run the kill switch stopped is not resumed (a scheduler's requeue would otherwise train on
+    from the collapse) unless `resume_after_kill_switch`."""
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
     from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint
     from spice_megatron.bridge.hf_io import resolve_model_dir
-    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
     from spice_megatron.policy.learner import Learner
     from spice_megatron.policy.parallel import init_distributed
 
@@ -305,9 +308,13 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
 
     # --- The learner: the base model (HF -> Megatron), or the last checkpoint on resume.
+    latest = latest_checkpoint(ckpt_root) if resume else None
+    stopped = read_trainer_state(latest).get("kill_switch") if latest else None
+    if stopped and not resume_after_kill_switch:
+        raise KillSwitch(f"not resuming: the kill switch stopped this run at {os.path.basename(latest)} ({stopped}); "
+                         "pass --resume-after-kill-switch to continue it anyway")
     learner = Learner.from_hf(cfg.run.model, cfg.parallel, cfg.optim, cfg.train, pad_id=tokenizer.pad_token_id or 0)
     state: dict[str, Any] = {"iteration": 0, "version": 0}
-    latest = latest_checkpoint(ckpt_root) if resume else None
     if resume and latest is None and is_driver:
         log.warning("--resume: no checkpoint under %s; starting from the base model", ckpt_root)
     if latest:
@@ -319,8 +326,10 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
         weights.sync(state["version"])
 
-    def checkpoint(iteration: int, version: int) -> None:
+    def checkpoint(iteration: int, version: int, kill_switch: str = "") -> None:
         trainer_state = {"iteration": iteration, "version": version, "driver": driver.state() if driver else None}
+        if kill_switch:
+            trainer_state["kill_switch"] = kill_switch
         save_checkpoint(learner, ckpt_root, iteration, trainer_state, cfg.run.keep_last)  # rank 0 writes it
 
     summary: dict[str, Any] = {}
@@ -376,9 +385,9 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
             # rank 0 decides for all: its kill switch, and its Ctrl-C / SIGTERM
             stop, interrupted = _broadcast((stop, stop_request.requested) if driver else None)
             if stop or interrupted or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
-                checkpoint(iteration, version)
+                checkpoint(iteration, version, kill_switch=stop)
             if stop:
-                raise KillSwitch(stop)
+                raise KillSwitch(f"stopped the run: {stop} (a checkpoint was saved)")
             if interrupted and iteration < cfg.run.iterations:
                 raise Interrupted(f"stopped after iteration {iteration} with a checkpoint; continue with --resume")
     finally:

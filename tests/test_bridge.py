@@ -256,6 +256,38 @@ def test_a_receiver_dying_mid_sync_fails_the_sender_and_keeps_tp_ranks_in_step(t
     assert peer == ("sent", 2.0)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_tp4_shards_placed_back_rebuild_every_hf_tensor(family):
+    """Export's placement is the exact inverse of import's slicing, at a TP wider than the
+    multi-process tests use (4 KV groups over 4 ranks, 2 query heads per group)."""
+    from spice_megatron.bridge.mapping import expected_hf_shapes, full_shape, hf_outputs, megatron_shard, place_shard
+    from spice_megatron.policy.model import model_spec_from_hf
+
+    spec = model_spec_from_hf(tiny_hf_config(family, num_heads=8, num_kv_heads=4, head_dim=8, intermediate_size=96))
+    torch.manual_seed(0)
+    hf = {name: torch.randn(shape) for name, shape in expected_hf_shapes(spec).items()}
+
+    def read(name, dim, start, stop):
+        return hf[name] if dim is None else hf[name].narrow(dim, start, stop - start)
+
+    names = ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"]
+    per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+                 "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    if spec.family.qk_norm:
+        per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    names += [f"decoder.layers.{i}.{rest}" for i in range(spec.num_layers) for rest in per_layer]
+    tp, rebuilt = 4, {}
+    for name in names:
+        shards = [megatron_shard(name, spec, r, tp, 0, read) for r in range(tp)]
+        outputs = hf_outputs(name, full_shape(name, tuple(shards[0].shape), tp), spec)
+        full = [torch.full(shape, float("nan")) for _, shape in outputs]
+        for r in reversed(range(tp)):
+            place_shard(name, shards[r], r, tp, spec, full)
+        rebuilt.update(zip((n for n, _ in outputs), full))
+    assert rebuilt.keys() == hf.keys()
+    assert all(torch.equal(rebuilt[k], hf[k]) for k in hf), [k for k in hf if not torch.equal(rebuilt[k], hf[k])]
+
+
 def test_checksums_are_exact_and_position_sensitive():
     from spice_megatron.bridge.weight_sync import tensor_checksum
 

@@ -118,6 +118,10 @@ def test_run_resume_after_kill_and_kill_switch(setup, straight):
     (m,) = records(os.path.join(stopped, "metrics.jsonl"))
     assert m["eval/gsm8k"] == 0.0 and "eval/overall_average" in m and m["time/eval"] > 0  # mmlu: unavailable, left out
     assert "mmlu unavailable" in text
+    # a requeue after the kill switch (NeMo-Run requeues any failure) must not train on
+    rc, text = spice_train(model, corpus, stopped, "run.iterations=4", resume=True)
+    assert rc == 3 and "not resuming" in text and "step_00000001" in text
+    assert len(records(os.path.join(stopped, "metrics.jsonl"))) == 1
 
 
 def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_that_resumes_exactly(setup, straight):

@@ -14,11 +14,11 @@ HF names and full (TP-gathered) tensors, as a sequence of messages:
   header + meta      {"version", "stage", "end": true, "checksums": {name: checksum}}
 
 The bucket is two half-size buffers: one is on the wire while the other fills, so the sender holds
-at most one bucket plus the tensor being gathered, and packing overlaps sending. The TP gather
+at most one bucket plus the tensor being gathered, and filling overlaps sending. The TP gather
 writes shards straight into their bucket slots (offsets aligned to 64 bytes), so a gathered
-tensor is never copied again. Tensors larger than half a bucket go out from their own memory. Checksums are computed while the
-bucket is in flight and sent last; the engine checks what it loaded against them. No pickle
-crosses the wire.
+tensor is never copied again. Tensors larger than half a bucket go out from their own memory.
+Checksums are computed while the bucket is in flight and sent last; the engine checks what it
+loaded against them. No pickle crosses the wire.
 """
 from __future__ import annotations
 
