@@ -4,6 +4,8 @@ streamed to 1 and to 2 receiver processes over gloo. In the same run, against:
   (a) raw: one broadcast of the same number of bytes as a single buffer over the same group
       (the transport's limit; target: bucketed sync within 1.3x of it). "stream_only" times the
       bucket stream alone from pre-gathered tensors, separating the protocol from the TP gather;
+      "raw_checked" is the raw broadcast plus one checksum pass over its bytes on the sender,
+      the part of the verification the bucketed sync pays on the sender's side;
   (b) naive: per parameter, all-gather the full tensor on every TP rank and ship each HF tensor
       as its own pickled message, the way per-parameter RPC refits do (target: bucketed sync at
       least 5x faster).
@@ -24,6 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 LEARNERS, TP, PP = 4, 2, 2
+KINDS = ("bucketed", "stream_only", "raw", "raw_checked", "naive")
 
 
 def _rss_mb() -> float:
@@ -93,7 +96,8 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # megatron-core's notes about missing TE/Apex, once per rank
     from spice_megatron.bridge.export import gather_stage_tensors
-    from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all, send_learner_weights, send_stage
+    from spice_megatron.bridge.weight_sync import (WeightSyncGroup, receive_all, send_learner_weights, send_stage,
+                                                   tensor_checksum)
 
     bucket = args.bucket_mb * 2**20
     if rank >= LEARNERS:  # a receiver (a stand-in for an engine worker: it keeps the tensors)
@@ -111,11 +115,14 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
             sum(t.numel() for b in receive_all(group, reuse_buffer=True) for _, t in b)
             timings.setdefault("stream_only", []).append(time.perf_counter() - t0)
         raw = torch.empty(nbytes, dtype=torch.uint8)
-        for trial in range(args.repeats):
-            group.broadcast(torch.zeros(1), 0)  # start together with stage 0's sender
-            t0 = time.perf_counter()
-            group.broadcast(raw, 0)
-            timings.setdefault("raw", []).append(time.perf_counter() - t0)
+        for kind in ("raw", "raw_checked"):
+            for trial in range(args.repeats):
+                group.broadcast(torch.zeros(1), 0)  # start together with stage 0's sender
+                t0 = time.perf_counter()
+                group.broadcast(raw, 0)
+                if kind == "raw_checked":
+                    group.broadcast(torch.zeros(1), 0)  # the sender has checksummed every byte
+                timings.setdefault(kind, []).append(time.perf_counter() - t0)
         del raw
         for trial in range(args.repeats):
             group.barrier()
@@ -159,11 +166,18 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
     del gathered
     if group and lay.pp_rank == 0:  # the raw baseline: stage 0's sender sends all the bytes at once
         raw = torch.empty(learner.spec.num_parameters * 4, dtype=torch.uint8)
-        for trial in range(args.repeats):
-            group.broadcast(torch.zeros(1), 0)
-            t0 = time.perf_counter()
-            group.broadcast(raw, 0)
-            timings.setdefault("raw", []).append(time.perf_counter() - t0)
+        for kind in ("raw", "raw_checked"):
+            for trial in range(args.repeats):
+                group.broadcast(torch.zeros(1), 0)
+                t0 = time.perf_counter()
+                if kind == "raw":
+                    group.broadcast(raw, 0)
+                else:  # what verification adds: one checksum pass over the bytes while they are sent
+                    work = group.broadcast(raw, 0, async_op=True)
+                    tensor_checksum(raw)
+                    work.wait()
+                    group.broadcast(torch.zeros(1), 0)
+                timings.setdefault(kind, []).append(time.perf_counter() - t0)
         del raw
     for trial in range(args.repeats):
         if group:
@@ -199,7 +213,7 @@ def run(receivers: int, args) -> dict:
         p.join()
     recv = [r for r in rows if r[0] == "receiver"]
     # the receivers finish last: their clocks measure the whole transfer
-    return {"bytes": recv[0][3], **{k: max(r[2][k] for r in recv) for k in ("bucketed", "stream_only", "raw", "naive")},
+    return {"bytes": recv[0][3], **{k: max(r[2][k] for r in recv) for k in KINDS},
             "rss": {f"{kind}{rank}": mb for kind, rank, _, _, mb in sorted(rows, key=lambda r: r[1])}}
 
 
@@ -219,11 +233,12 @@ def main() -> int:
         r = run(receivers, args)
         gb = r["bytes"] / 1e9
         print(f"\n{receivers} receiver(s): {gb:.3f} GB per sync")
-        for kind in ("bucketed", "stream_only", "raw", "naive"):
+        for kind in KINDS:
             print(f"  {kind:11s} {r[kind]:7.2f} s   {gb / r[kind]:6.2f} GB/s")
         vs_raw, vs_naive = r["bucketed"] / r["raw"], r["naive"] / r["bucketed"]
         print(f"  bucketed (with TP gather) / raw broadcast: {vs_raw:.2f}x (target <= 1.3x)")
         print(f"  stream only (pre-gathered) / raw:          {r['stream_only'] / r['raw']:.2f}x")
+        print(f"  bucketed / raw + sender checksums:         {r['bucketed'] / r['raw_checked']:.2f}x")
         print(f"  naive / bucketed:                          {vs_naive:.2f}x (target >= 5x)")
         print("  peak RSS per rank (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in r["rss"].items()))
         ok &= vs_raw <= 1.3 and vs_naive >= 5
