@@ -96,7 +96,7 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # megatron-core's notes about missing TE/Apex, once per rank
     from spice_megatron.bridge.export import gather_stage_tensors
-    from spice_megatron.bridge.weight_sync import (WeightSyncGroup, receive_all, send_learner_weights, send_stage,
+    from spice_megatron.bridge.weight_sync import (BucketSender, WeightSyncGroup, receive_all, send_learner_weights,
                                                    tensor_checksum)
 
     bucket = args.bucket_mb * 2**20
@@ -161,7 +161,10 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
         if group:
             group.barrier()
             t0 = time.perf_counter()
-            send_stage(group, gathered, version=trial, bucket_bytes=bucket)
+            sender = BucketSender(group, version=trial, bucket_bytes=bucket)
+            for name, t in gathered:
+                sender.reserve([(name, tuple(t.shape), t.dtype)])[0].copy_(t)
+            sender.close()
             timings.setdefault("stream_only", []).append(time.perf_counter() - t0)
     del gathered
     if group and lay.pp_rank == 0:  # the raw baseline: stage 0's sender sends all the bytes at once

@@ -16,9 +16,9 @@ HF names and full (TP-gathered) tensors, as a sequence of messages:
 The bucket is two half-size buffers: one is on the wire while the other fills, so the sender holds
 at most one bucket plus the tensor being gathered, and filling overlaps sending. The TP gather
 writes shards straight into their bucket slots (offsets aligned to 64 bytes), so a gathered
-tensor is never copied again. Tensors larger than half a bucket go out from their own memory.
-Checksums are computed while the bucket is in flight and sent last; the engine checks what it
-loaded against them. No pickle crosses the wire.
+tensor is never copied again. A parameter whose tensors exceed half a bucket goes out in a buffer
+of its own. Checksums are computed while the bucket is in flight and sent last; the engine checks
+what it loaded against them. No pickle crosses the wire.
 """
 from __future__ import annotations
 
@@ -172,10 +172,6 @@ def _recv_meta(group: WeightSyncGroup, stage: int) -> dict:
     return json.loads(bytes(buf.cpu().numpy()).decode())
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(-1).view(torch.uint8)
-
-
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -206,9 +202,8 @@ def _views(payload: torch.Tensor, entries: list) -> list[torch.Tensor]:
 class BucketSender:
     """One stage's side of a sync: fills the two half buckets and sends them.
 
-    Tensors come in two ways: `add` copies an existing tensor into the bucket, and `reserve`
-    hands out bucket slots that the caller writes into (the TP gather places shards there
-    directly, so a gathered tensor is never copied again). A reserved slot is sent once the
+    `reserve` hands out bucket slots that the caller writes into (the TP gather places shards
+    there directly, so a gathered tensor is never copied again). A reserved slot is sent once the
     next reservation, or `close`, shows that the caller has finished writing it. If sending
     fails (a receiver died), reservations keep being served from scratch memory so that the
     caller's collectives stay in step, and `close` raises the error.
@@ -234,20 +229,6 @@ class BucketSender:
             except Exception as e:  # noqa: BLE001 - kept and raised by close()
                 self.error = e
         return [torch.empty(shape, dtype=dtype, device=self.group.device) for _, shape, dtype in specs]
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Send an existing tensor: copied into the bucket, or sent from its own memory if larger than a half."""
-        t = tensor.detach()
-        nbytes = t.numel() * t.element_size()
-        if nbytes <= self.half:
-            self.reserve([(name, tuple(t.shape), t.dtype)])[0].copy_(t)
-            return
-        self._send_own()
-        self._flush()
-        self._settle(1 - self.current)
-        payload = _as_bytes(t.contiguous()).to(self.group.device)
-        self._launch(payload, [[name, str(t.dtype), list(t.shape), 0, nbytes]]).wait()
-        self.report.tensors += 1
 
     def close(self) -> SyncReport:
         """Send what is left, then the checksums; raises if any send failed."""
@@ -311,17 +292,6 @@ class BucketSender:
             self.current = 1 - self.current
             self._settle(self.current)
         self.used, self.entries = 0, []
-
-
-def send_stage(group: WeightSyncGroup, pairs: Iterable[tuple[str, torch.Tensor]], version: int,
-               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
-    """Send one stage's (hf_name, tensor) pairs; each tensor is packed as soon as it is produced."""
-    sender = BucketSender(group, version, bucket_bytes)
-    for name, tensor in pairs:
-        if sender.error is not None:
-            break
-        sender.add(name, tensor)
-    return sender.close()
 
 
 # ----------------------------------------------------------------------------- receiving
