@@ -41,16 +41,17 @@ def _naive_send(learner, group) -> None:
     from megatron.core import parallel_state as ps
 
     from spice_megatron.bridge.export import global_param_name
+    from spice_megatron.bridge.hf_io import layer_offset
     from spice_megatron.bridge.mapping import full_shape, gather_layout, hf_outputs, place_shard
 
-    tp, spec = learner.layout.tp, learner.spec
+    tp, spec, offset = learner.layout.tp, learner.spec, layer_offset(learner.model)
     for name, param in learner.model.named_parameters():
         local = param.detach()
         shards = [local]
         if tp > 1 and gather_layout(name)[0] is not None:
             shards = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(shards, local, group=ps.get_tensor_model_parallel_group())
-        outputs = hf_outputs(global_param_name(learner, name), full_shape(name, tuple(local.shape), tp), spec)
+        outputs = hf_outputs(global_param_name(name, offset), full_shape(name, tuple(local.shape), tp), spec)
         full = [torch.empty(shape, dtype=local.dtype) for _, shape in outputs]
         for r, shard in enumerate(shards):
             place_shard(name, shard, r, tp, spec, full)

@@ -10,12 +10,11 @@ import torch.distributed as dist
 from spice_megatron.bridge.mapping import LAYER, full_shape, gather_layout, hf_outputs, place_shard, shard_destination
 
 
-def global_param_name(learner, name: str) -> str:
-    """A parameter's name with the global layer number (each pipeline stage numbers its layers from 0)."""
-    from spice_megatron.bridge.hf_io import layer_offset
-
+def global_param_name(name: str, offset: int) -> str:
+    """A parameter's name with the global layer number: each pipeline stage numbers its layers
+    from 0, and its first layer is layer `offset` of the model (hf_io.layer_offset)."""
     m = LAYER.match(name)
-    return f"decoder.layers.{int(m.group(1)) + layer_offset(learner.model)}.{m.group(2)}" if m else name
+    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
 
 
 # allocate([(hf_name, shape, dtype), ...]) -> the tensors one parameter's HF outputs are written into
@@ -33,6 +32,9 @@ def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[
     """
     from megatron.core import parallel_state as ps
 
+    from spice_megatron.bridge.hf_io import layer_offset
+
+    offset = layer_offset(learner.model)
     tp, tp_rank, group = learner.layout.tp, learner.layout.tp_rank, ps.get_tensor_model_parallel_group()
     root = dist.get_global_rank(group, 0) if tp > 1 else dist.get_rank()
     device = next(learner.model.parameters()).device
@@ -40,7 +42,7 @@ def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[
     spare = torch.empty(0)  # receive buffer for shards that cannot land in place, reused
     for name, param in learner.model.named_parameters():
         local = param.detach()
-        outputs = hf_outputs(global_param_name(learner, name), full_shape(name, tuple(local.shape), tp), learner.spec)
+        outputs = hf_outputs(global_param_name(name, offset), full_shape(name, tuple(local.shape), tp), learner.spec)
         if not outputs:
             continue
         sharded = tp > 1 and gather_layout(name)[0] is not None
