@@ -150,6 +150,8 @@ def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, A
         learner.model.load_state_dict(state["model"])
         if with_optimizer:
             learner.optimizer.load_state_dict(state["optimizer"])
+        else:  # a bf16 optimizer's fp32 main weights would otherwise overwrite the loaded ones at the next step
+            learner.optimizer.reload_model_params()
     if not with_optimizer:
         return {}
     if same_layout:

@@ -59,7 +59,10 @@ class StepMetrics:
 
 class Learner:
     def __init__(self, spec: ModelSpec, parallel: ParallelConfig, optim: OptimConfig, train: PolicyTrainConfig,
-                 pad_id: int = 0):
+                 pad_id: int = 0, load_weights: Callable[["Learner"], None] | None = None):
+        """`load_weights(learner)` fills `learner.model` before the optimizer exists: megatron's
+        bf16 optimizers copy fp32 main weights from the model when they are built and write them
+        back after every step, so weights loaded later would be replaced by the random init."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
@@ -80,7 +83,12 @@ class Learner:
         self.tconfig = transformer_config(spec, self.layout.tp, self.layout.pp, self.dtype)
         with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
             model = build_model(spec, self.tconfig, self.layout.is_first_stage, self.layout.is_last_stage)
-        self.model = model.to(self.device)
+        # Uniformly in the training dtype, as megatron's Float16Module makes it: the local layer
+        # spec (no Transformer Engine) builds its RMSNorms in fp32 next to bf16 linears, and the
+        # bf16 optimizer's checkpoint mapping cannot handle the mix. (TE builds norms in bf16.)
+        self.model = model.to(device=self.device, dtype=self.dtype)
+        if load_weights is not None:
+            load_weights(self)
         with cpu_compat.cuda_to_cpu():
             self.ddp = DistributedDataParallel(
                 config=self.tconfig, module=self.model,
@@ -111,12 +119,11 @@ class Learner:
         """Build the learner and load an HF checkpoint, each rank reading only its slices."""
         from spice_megatron.bridge.hf_io import HFCheckpointReader, load_hf_weights
 
-        learner = cls(model_spec_from_hf(hf_dir), parallel, optim, train, pad_id)
         reader = HFCheckpointReader(hf_dir)
         # With tied embeddings and PP > 1 the last stage's output layer is loaded from the same HF
         # embedding tensor, so both copies start equal; megatron then reduces their grads together.
-        load_hf_weights(learner.model, learner.spec, reader, learner.layout.tp_rank, learner.layout.tp)
-        return learner
+        return cls(model_spec_from_hf(hf_dir), parallel, optim, train, pad_id,
+                   load_weights=lambda lr: load_hf_weights(lr.model, lr.spec, reader, lr.layout.tp_rank, lr.layout.tp))
 
     def _scheduler(self, optim: OptimConfig):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
