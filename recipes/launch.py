@@ -79,7 +79,10 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
               # one communicator spans learner senders and vLLM workers: the settings must agree
               "NCCL_CUMEM_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", **(env or {})}
     setup = "\n".join([
+        # NeMo-Run's script runs under `set -x`: the token must not be echoed into the job log
+        "{ set +x; } 2>/dev/null",
         'export SPICE_ROLLOUT_TOKEN="${SPICE_ROLLOUT_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d \' \\n\')}"',
+        "set -x",
         f'export SPICE_ROLLOUT_NODES="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +{learner_nodes + 1} '
         f'| paste -sd, -)"',
         f"export SPICE_ENGINES_PER_NODE={gpus // cfg.rollout.engine_tensor_parallel} SPICE_ROLLOUT_PORT={ROLLOUT_PORT}",
@@ -93,13 +96,17 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
             retries=retries, tunnel=tunnel or run.LocalTunnel(job_dir=job_dir or _default_job_dir()),
             packager=packager or run.GitArchivePackager())
 
-    rollout = executor([f"--nodes={rollout_nodes}", "--ntasks-per-node=1", f"--relative={learner_nodes}"],
+    # --ntasks on every srun: the job's SLURM_NTASKS (one task per node) is inherited by srun and
+    # would override --ntasks-per-node (a learner on `nodes` GPUs instead of 8 per node).
+    rollout = executor([f"--nodes={rollout_nodes}", f"--ntasks={rollout_nodes}", "--ntasks-per-node=1",
+                        f"--relative={learner_nodes}"],
                        {"SPICE_MODEL": model_dir, "SPICE_ENGINE_TP": str(cfg.rollout.engine_tensor_parallel),
                         "SPICE_MAX_MODEL_LEN": str(cfg.rollout.max_model_len), "SPICE_GPUS_PER_NODE": str(gpus),
                         "SPICE_GPU_MEMORY_UTILIZATION": str(cfg.rollout.gpu_memory_utilization),
                         "SPICE_LOG_DIR": f"{output_dir}/logs"})
     # One task per GPU (srun, not torchrun): Megatron's init reads SLURM_PROCID / SLURM_NTASKS.
-    learner = executor([f"--nodes={learner_nodes}", f"--ntasks-per-node={gpus}", "--relative=0"],
+    learner = executor([f"--nodes={learner_nodes}", f"--ntasks={learner_nodes * gpus}", f"--ntasks-per-node={gpus}",
+                        "--relative=0"],
                        {"MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "29500", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     exp = run.Experiment(f"spice_{recipe}", executor=rollout)
     with exp:

@@ -14,7 +14,9 @@
 #   ROLLOUT_PORT      first engine port on each rollout node (default: 8100)
 #   RDZV_PORT         torchrun rendezvous port on the first learner node (default: 29500)
 #   HEALTH_TIMEOUT    seconds to wait for the engines (default: 1800)
-#   MAX_RESTARTS      requeues after a failure (default: 3)
+#   MAX_RESTARTS      requeues after a failure (default: 3); time-limit requeues are not counted
+#   STOP_GRACE        seconds the learner gets to checkpoint after the time-limit warning (default: 540,
+#                     under the 600 s of --signal=B:USR1@600)
 #   Extra arguments to sbatch's script become config overrides: sbatch slurm/spice_8b.sbatch run.iterations=100
 set -euo pipefail
 
@@ -28,9 +30,17 @@ ROLLOUT_PORT=${ROLLOUT_PORT:-8100}
 RDZV_PORT=${RDZV_PORT:-29500}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-1800}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
+STOP_GRACE=${STOP_GRACE:-540}
 RESTART=${SLURM_RESTART_COUNT:-0}
 LOG_DIR=$OUTPUT_DIR/logs/slurm_${SLURM_JOB_ID}_restart${RESTART}
 mkdir -p "$LOG_DIR"
+# Files shared with the trainer (spice_megatron/trainer.py): torchrun reports every worker failure
+# as exit 1, so the kill switch is a marker file, and the time-limit stop request is a file too.
+STOP_FILE=$OUTPUT_DIR/STOP
+KILL_SWITCH_FILE=$OUTPUT_DIR/KILL_SWITCH
+FAILURES_FILE=$OUTPUT_DIR/.slurm_failed_attempts
+TIME_LIMITS_FILE=$OUTPUT_DIR/.slurm_time_limit_requeues
+rm -f "$STOP_FILE"
 
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 if (( ${#NODES[@]} <= LEARNER_NODES )); then
@@ -41,6 +51,8 @@ LEARNER=("${NODES[@]:0:LEARNER_NODES}")
 ROLLOUT=("${NODES[@]:LEARNER_NODES}")
 learner_list=$(IFS=,; echo "${LEARNER[*]}")
 rollout_list=$(IFS=,; echo "${ROLLOUT[*]}")
+# Every srun names its task count: the allocation's SLURM_NTASKS (one task per node) is inherited
+# by srun and would override --ntasks-per-node.
 head_ip=$(srun --nodes=1 --ntasks=1 -w "${LEARNER[0]}" hostname --ip-address | awk '{print $1}')
 echo "spice: job $SLURM_JOB_ID restart $RESTART: learner nodes $learner_list, rollout nodes $rollout_list"
 
@@ -61,25 +73,47 @@ export NCCL_CUMEM_ENABLE=0
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-Core: overlap of TP communication with compute
 if [[ -n "${NCCL_SOCKET_IFNAME:-}" ]]; then export NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}; fi
 
 container=(--container-image="$CONTAINER_IMAGE" --container-workdir="$SPICE_HOME" --no-container-mount-home
            --container-mounts="$SPICE_HOME:$SPICE_HOME${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")
 
-# Requeue on the time limit (sbatch --signal=B:USR1@600) and on failure, up to MAX_RESTARTS.
+count() { cat "$1" 2>/dev/null || echo 0; }
+# Requeue after a failure (at most MAX_RESTARTS failed attempts) or at the time limit (always).
 requeue() {
-  if (( RESTART < MAX_RESTARTS )); then
-    echo "spice: requeueing job $SLURM_JOB_ID ($1); it resumes from the last checkpoint" >&2
-    scontrol requeue "$SLURM_JOB_ID"
+  local why=$1 kind=$2
+  if [[ $kind == time_limit ]]; then
+    echo $(( $(count "$TIME_LIMITS_FILE") + 1 )) > "$TIME_LIMITS_FILE"
   else
-    echo "spice: not requeueing ($1): MAX_RESTARTS=$MAX_RESTARTS reached" >&2
+    local failures=$(( $(count "$FAILURES_FILE") + 1 ))
+    echo "$failures" > "$FAILURES_FILE"
+    if (( failures > MAX_RESTARTS )); then
+      echo "spice: not requeueing ($why): $failures failed attempts, MAX_RESTARTS=$MAX_RESTARTS" >&2
+      return
+    fi
   fi
+  echo "spice: requeueing job $SLURM_JOB_ID ($why); it resumes from the last checkpoint" >&2
+  scontrol requeue "$SLURM_JOB_ID"
 }
-trap 'requeue "time limit"; exit 0' USR1
+
+# Time limit (sbatch --signal=B:USR1@600): ask the learner to stop after its iteration with a
+# checkpoint, give it STOP_GRACE seconds, then requeue.
+learner_pid=""
+time_limit=0
+# shellcheck disable=SC2329  # invoked by the USR1 trap
+on_time_limit() {
+  time_limit=1
+  if [[ -z $learner_pid ]]; then  # still starting the engines: nothing to save
+    requeue "time limit" time_limit
+    exit 0
+  fi
+  echo "spice: time limit near: asking the learner to checkpoint and stop (up to ${STOP_GRACE}s)" >&2
+  touch "$STOP_FILE"
+}
+trap on_time_limit USR1
 
 # --- rollout: one service per ENGINE_TP GPUs on every rollout node
-srun --nodes=${#ROLLOUT[@]} --ntasks-per-node=1 -w "$rollout_list" "${container[@]}" \
+srun --nodes=${#ROLLOUT[@]} --ntasks=${#ROLLOUT[@]} --ntasks-per-node=1 -w "$rollout_list" "${container[@]}" \
   --output="$LOG_DIR/rollout_%N.out" --kill-on-bad-exit=1 bash slurm/rollout_node.sh &
 rollout_pid=$!
 trap 'kill "$rollout_pid" 2>/dev/null || true' EXIT
@@ -92,12 +126,12 @@ for host in "${ROLLOUT[@]}"; do
     until curl -sf -o /dev/null --max-time 5 "$url"; do
       if ! kill -0 "$rollout_pid" 2>/dev/null; then
         echo "spice: the rollout services exited before $url was healthy; see $LOG_DIR" >&2
-        requeue "rollout start failed"
+        requeue "rollout start failed" failure
         exit 1
       fi
       if (( SECONDS > deadline )); then
         echo "spice: $url not healthy after ${HEALTH_TIMEOUT}s; see $LOG_DIR" >&2
-        requeue "rollout health timeout"
+        requeue "rollout health timeout" failure
         exit 1
       fi
       sleep 10
@@ -107,8 +141,9 @@ done
 echo "spice: ${#ROLLOUT[@]} x $SPICE_ENGINES_PER_NODE rollout engine(s) healthy"
 
 # --- learner: torchrun over the learner nodes; always --resume (a requeued job continues)
-srun --nodes="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" "${container[@]}" \
+srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" "${container[@]}" \
   --output="$LOG_DIR/learner_%N.out" --kill-on-bad-exit=1 \
+  env CUDA_DEVICE_MAX_CONNECTIONS=1 \
   python -m torch.distributed.run --nnodes="$LEARNER_NODES" --nproc-per-node="$GPUS_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$head_ip:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
   -m spice_megatron.cli train --recipe "$RECIPE" --model "$MODEL_DIR" --output-dir "$OUTPUT_DIR" --resume \
@@ -117,10 +152,29 @@ learner_pid=$!
 set +e
 wait "$learner_pid"
 rc=$?
+if (( time_limit )); then  # wait was interrupted by USR1: the learner is finishing its iteration
+  for (( waited = 0; waited < STOP_GRACE; waited++ )); do
+    kill -0 "$learner_pid" 2>/dev/null || break
+    sleep 1
+  done
+  if kill -0 "$learner_pid" 2>/dev/null; then
+    echo "spice: the learner did not stop within ${STOP_GRACE}s; killing it (the previous checkpoint stands)" >&2
+    kill -KILL "$learner_pid"
+  fi
+  wait "$learner_pid"
+  rc=$?
+fi
 set -e
+if [[ -f $KILL_SWITCH_FILE ]]; then
+  echo "spice: the kill switch stopped the run ($(cat "$KILL_SWITCH_FILE")); not requeueing" >&2
+  exit 3
+fi
+if (( time_limit )); then
+  requeue "time limit" time_limit
+  exit 0
+fi
 case $rc in
   0) echo "spice: run finished; HF checkpoint in $OUTPUT_DIR/hf_final" ;;
-  3) echo "spice: the kill switch stopped the run (see $LOG_DIR/learner_*.out); not requeueing" >&2 ;;
-  *) echo "spice: learner exited with code $rc" >&2; requeue "learner exit $rc" ;;
+  *) echo "spice: learner exited with code $rc" >&2; requeue "learner exit $rc" failure ;;
 esac
 exit "$rc"

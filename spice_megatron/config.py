@@ -262,12 +262,16 @@ class RunConfig:
     min_valid_task_rate: float = 0.0  # stop when the valid-task rate stays below this ...
     patience: int = 5  # ... for this many iterations (also for reward collapse)
     min_challenger_reward: float = -1.0  # stop when the mean challenger reward stays below this
+    # How long learner ranks wait for the driver (rank 0) while it alone runs rollouts, evaluation
+    # or start-up. The wait is on a gloo group, never under NCCL's 30-minute watchdog.
+    driver_timeout: float = 6 * 3600.0
 
     def validate(self, prefix: str = "run") -> None:
         _require(bool(self.model), f"{prefix}.model", "the base model's HF directory is required")
         _require(self.iterations >= 1, f"{prefix}.iterations", "must be >= 1")
         _require(self.checkpoint_every >= 1, f"{prefix}.checkpoint_every", "must be >= 1")
         _require(self.patience >= 1, f"{prefix}.patience", "must be >= 1")
+        _require(self.driver_timeout > 0, f"{prefix}.driver_timeout", "must be > 0 seconds")
 
 
 @dataclass

@@ -42,21 +42,34 @@ class Interrupted(RuntimeError):
     """Ctrl-C or SIGTERM: the run finished its iteration, saved a checkpoint and stopped."""
 
 
-class StopRequest:
-    """The first Ctrl-C (or SIGTERM, as Slurm sends before a kill) asks the loop to stop after the
-    current iteration, with a checkpoint that resumes exactly; a second signal aborts at once."""
+# Files in the run directory that talk to the job script. torchrun turns every worker exit code into
+# 1, and a signal to torchrun gives the workers only 30 s before SIGKILL, so neither exit codes nor
+# signals reach a Slurm script reliably through it.
+STOP_FILE = "STOP"  # created by the job script (time limit near): stop after this iteration, with a checkpoint
+KILL_SWITCH_FILE = "KILL_SWITCH"  # written by rank 0 when the kill switch stops the run: do not requeue
 
-    def __init__(self) -> None:
-        self.requested = False
+
+class StopRequest:
+    """The first Ctrl-C (or SIGTERM, as Slurm sends before a kill), or a STOP file in the run
+    directory, asks the loop to stop after the current iteration, with a checkpoint that resumes
+    exactly; a second signal aborts at once."""
+
+    def __init__(self, stop_file: str = "") -> None:
+        self.signalled = False
+        self.stop_file = stop_file
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
 
+    @property
+    def requested(self) -> bool:
+        return self.signalled or bool(self.stop_file and os.path.exists(self.stop_file))
+
     def _handle(self, signum, frame) -> None:
-        if self.requested:  # a second signal of either kind
+        if self.signalled:  # a second signal of either kind
             raise KeyboardInterrupt
-        self.requested = True
+        self.signalled = True
         log.warning("%s: stopping after this iteration with a checkpoint (Ctrl-C again to abort without one)",
                     signal.Signals(signum).name)
 
@@ -65,9 +78,10 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: Any, group) -> Any:
+    """Rank 0's object on every rank, over the gloo control group (see policy.parallel.control_group)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -174,6 +188,13 @@ class Driver:
             e.stop()
 
 
+def _write_marker(path: str, reason: str, is_driver: bool) -> None:
+    if is_driver:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            f.write(reason + "\n")
+
+
 def _tuple_state(state):
     """random.Random state after a JSON round trip (lists back to tuples)."""
     return tuple(_tuple_state(x) for x in state) if isinstance(state, list) else state
@@ -196,14 +217,14 @@ def _sync_host(cfg: SpiceConfig) -> str:
 class WeightSync:
     """The learner side of the engines' weight updates (stage senders + the driver's requests)."""
 
-    def __init__(self, cfg: SpiceConfig, learner, driver: Driver | None):
+    def __init__(self, cfg: SpiceConfig, learner, driver: Driver | None, control):
         from spice_megatron.launch import free_port
 
-        self.cfg, self.learner, self.driver = cfg, learner, driver
+        self.cfg, self.learner, self.driver, self.control = cfg, learner, driver, control
         port = cfg.rollout.sync_port or (free_port() if dist.get_rank() == 0 else 0)
-        self.port = _broadcast(port)
-        self.host = _broadcast(_sync_host(cfg) if driver else "")
-        self.num_receivers = _broadcast(driver.fleet.num_receivers if driver else 0)
+        self.port = _broadcast(port, control)
+        self.host = _broadcast(_sync_host(cfg) if driver else "", control)
+        self.num_receivers = _broadcast(driver.fleet.num_receivers if driver else 0, control)
         self.group = None
         self.joined = False
         self.bytes = 0.0
@@ -215,8 +236,8 @@ class WeightSync:
         if self.group is not None:
             self.group.close()
             self.group = None
-        self.port = _broadcast(free_port() if dist.get_rank() == 0 else 0)
-        self.num_receivers = _broadcast(self.driver.fleet.num_receivers if self.driver else 0)
+        self.port = _broadcast(free_port() if dist.get_rank() == 0 else 0, self.control)
+        self.num_receivers = _broadcast(self.driver.fleet.num_receivers if self.driver else 0, self.control)
         self.joined = False
 
     def sync(self, version: int) -> dict:
@@ -226,7 +247,7 @@ class WeightSync:
         t0 = time.perf_counter()
         for attempt in (1, 2):
             error = self._attempt(version)
-            if not _any_rank(bool(error)):
+            if not _any_rank(bool(error), self.control):
                 return {"weight_sync/seconds": time.perf_counter() - t0, "weight_sync/bytes": self.bytes,
                         "weight_sync/retries": float(attempt - 1)}
             if attempt == 2:
@@ -234,7 +255,7 @@ class WeightSync:
             if self.driver:
                 log.warning("weight sync of version %d failed (%s); restarting dead engines and retrying",
                             version, error or "on another learner rank")
-            _broadcast(self.driver.restart_dead_engines() if self.driver else None)
+            _broadcast(self.driver.restart_dead_engines() if self.driver else None, self.control)
             self.reform()
         raise AssertionError("unreachable")
 
@@ -274,11 +295,11 @@ class WeightSync:
         return error
 
 
-def _any_rank(flag: bool) -> bool:
+def _any_rank(flag: bool, group) -> bool:
     import torch
 
-    t = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([int(flag)])  # a CPU tensor: the control group is gloo
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
 
@@ -298,19 +319,22 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     from spice_megatron.bridge.hf_io import resolve_model_dir
     from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
     from spice_megatron.policy.learner import Learner
-    from spice_megatron.policy.parallel import init_distributed
+    from spice_megatron.policy.parallel import control_group, init_distributed
 
     cfg.validate()
     cfg.run.model = resolve_model_dir(cfg.run.model)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
     is_driver = layout.rank == 0
+    control = control_group(cfg.run.driver_timeout)
     ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")
     tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
 
     # --- The learner: the base model (HF -> Megatron), or the last checkpoint on resume.
     latest = latest_checkpoint(ckpt_root) if resume else None
     stopped = read_trainer_state(latest).get("kill_switch") if latest else None
+    kill_marker = os.path.join(cfg.run.output_dir, KILL_SWITCH_FILE)
     if stopped and not resume_after_kill_switch:
+        _write_marker(kill_marker, stopped, is_driver)
         raise KillSwitch(f"not resuming: the kill switch stopped this run at {os.path.basename(latest)} ({stopped}); "
                          "pass --resume-after-kill-switch to continue it anyway")
     learner = Learner.from_hf(cfg.run.model, cfg.parallel, cfg.optim, cfg.train, pad_id=tokenizer.pad_token_id or 0)
@@ -322,7 +346,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     if is_driver:
         copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
     driver = Driver(cfg, tokenizer, state.get("driver")) if is_driver else None
-    weights = WeightSync(cfg, learner, driver)
+    weights = WeightSync(cfg, learner, driver, control)
     if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
         weights.sync(state["version"])
 
@@ -332,22 +356,25 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
             trainer_state["kill_switch"] = kill_switch
         save_checkpoint(learner, ckpt_root, iteration, trainer_state, cfg.run.keep_last)  # rank 0 writes it
 
+    stop_file = os.path.join(cfg.run.output_dir, STOP_FILE)
+    if is_driver and os.path.exists(kill_marker):  # from an earlier attempt, resumed past it on purpose
+        os.remove(kill_marker)
     summary: dict[str, Any] = {}
     iteration, version = state["iteration"], state["version"]
     progress = tqdm(total=cfg.run.iterations, initial=iteration, desc="SPICE", disable=not is_driver)
-    stop_request = StopRequest()
+    stop_request = StopRequest(stop_file)
     try:
         while iteration < cfg.run.iterations:
             t_iter = time.perf_counter()
             # 1-4. documents -> tasks -> answers -> rewards -> advantages (driver only)
             result, seqs = driver.selfplay(iteration, version) if driver else (None, None)
-            seqs = _broadcast(seqs)
+            seqs = _broadcast(seqs, control)
             # 5. DrGRPO on the learner
             steps = learner.train_on_batch(seqs) if seqs else []
             # 6. new weights to the engines; an engine that died during the rollouts (the fleet
             # served its requests elsewhere) is restarted first and the sync group formed anew
             version += 1
-            if _broadcast(driver.restart_dead_engines() if driver else False):
+            if _broadcast(driver.restart_dead_engines() if driver else False, control):
                 weights.reform()
             sync = weights.sync(version)
             iteration += 1
@@ -383,11 +410,14 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
                 except KillSwitch as e:
                     stop = str(e)
             # rank 0 decides for all: its kill switch, and its Ctrl-C / SIGTERM
-            stop, interrupted = _broadcast((stop, stop_request.requested) if driver else None)
+            stop, interrupted = _broadcast((stop, stop_request.requested) if driver else None, control)
             if stop or interrupted or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
                 checkpoint(iteration, version, kill_switch=stop)
             if stop:
+                _write_marker(kill_marker, stop, is_driver)
                 raise KillSwitch(f"stopped the run: {stop} (a checkpoint was saved)")
+            if interrupted and is_driver and os.path.exists(stop_file):
+                os.remove(stop_file)  # honoured: the next attempt runs on
             if interrupted and iteration < cfg.run.iterations:
                 raise Interrupted(f"stopped after iteration {iteration} with a checkpoint; continue with --resume")
     finally:

@@ -315,3 +315,38 @@ def test_bf16_train_step_on_gpu(tiny_models, tmp_path):
     (res,) = run_ranks(_step_rank, 1, tiny_models["qwen3_tied"], [(1, 1)], tmp_path=tmp_path)
     loss, norm, _ = res[(1, 1, 1)]
     assert torch.isfinite(torch.tensor([loss, norm])).all()
+
+
+class _DistOptimizerStandIn:
+    """Stands in for megatron's DistributedOptimizer, which cannot be built on CPU (its fallback
+    Adam does not take megatron's arguments): like 0.16.1, it raises when the sharding type is
+    missing or is the default fully_sharded_model_space."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sharded_state_dict(self, model_sd, is_loading=False, sharding_type=None, metadata=None):
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+
+        kind = (metadata or {}).get("distrib_optim_sharding_type", "fully_sharded_model_space")
+        self.calls.append((is_loading, kind))
+        if kind == "fully_sharded_model_space":
+            raise CheckpointingException("ShardedTensor.flattened_range is not supported.")
+        return {"param_state_sharding_type": kind}
+
+
+def test_distributed_optimizer_checkpoints_ask_for_a_supported_sharding():
+    from types import SimpleNamespace
+
+    from spice_megatron.policy.checkpoint import DIST_OPTIMIZER_SHARDING, _sharded_state
+
+    optimizer = _DistOptimizerStandIn()
+    learner = SimpleNamespace(optimizer=optimizer, optim_cfg=OptimConfig(use_distributed_optimizer=True),
+                              layout=None, model=SimpleNamespace(sharded_state_dict=lambda: {}))
+    assert _sharded_state(learner, False, True, False)["optimizer"] == {
+        "param_state_sharding_type": DIST_OPTIMIZER_SHARDING}
+    _sharded_state(learner, True, True, False, "dp_reshardable")  # a load uses the type the save recorded
+    assert optimizer.calls == [(False, "fully_reshardable"), (True, "dp_reshardable")]
+    plain = SimpleNamespace(optim_cfg=OptimConfig())
+    from spice_megatron.policy.checkpoint import optimizer_metadata
+    assert optimizer_metadata(plain) is None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import os
 import re
 import subprocess
 
@@ -118,8 +119,28 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     assert "#SBATCH --account=acct" in text and "#SBATCH --partition=batch" in text
     rollout = next(line for line in text.splitlines() if line.startswith("srun") and "rollout_node.sh" in line)
     learner = next(line for line in text.splitlines() if line.startswith("srun") and "spice_megatron/cli.py" in line)
-    assert f"--nodes={rollout_nodes} --ntasks-per-node=1 --relative={learner_nodes}" in rollout
-    assert f"--nodes={learner_nodes} --ntasks-per-node=8 --relative=0" in learner
+    assert f"--nodes={rollout_nodes} --ntasks={rollout_nodes} --ntasks-per-node=1 --relative={learner_nodes}" in rollout
+    assert f"--nodes={learner_nodes} --ntasks={learner_nodes * 8} --ntasks-per-node=8 --relative=0" in learner
+    # what srun would start: --ntasks, else the SLURM_NTASKS inherited from the one-task-per-node job
+    for line, want in ((rollout, rollout_nodes), (learner, learner_nodes * 8)):
+        m = re.search(r"--ntasks[= ](\d+)", line)
+        assert int(m.group(1) if m else cfg.cluster.nodes) == want, line
+    # the job script runs under set -x: the rollout token must not be printed into the job log
+    setup = text[text.index("# setup"):text.index("# Command 1")]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node0; echo node1\n")
+    (bin_dir / "srun").write_text("#!/bin/sh\necho 10.0.0.1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[0-1]"}
+    env.pop("SPICE_ROLLOUT_TOKEN", None)
+    script = tmp_path / "setup.sh"
+    script.write_text("set -evx\n" + setup + '\nset +x\nprintf %s "$SPICE_ROLLOUT_TOKEN" > ' + str(tmp_path / "token"))
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    token = (tmp_path / "token").read_text()
+    assert r.returncode == 0 and len(token) == 32, r.stderr
+    assert token not in r.stdout + r.stderr and "SPICE_ROLLOUT_NODES=" in r.stderr  # traced, minus the token
     for line in (rollout, learner):
         assert "--container-image /images/spice.sqsh" in line and "/lustre/models:/models" in line
     assert f"train --recipe {name} --model /models/base" in learner and "--resume run.iterations=3" in learner

@@ -21,12 +21,30 @@ SBATCH = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sbatch")))
 SCRIPTS = SBATCH + sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
 
 # Records its argv and the launch-relevant environment to $FAKE_LOG, then acts like the real command.
+# The srun stand-in works out its task count as Slurm does: --ntasks, else the SLURM_NTASKS it
+# inherits from the allocation, else nodes x --ntasks-per-node.
+# The learner stand-in acts like torchrun over the trainer: every failure is exit 1; FAKE_LEARNER
+# says what the trainer does (finish, fail, kill_switch: write the marker, run: iterate until a
+# STOP file appears, then checkpoint and stop, or ignore_stop: never stop).
 STAND_IN = r'''#!{python}
-import json, os, sys, time
+import json, os, signal, sys, time
 name = os.path.basename(sys.argv[0]); argv = sys.argv[1:]
 env = {{k: v for k, v in os.environ.items() if k.startswith(("SPICE_", "NCCL_", "TORCH_NCCL", "CUDA_", "HF_HUB"))}}
+rec = {{"cmd": name, "argv": argv, "env": env}}
+def opt(flag, default=None):
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return default
+if name == "srun":
+    nodes = int(opt("--nodes", os.environ.get("SLURM_NNODES", "1")))
+    per_node = int(opt("--ntasks-per-node", "1"))
+    rec["tasks"] = int(opt("--ntasks", os.environ.get("SLURM_NTASKS", nodes * per_node)))
+    rec["nodes"] = nodes
 with open(os.environ["FAKE_LOG"], "a") as f:
-    f.write(json.dumps({{"cmd": name, "argv": argv, "env": env}}) + "\n")
+    f.write(json.dumps(rec) + "\n")
 if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
     print("\n".join(os.environ["FAKE_NODES"].split()))
 elif name == "srun" and "hostname" in argv:
@@ -34,7 +52,20 @@ elif name == "srun" and "hostname" in argv:
 elif name == "srun" and "slurm/rollout_node.sh" in argv:
     time.sleep(120)  # a rollout service runs until the job script stops it
 elif name == "srun" and "torch.distributed.run" in argv:
-    sys.exit(int(os.environ.get("FAKE_LEARNER_RC", "0")))
+    mode = os.environ.get("FAKE_LEARNER", "finish")
+    out = opt("--output-dir")
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))
+    if mode == "fail":
+        sys.exit(1)
+    if mode == "kill_switch":
+        open(os.path.join(out, "KILL_SWITCH"), "w").write("valid-task rate below 0.02 for 20 iterations\n")
+        sys.exit(1)
+    if mode in ("run", "ignore_stop"):
+        open(os.path.join(out, "learner_started"), "w").close()
+        while mode == "ignore_stop" or not os.path.exists(os.path.join(out, "STOP")):
+            time.sleep(0.2)
+        open(os.path.join(out, "checkpointed"), "w").close()
+        sys.exit(1)  # the trainer exits 130 (Interrupted); torchrun reports 1
 elif name == "python":  # rollout_node.sh starting one engine
     port = argv[argv.index("--port") + 1]
     if port == os.environ.get("FAKE_EXIT_PORT"):
@@ -86,18 +117,25 @@ def test_sbatch_matches_its_recipe(script):
     assert plan.learner_gpus == int(s["LEARNER_NODES"]) * cfg.cluster.gpus_per_node
 
 
-def _run_job(script, fake_bin, tmp_path, learner_rc=0, restart=0, extra=()):
-    log = tmp_path / "calls.jsonl"
+def _job_env(script, fake_bin, tmp_path, learner="finish", restart=0, **extra_env):
     s = _sbatch_settings(script)
     nodes = [f"gpu{i:03d}" for i in range(int(s["nodes"]))]
-    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_NODES": " ".join(nodes),
-           "FAKE_LEARNER_RC": str(learner_rc), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": f"gpu[000-{len(nodes) - 1:03d}]",
+    # what sbatch puts in the batch script's environment for --nodes=N --ntasks-per-node=1
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+           "FAKE_NODES": " ".join(nodes), "FAKE_LEARNER": learner, "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": f"gpu[000-{len(nodes) - 1:03d}]", "SLURM_NNODES": str(len(nodes)),
+           "SLURM_NTASKS": str(len(nodes)), "SLURM_NTASKS_PER_NODE": "1",
            "SLURM_SUBMIT_DIR": ROOT, "SLURM_RESTART_COUNT": str(restart), "SLURM_GPUS_ON_NODE": "8",
            "MODEL_DIR": "/models/base", "OUTPUT_DIR": str(tmp_path / "run"), "CONTAINER_IMAGE": "/images/spice.sqsh",
-           "CONTAINER_MOUNTS": "/lustre/models:/models"}
+           "CONTAINER_MOUNTS": "/lustre/models:/models", **extra_env}
     env.pop("SPICE_ROLLOUT_TOKEN", None)
+    return env, nodes, s
+
+
+def _run_job(script, fake_bin, tmp_path, learner="finish", restart=0, extra=(), **extra_env):
+    env, nodes, s = _job_env(script, fake_bin, tmp_path, learner, restart, **extra_env)
     r = subprocess.run(["bash", script, *extra], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    return r, _records(log), nodes, s
+    return r, _records(tmp_path / "calls.jsonl"), nodes, s
 
 
 @pytest.mark.parametrize("script", SBATCH, ids=os.path.basename)
@@ -108,6 +146,11 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     sruns = [c for c in calls if c["cmd"] == "srun"]
     rollout = next(c for c in sruns if "slurm/rollout_node.sh" in c["argv"])
     learner = next(c for c in sruns if "torch.distributed.run" in c["argv"])
+    # one task per node for both (the inherited SLURM_NTASKS must not decide it)
+    assert rollout["tasks"] == len(rollouts) and learner["tasks"] == len(learners)
+    assert all(c["tasks"] == 1 for c in sruns if "hostname" in c["argv"])
+    # CUDA_DEVICE_MAX_CONNECTIONS for the learner only
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in learner["argv"] and "CUDA_DEVICE_MAX_CONNECTIONS" not in rollout["env"]
     # placement: each role on its own nodes, inside the container
     assert f"-w={','.join(rollouts)}" in "=".join(rollout["argv"]) or ",".join(rollouts) in rollout["argv"]
     assert ",".join(learners) in learner["argv"]
@@ -140,13 +183,53 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     assert not [c for c in calls if c["cmd"] == "scontrol" and "requeue" in c["argv"]]
 
 
-@pytest.mark.parametrize("rc,restart,requeued", [(1, 0, True), (1, 3, False), (3, 0, False)])
-def test_sbatch_requeues_failures_not_the_kill_switch(fake_bin, tmp_path, rc, restart, requeued):
+@pytest.mark.parametrize("learner,failed_before,rc,requeued", [
+    ("fail", 0, 1, True), ("fail", 3, 1, False), ("kill_switch", 0, 3, False)])
+def test_sbatch_requeues_failures_not_the_kill_switch(fake_bin, tmp_path, learner, failed_before, rc, requeued):
     script = os.path.join(ROOT, "slurm", "spice_8b.sbatch")
-    r, calls, _, _ = _run_job(script, fake_bin, tmp_path, learner_rc=rc, restart=restart)
-    assert r.returncode == rc
+    (tmp_path / "run").mkdir()
+    if failed_before:
+        (tmp_path / "run" / ".slurm_failed_attempts").write_text(f"{failed_before}\n")
+    # torchrun reports the kill switch as exit 1 like any failure: the marker file tells them apart
+    r, calls, _, _ = _run_job(script, fake_bin, tmp_path, learner=learner, restart=5)
+    assert r.returncode == rc, r.stderr
     requeues = [c for c in calls if c["cmd"] == "scontrol" and c["argv"][:1] == ["requeue"]]
     assert bool(requeues) == requeued and all(c["argv"] == ["requeue", "4242"] for c in requeues)
+    if learner == "fail":
+        assert (tmp_path / "run" / ".slurm_failed_attempts").read_text().strip() == str(failed_before + 1)
+
+
+def _time_limit_run(script, fake_bin, tmp_path, learner, grace):
+    import signal
+    import time
+
+    env, _, _ = _job_env(script, fake_bin, tmp_path, learner, restart=2, STOP_GRACE=str(grace))
+    proc = subprocess.Popen(["bash", script], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    started = tmp_path / "run" / "learner_started"
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started.exists()
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGUSR1)  # what sbatch --signal=B:USR1@600 sends
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, err, time.monotonic() - t0, _records(tmp_path / "calls.jsonl")
+
+
+@pytest.mark.parametrize("learner", ["run", "ignore_stop"])
+def test_time_limit_lets_the_learner_checkpoint_then_requeues(fake_bin, tmp_path, learner):
+    script = os.path.join(ROOT, "slurm", "spice_8b.sbatch")
+    rc, err, seconds, calls = _time_limit_run(script, fake_bin, tmp_path, learner, grace=3)
+    assert rc == 0, err
+    requeues = [c for c in calls if c["cmd"] == "scontrol" and c["argv"][:1] == ["requeue"]]
+    assert len(requeues) == 1 and "time limit" in err
+    assert (tmp_path / "run" / ".slurm_time_limit_requeues").read_text().strip() == "1"
+    assert not (tmp_path / "run" / ".slurm_failed_attempts").exists()  # not counted as a failure
+    if learner == "run":  # it saw the STOP file and checkpointed before the requeue
+        assert (tmp_path / "run" / "checkpointed").exists() and seconds < 3
+    else:  # bounded: killed after STOP_GRACE
+        assert "did not stop within 3s" in err and 3 <= seconds < 30
 
 
 def test_rollout_node_starts_one_engine_per_gpu_group_and_fails_with_any(fake_bin, tmp_path):

@@ -115,6 +115,8 @@ def test_run_resume_after_kill_and_kill_switch(setup, straight):
                            "--eval-limit", "2")
     assert rc == 3 and "kill switch" in text
     assert os.path.exists(os.path.join(stopped, "checkpoints", "step_00000001", "layout.json"))
+    # the marker the Slurm script reads (torchrun turns exit code 3 into 1)
+    assert "valid-task rate below 0.5" in open(os.path.join(stopped, "KILL_SWITCH")).read()
     (m,) = records(os.path.join(stopped, "metrics.jsonl"))
     assert m["eval/gsm8k"] == 0.0 and "eval/overall_average" in m and m["time/eval"] > 0  # mmlu: unavailable, left out
     assert "mmlu unavailable" in text
@@ -122,6 +124,7 @@ def test_run_resume_after_kill_and_kill_switch(setup, straight):
     rc, text = spice_train(model, corpus, stopped, "run.iterations=4", resume=True)
     assert rc == 3 and "not resuming" in text and "step_00000001" in text
     assert len(records(os.path.join(stopped, "metrics.jsonl"))) == 1
+    assert os.path.exists(os.path.join(stopped, "KILL_SWITCH"))
 
 
 def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_that_resumes_exactly(setup, straight):

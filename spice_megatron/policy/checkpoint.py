@@ -26,6 +26,12 @@ from spice_megatron.policy import cpu_compat
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+# How megatron's distributed optimizer lays out its state in a checkpoint. megatron-core 0.16.1
+# defaults to 'fully_sharded_model_space', which raises "ShardedTensor.flattened_range is not
+# supported" at the first save. 'fully_reshardable' keeps this module's promise that a checkpoint
+# loads at any TP x PP x DP (DP rank 0 of each model-parallel group gathers its state on save);
+# Megatron-LM's faster 'dp_reshardable' would restrict resharding to DP.
+DIST_OPTIMIZER_SHARDING = "fully_reshardable"
 
 
 def _step_dir(step: int) -> str:
@@ -53,14 +59,23 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state(learner, is_loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
+def optimizer_metadata(learner, sharding: str = DIST_OPTIMIZER_SHARDING) -> dict | None:
+    """The `metadata` megatron's optimizers take in sharded_state_dict (None: not distributed)."""
+    if not learner.optim_cfg.use_distributed_optimizer:
+        return None
+    return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+
+
+def _sharded_state(learner, is_loading: bool, with_optimizer: bool, with_rng: bool,
+                   sharding: str = DIST_OPTIMIZER_SHARDING) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     lay = learner.layout
     model_sd = learner.model.sharded_state_dict()
     state = {"model": model_sd}
     if with_optimizer:
-        state["optimizer"] = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state["optimizer"] = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                  metadata=optimizer_metadata(learner, sharding))
     if with_rng:
         state["rng"] = ShardedObject("rng_state", _rng_state() if not is_loading else None,
                                      (lay.pp, lay.tp, lay.dp), (lay.pp_rank, lay.tp_rank, lay.dp_rank), replica_id=0)
@@ -88,7 +103,7 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
         lay = learner.layout
         with open(os.path.join(tmp, "layout.json"), "w") as f:
             json.dump({"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "step": step, "learner_steps": learner.steps,
-                       "model_only": model_only}, f)
+                       "model_only": model_only, "optimizer_sharding": DIST_OPTIMIZER_SHARDING}, f)
         if not model_only:
             with open(os.path.join(tmp, "scheduler.json"), "w") as f:
                 json.dump(learner.scheduler.state_dict(), f)
@@ -146,7 +161,8 @@ def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, A
                     "(RNG states are not restored)", path, saved["tp"], saved["pp"], saved["dp"], lay.tp, lay.pp, lay.dp)
     with cpu_compat.cuda_to_cpu():
         state = dist_checkpointing.load(
-            _sharded_state(learner, True, with_optimizer, with_optimizer and same_layout), path)
+            _sharded_state(learner, True, with_optimizer, with_optimizer and same_layout,
+                           saved.get("optimizer_sharding", DIST_OPTIMIZER_SHARDING)), path)
         learner.model.load_state_dict(state["model"])
         if with_optimizer:
             learner.optimizer.load_state_dict(state["optimizer"])

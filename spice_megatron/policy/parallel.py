@@ -54,7 +54,9 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
                           f"= {cfg.tensor_parallel} x {cfg.pipeline_parallel}")
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        # modulo: a launcher that starts one task per node with CUDA_VISIBLE_DEVICES per task
+        # leaves each task fewer devices than its local rank suggests
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -74,3 +76,12 @@ def current_layout() -> Layout:
                   tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
                   dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
                   pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
+
+
+def control_group(timeout_s: float):
+    """A gloo group over all learner ranks for the driver's messages (batches, stop decisions,
+    sync outcomes). While rank 0 alone runs rollouts, evaluation or start-up, the other ranks wait
+    here; on the NCCL default group that wait would trip NCCL's watchdog (30 minutes), and a paper
+    challenger phase (up to 1,024 attempts per document) can take longer. The wait is bounded by
+    `timeout_s` (run.driver_timeout) instead."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
