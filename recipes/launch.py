@@ -61,11 +61,13 @@ def local_experiment(recipe: str, overrides: list[str] | None = None, output_dir
 
 
 def slurm_experiment(recipe: str, *, account: str, partition: str | None, container_image: str, model_dir: str,
-                     mounts: list[str] | None = None, time: str = "24:00:00", output_dir: str = "",
+                     data_dir: str, mounts: list[str] | None = None, time: str = "24:00:00", output_dir: str = "",
                      overrides: list[str] | None = None, env: dict[str, str] | None = None, retries: int = 3,
-                     job_dir: str = "", tunnel=None, packager=None):
+                     job_dir: str = "", tunnel=None, packager=None, rollout_container_image: str = ""):
     """An Experiment with one Slurm job: rollout services on the rollout nodes, the learner on the
-    learner nodes, as the recipe's `cluster` section splits them."""
+    learner nodes, as the recipe's `cluster` section splits them. `data_dir` (inside the container)
+    holds the corpus staged by `spice prepare --recipe NAME`. The rollout group runs in
+    `rollout_container_image` (the vLLM image; default: `container_image`)."""
     import nemo_run as run
 
     overrides = list(overrides or [])
@@ -88,10 +90,10 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
         f"export SPICE_ENGINES_PER_NODE={gpus // cfg.rollout.engine_tensor_parallel} SPICE_ROLLOUT_PORT={ROLLOUT_PORT}",
     ])
 
-    def executor(srun_args: list[str], extra_env: dict[str, str]):
+    def executor(srun_args: list[str], extra_env: dict[str, str], image: str):
         return run.SlurmExecutor(
             account=account, partition=partition, nodes=cfg.cluster.nodes, ntasks_per_node=1, gpus_per_node=gpus,
-            time=time, container_image=container_image, container_mounts=list(mounts or []),
+            time=time, container_image=image, container_mounts=list(mounts or []),
             env_vars={**shared, **extra_env}, exclusive=True, mem="0", srun_args=srun_args, setup_lines=setup,
             retries=retries, tunnel=tunnel or run.LocalTunnel(job_dir=job_dir or _default_job_dir()),
             packager=packager or run.GitArchivePackager())
@@ -103,11 +105,12 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
                        {"SPICE_MODEL": model_dir, "SPICE_ENGINE_TP": str(cfg.rollout.engine_tensor_parallel),
                         "SPICE_MAX_MODEL_LEN": str(cfg.rollout.max_model_len), "SPICE_GPUS_PER_NODE": str(gpus),
                         "SPICE_GPU_MEMORY_UTILIZATION": str(cfg.rollout.gpu_memory_utilization),
-                        "SPICE_LOG_DIR": f"{output_dir}/logs"})
+                        "SPICE_LOG_DIR": f"{output_dir}/logs"}, rollout_container_image or container_image)
     # One task per GPU (srun, not torchrun): Megatron's init reads SLURM_PROCID / SLURM_NTASKS.
     learner = executor([f"--nodes={learner_nodes}", f"--ntasks={learner_nodes * gpus}", f"--ntasks-per-node={gpus}",
                         "--relative=0"],
-                       {"MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "29500", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+                       {"MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "29500", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                        "SPICE_DATA_DIR": data_dir}, container_image)
     exp = run.Experiment(f"spice_{recipe}", executor=rollout)
     with exp:
         exp.add([run.Script(path="slurm/rollout_node.sh", entrypoint="bash"),
@@ -146,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default="", help="HF directory of the base model (inside the container on Slurm)")
     ap.add_argument("--account")
     ap.add_argument("--partition")
-    ap.add_argument("--container-image")
+    ap.add_argument("--container-image", help="the learner's image (NGC PyTorch + megatron-core + TE/apex)")
+    ap.add_argument("--rollout-container-image", default="", help="the engines' image (vLLM); default: --container-image")
+    ap.add_argument("--data-dir", default="", help="directory with the staged corpus, inside the container (Slurm; "
+                    "stage it first with `spice prepare --recipe NAME`)")
     ap.add_argument("--mount", action="append", default=[], help="container mount src:dst (repeatable)")
     ap.add_argument("--time", default="24:00:00")
     ap.add_argument("--retries", type=int, default=3, help="requeues after a failure (Slurm)")
@@ -162,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         done = completed_iterations(os.path.abspath(args.output_dir or cfg.run.output_dir))
         print(f"spice run through NeMo-Run: {done} of {cfg.run.iterations} iterations completed")
         return 0 if done >= cfg.run.iterations else 1
-    missing = [n for n in ("account", "container_image", "model_dir") if not getattr(args, n)]
+    missing = [n for n in ("account", "container_image", "model_dir", "data_dir") if not getattr(args, n)]
     if missing:
         ap.error("--executor slurm needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
     exp = slurm_experiment(args.recipe, account=args.account, partition=args.partition,
-                           container_image=args.container_image, model_dir=args.model_dir, mounts=args.mount,
+                           container_image=args.container_image, model_dir=args.model_dir, data_dir=args.data_dir,
+                           rollout_container_image=args.rollout_container_image, mounts=args.mount,
                            time=args.time, output_dir=args.output_dir, overrides=args.overrides, retries=args.retries)
     if args.dryrun:
         print(dryrun_sbatch(exp))

@@ -4,17 +4,45 @@ tensor + pipeline parallelism. Layouts are for nodes of 8 x H100 80 GB; `spice p
 checks them (and proposes others) for a different cluster."""
 from __future__ import annotations
 
+import os
+
 from spice_megatron.config import (ClusterConfig, CorpusConfig, OptimConfig, ParallelConfig, PolicyTrainConfig,
                                    RolloutConfig, RunConfig, SelfPlayConfig, SourceConfig, SpiceConfig)
 
-# The paper's corpus: Nemotron-CC-Math (math) and NaturalReasoning (general, drawn from DCLM),
-# a 20,000-document pool. Streamed: only the records the pool needs are read.
-PAPER_SOURCES = [
-    SourceConfig(path="nvidia/Nemotron-CC-Math-v1", name="nemotron_cc_math", hub_config="4plus", streaming=True,
-                 max_records=200_000),
-    SourceConfig(path="facebook/natural_reasoning", name="natural_reasoning", text_field="question", streaming=True,
-                 max_records=200_000),
-]
+# The paper's corpus (SPICE.md, corrected): raw documents, 50% Nemotron-CC-Math and 50% general
+# documents from DCLM, a 20,000-document pool. Streamed from the hub by `spice prepare --recipe NAME`
+# into corpus.stage_dir (first max_records records of each), then read offline by the job.
+MATH_SOURCE = SourceConfig(path="nvidia/Nemotron-CC-Math-v1", name="nemotron_cc_math", hub_config="4plus",
+                           streaming=True, max_records=100_000, weight=1.0)
+GENERAL_SOURCES = {
+    "dclm": SourceConfig(path="mlfoundations/dclm-baseline-1.0", name="dclm", text_field="text", streaming=True,
+                         max_records=100_000, weight=1.0),
+    # An explicitly named alternative, NOT the paper's corpus: NaturalReasoning publishes questions
+    # back-translated from DCLM documents, not the documents.
+    "natural_reasoning": SourceConfig(path="facebook/natural_reasoning", name="natural_reasoning",
+                                      text_field="question", streaming=True, max_records=100_000, weight=1.0),
+}
+
+
+def paper_sources(general: str = "dclm") -> list[SourceConfig]:
+    if general not in GENERAL_SOURCES:
+        raise KeyError(f"general corpus {general!r} is unknown; choose from {', '.join(GENERAL_SOURCES)}")
+    return [SourceConfig(**vars(MATH_SOURCE)), SourceConfig(**vars(GENERAL_SOURCES[general]))]
+
+
+def stage_dir(name: str) -> str:
+    """Where `spice prepare --recipe NAME` stages the hub corpus: $SPICE_DATA_DIR/staged/NAME."""
+    return os.path.join(os.environ.get("SPICE_DATA_DIR", "data"), "staged", name)
+
+
+def with_general_corpus(cfg: SpiceConfig, general: str) -> SpiceConfig:
+    """A paper recipe with another general half (`--general-corpus`); its own stage directory."""
+    cfg.corpus.sources = paper_sources(general)
+    if general != "dclm":
+        cfg.corpus.stage_dir = cfg.corpus.stage_dir.rstrip("/") + f"_{general}"
+    return cfg
+
+
 # A context of 8,192 tokens: a 5,992-token document, the challenger's instructions and its task.
 MAX_MODEL_LEN = 8192
 
@@ -24,8 +52,7 @@ def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: i
     return SpiceConfig(
         run=RunConfig(name=name, model=model, output_dir=f"runs/{name}", iterations=640, checkpoint_every=10,
                       keep_last=3, eval_every=0, min_valid_task_rate=0.02, patience=20),
-        corpus=CorpusConfig(sources=[SourceConfig(**vars(s)) for s in PAPER_SOURCES], max_doc_tokens=5992,
-                            max_docs=20000),
+        corpus=CorpusConfig(sources=paper_sources(), max_doc_tokens=5992, max_docs=20000, stage_dir=stage_dir(name)),
         selfplay=SelfPlayConfig(batch_docs=128, group_size=8, max_attempts=1024, attempts_per_round=8,
                                 challenger_temperature=1.0, reasoner_temperature=1.0, invalid_penalty=-0.1,
                                 challenger_max_tokens=2048, reasoner_max_tokens=4096),

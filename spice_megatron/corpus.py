@@ -303,16 +303,22 @@ class Corpus:
         self.report = report
 
     @classmethod
-    def build(cls, cfg: CorpusConfig, tokenizer: Tokenizer) -> "Corpus":
+    def build(cls, cfg: CorpusConfig, tokenizer: Tokenizer, recipe: str = "") -> "Corpus":
+        from spice_megatron.corpus_stage import StagingError, resolve_sources
+
         cfg.validate()
+        try:
+            sources = resolve_sources(cfg, recipe)
+        except StagingError as e:
+            raise CorpusError(str(e)) from None
         report, seen, per_source = CorpusReport(), set(), []
-        for src in cfg.sources:
+        for src in sources:
             sr = report.sources.setdefault(_source_name(src), SourceReport())
             per_source.append(load_source_documents(src, cfg, tokenizer, seen, sr))
-        quotas = _quotas([len(d) for d in per_source], [s.weight for s in cfg.sources], cfg.max_docs)
+        quotas = _quotas([len(d) for d in per_source], [s.weight for s in sources], cfg.max_docs)
         rng = np.random.default_rng(cfg.seed)
         pool: list[Document] = []
-        for src, docs, quota in zip(cfg.sources, per_source, quotas):
+        for src, docs, quota in zip(sources, per_source, quotas):
             keep = sorted(rng.choice(len(docs), size=quota, replace=False)) if quota < len(docs) else range(len(docs))
             chosen = [docs[i] for i in keep]
             report.sources[_source_name(src)].documents = len(chosen)

@@ -96,7 +96,7 @@ class Driver:
 
         self.cfg, self.tokenizer = cfg, tokenizer
         out = cfg.run.output_dir
-        self.corpus = Corpus.build(cfg.corpus, tokenizer)
+        self.corpus = Corpus.build(cfg.corpus, tokenizer, cfg.run.name)
         self.sampler = DocumentSampler(self.corpus, cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
         self.engines: list = []
@@ -118,11 +118,16 @@ class Driver:
         self._ids: dict[str, list[int]] = {}
 
     def _start_local_engines(self, token: str) -> list[str]:
-        from spice_megatron.rollout.local import engine_args, start_engine, wait_healthy
+        from spice_megatron.rollout.local import engine_args, engine_devices, start_engine, wait_healthy
 
-        extra = engine_args(self.cfg.rollout.max_model_len, self.cfg.rollout.kv_cache_gib, self.cfg.run.seed)
-        self.engines = [start_engine(self.cfg.run.model, token, os.path.join(self.cfg.run.output_dir, "logs"), extra=extra)
-                        for _ in range(self.cfg.rollout.local_engines)]
+        ro = self.cfg.rollout
+        extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=ro.engine_tensor_parallel,
+                            gpu_memory_utilization=ro.gpu_memory_utilization)
+        # on a GPU machine the engines take the GPUs after the learner's local ranks
+        learner_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        devices = engine_devices(ro.local_engines, ro.engine_tensor_parallel, reserved=learner_gpus)
+        self.engines = [start_engine(self.cfg.run.model, token, os.path.join(self.cfg.run.output_dir, "logs"), extra=extra,
+                                     env=env) for env in devices]
         wait_healthy(self.engines)
         return [e.url for e in self.engines]
 

@@ -111,7 +111,8 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     cfg = get_recipe(name)
     learner_nodes, rollout_nodes = cfg.cluster.split()
     exp = slurm_experiment(name, account="acct", partition="batch", container_image="/images/spice.sqsh",
-                           model_dir="/models/base", mounts=["/lustre/models:/models"], overrides=["run.iterations=3"],
+                           rollout_container_image="/images/vllm.sqsh", model_dir="/models/base", data_dir="/data",
+                           mounts=["/lustre/models:/models"], overrides=["run.iterations=3"],
                            job_dir=str(tmp_path / "jobs"), packager=run.Packager())
     text = dryrun_sbatch(exp)
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
@@ -141,8 +142,10 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     token = (tmp_path / "token").read_text()
     assert r.returncode == 0 and len(token) == 32, r.stderr
     assert token not in r.stdout + r.stderr and "SPICE_ROLLOUT_NODES=" in r.stderr  # traced, minus the token
+    assert "--container-image /images/vllm.sqsh" in rollout and "--container-image /images/spice.sqsh" in learner
     for line in (rollout, learner):
-        assert "--container-image /images/spice.sqsh" in line and "/lustre/models:/models" in line
+        assert "/lustre/models:/models" in line
+    assert "export SPICE_DATA_DIR=/data" in text
     assert f"train --recipe {name} --model /models/base" in learner and "--resume run.iterations=3" in learner
     assert f'tail -n +{learner_nodes + 1}' in text and "export SPICE_ROLLOUT_TOKEN=" in text
     assert f"export SPICE_ENGINE_TP={cfg.rollout.engine_tensor_parallel}" in text

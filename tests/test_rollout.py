@@ -78,6 +78,18 @@ def test_seeded_sampling_is_reproducible_and_batching_independent(services):
         fleet.close()
     ids = lambda out: [[x.token_ids for x in comps] for comps in out]  # noqa: E731
     assert ids(a) == ids(b) and ids(a) != ids(c)
+    # many concurrent chunks on one engine are merged into fewer vLLM submissions, same results
+    url = services["qwen3"].url
+    before = requests.get(url + "/health").json()
+    one_engine = RolloutFleet([url], TOKEN, chunk_size=1)
+    try:
+        d = one_engine.generate(PROMPTS * 4, spec)
+    finally:
+        one_engine.close()
+    after = requests.get(url + "/health").json()
+    assert ids(d)[:len(PROMPTS)] == ids(a)  # chunk seeds are spec.seed + the chunk's first index
+    assert after["requests"] - before["requests"] == len(PROMPTS) * 4
+    assert after["submissions"] - before["submissions"] < len(PROMPTS) * 4
     assert all(len(comps) == 3 and all(len(x.logprobs) == len(x.token_ids) for x in comps) for comps in a)
     assert all(lp <= 0 for comps in a for x in comps for lp in x.logprobs)
 
@@ -221,3 +233,21 @@ def test_join_gives_each_engine_worker_its_own_sync_rank():
     ranks = {url: (b["first_rank"], b["num_receivers"]) for url, b in bodies}
     assert fleet.num_receivers == 7
     assert ranks == {"http://a:1": (2, 7), "http://b:2": (4, 7), "http://c:3": (5, 7)}
+
+
+def test_local_engines_on_a_gpu_machine_get_free_gpus_and_vllm_sized_kv_cache():
+    from spice_megatron.rollout.local import engine_args, engine_devices
+
+    gpu = engine_args(8192, 1.0, 7, on_gpu=True, tensor_parallel=2, gpu_memory_utilization=0.8)
+    assert "--kv-cache-gib" not in gpu and gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.8"
+    assert gpu[gpu.index("--tensor-parallel-size") + 1] == "2"
+    cpu = engine_args(2048, 1.5, 7, on_gpu=False)
+    assert cpu[cpu.index("--kv-cache-gib") + 1] == "1.5" and "--gpu-memory-utilization" not in cpu
+    # a learner on local GPUs 0-3 of an 8-GPU node: engines on 4-7, TP=2 each
+    assert engine_devices(2, 2, reserved=4, visible=[str(i) for i in range(8)]) == [
+        {"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    # indices map through the parent's CUDA_VISIBLE_DEVICES
+    assert engine_devices(1, 1, reserved=1, visible=["3", "5"]) == [{"CUDA_VISIBLE_DEVICES": "5"}]
+    with pytest.raises(RuntimeError, match=r"rollout.local_engines=2 x rollout.engine_tensor_parallel=1 need 2 GPU.*"
+                                           r"has 2 and the learner uses 1"):
+        engine_devices(2, 1, reserved=1, visible=["0", "1"])

@@ -127,7 +127,7 @@ def _job_env(script, fake_bin, tmp_path, learner="finish", restart=0, **extra_en
            "SLURM_NTASKS": str(len(nodes)), "SLURM_NTASKS_PER_NODE": "1",
            "SLURM_SUBMIT_DIR": ROOT, "SLURM_RESTART_COUNT": str(restart), "SLURM_GPUS_ON_NODE": "8",
            "MODEL_DIR": "/models/base", "OUTPUT_DIR": str(tmp_path / "run"), "CONTAINER_IMAGE": "/images/spice.sqsh",
-           "CONTAINER_MOUNTS": "/lustre/models:/models", **extra_env}
+           "ROLLOUT_CONTAINER_IMAGE": "/images/vllm.sqsh", "CONTAINER_MOUNTS": "/lustre/models:/models", **extra_env}
     env.pop("SPICE_ROLLOUT_TOKEN", None)
     return env, nodes, s
 
@@ -154,8 +154,10 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     # placement: each role on its own nodes, inside the container
     assert f"-w={','.join(rollouts)}" in "=".join(rollout["argv"]) or ",".join(rollouts) in rollout["argv"]
     assert ",".join(learners) in learner["argv"]
+    assert "--container-image=/images/vllm.sqsh" in rollout["argv"]  # two images: vLLM's torch breaks TE/apex
+    assert "--container-image=/images/spice.sqsh" in learner["argv"]
+    assert learner["env"]["SPICE_DATA_DIR"] == os.path.join(ROOT, "data")  # the staged corpus
     for c in (rollout, learner):
-        assert "--container-image=/images/spice.sqsh" in c["argv"]
         assert any(a.startswith("--container-mounts=") and "/lustre/models:/models" in a for a in c["argv"])
         assert any(a.startswith("--output=") and str(tmp_path / "run" / "logs") in a for a in c["argv"])
     assert any("rollout_%N" in a for a in rollout["argv"]) and any("learner_%N" in a for a in learner["argv"])

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Rollout overhead: tokens/s through the fleet (HTTP service + client) versus vllm.LLM.generate
 in one process, same model, prompts and sampling parameters, at batch 1 and 64. The two run one
-after the other (never at the same time) so that they do not compete for the cores.
+after the other (never at the same time) so that they do not compete for the cores. A third row
+sends the 64 prompts as 16 concurrent chunks of 4, as the trainer's fleet does: the engine merges
+waiting chunks into one vLLM submission, so this must not be slower than one chunk of 64.
 
   python tools/bench_rollout.py [--model DIR] [--max-tokens 64] [--repeats 2]
 
@@ -23,7 +25,7 @@ def prompts(n: int) -> list[str]:
     return [f"Write a short paragraph about {topics[i % len(topics)]} (request {i})." for i in range(n)]
 
 
-def bench_fleet(model: str, batches: list[int], max_tokens: int, repeats: int) -> dict[int, float]:
+def bench_fleet(model: str, batches: list[int], max_tokens: int, repeats: int) -> dict:
     from spice_megatron.rollout.fleet import RolloutFleet
     from spice_megatron.rollout.local import start_engine, wait_healthy
     from spice_megatron.rollout.types import SamplingSpec
@@ -43,6 +45,14 @@ def bench_fleet(model: str, batches: list[int], max_tokens: int, repeats: int) -
                 best = max(best, sum(len(c[0].token_ids) for c in res) / (time.perf_counter() - t0))
             out[b] = best
         fleet.close()
+        chunked = RolloutFleet([engine.url], "bench", chunk_size=4)
+        best = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            res = chunked.generate(prompts(batches[-1]), spec)
+            best = max(best, sum(len(c[0].token_ids) for c in res) / (time.perf_counter() - t0))
+        out["chunked"] = best
+        chunked.close()
         return out
     finally:
         engine.stop()
@@ -87,6 +97,9 @@ def main() -> int:
         ratio = local[b] / fleet[b]
         print(f"  batch {b:3d}: in-process {local[b]:7.1f} tok/s   fleet {fleet[b]:7.1f} tok/s   "
               f"overhead ratio {ratio:.3f} (target <= 1.10)")
+    b = batches[-1]
+    print(f"  batch {b:3d} as {b // 4} concurrent chunks of 4: fleet {fleet['chunked']:7.1f} tok/s   "
+          f"one chunk / chunked {fleet[b] / fleet['chunked']:.3f} (target <= 1.10)")
     return 0
 
 

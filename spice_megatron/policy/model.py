@@ -120,11 +120,12 @@ def check_parallel_layout(spec: ModelSpec, tp: int, pp: int) -> None:
 
 
 def have_transformer_engine() -> bool:
+    """megatron-core's own verdict (it imports TE and checks it works), and a GPU to run it."""
     try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a broken TE build
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except Exception:  # a broken TE build can fail megatron's import of it
         return False
-    return torch.cuda.is_available()
+    return bool(HAVE_TE) and torch.cuda.is_available()
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, **overrides: Any):

@@ -52,20 +52,34 @@ class VLLMEngine:
         log.info("vLLM engine on %s started in %.1fs", model_dir, self.start_seconds)
 
     def generate(self, prompts: list[str | list[int]], spec: SamplingSpec) -> list[list[Completion]]:
+        return self.generate_many([(prompts, spec)])[0]
+
+    def generate_many(self, requests: list[tuple[list[str | list[int]], SamplingSpec]]) -> list[list[list[Completion]]]:
+        """Several requests in ONE vLLM submission, so that vLLM batches them all (continuous
+        batching needs them in one scheduler at once). Each prompt keeps its own seed
+        (spec.seed + its index in its request), so results do not depend on the grouping."""
         from vllm import SamplingParams
 
-        spec.validate()
-        params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                                 max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
-                                 seed=None if spec.seed is None else spec.seed + i,
-                                 logprobs=0 if spec.logprobs else None)
-                  for i in range(len(prompts))]
-        inputs = [{"prompt_token_ids": list(p)} if isinstance(p, list) else p for p in prompts]
+        inputs, params, sizes = [], [], []
+        for prompts, spec in requests:
+            spec.validate()
+            params += [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+                                      max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
+                                      seed=None if spec.seed is None else spec.seed + i,
+                                      logprobs=0 if spec.logprobs else None)
+                       for i in range(len(prompts))]
+            inputs += [{"prompt_token_ids": list(p)} if isinstance(p, list) else p for p in prompts]
+            sizes.append(len(prompts))
         with self._lock:
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [[Completion(c.text, list(c.token_ids),
+        flat = [[Completion(c.text, list(c.token_ids),
                             [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else [],
                             c.finish_reason or "") for c in out.outputs] for out in outputs]
+        result, start = [], 0
+        for n in sizes:
+            result.append(flat[start:start + n])
+            start += n
+        return result
 
     def join_weight_sync(self, host: str, port: int, first_rank: int, num_stages: int, num_receivers: int,
                          backend: str = "auto", timeout_s: float = 600.0) -> list[int]:

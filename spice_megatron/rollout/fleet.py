@@ -50,7 +50,8 @@ class RolloutFleet:
         self.token, self.request_timeout, self.max_attempts, self.chunk_size = token, request_timeout, max_attempts, chunk_size
         self.engines = [EngineStats(u.rstrip("/")) for u in urls]
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(urls)), thread_name_prefix="spice-fleet")
+        # Many chunks in flight per engine: the engine merges those that wait into one submission.
+        self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * len(urls)), thread_name_prefix="spice-fleet")
 
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.token}"}

@@ -22,13 +22,18 @@ class LocalEngine:
     process: subprocess.Popen
     log_path: str
     args: list[str]
+    env: dict | None = None  # what start_engine added to the environment (the engine's GPUs)
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def kill(self) -> None:
         if self.alive():
-            self.process.send_signal(signal.SIGKILL)
+            # the whole session: vLLM's engine-core and worker processes die with the service
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self.process.wait(30)
 
     def stop(self, timeout: float = 30) -> None:
@@ -50,7 +55,7 @@ def start_engine(model_dir: str, token: str, log_dir: str, port: int | None = No
     child_env = {**os.environ, "SPICE_ROLLOUT_TOKEN": token, **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-    return LocalEngine(f"http://127.0.0.1:{port}", proc, log_path, args)
+    return LocalEngine(f"http://127.0.0.1:{port}", proc, log_path, args, env)
 
 
 def wait_healthy(engines: list[LocalEngine], timeout: float = 600.0) -> None:
@@ -73,30 +78,61 @@ def wait_healthy(engines: list[LocalEngine], timeout: float = 600.0) -> None:
 
 
 def restart(engine: LocalEngine, token: str) -> LocalEngine:
-    """Start a dead engine again on the same port with the same arguments."""
+    """Start a dead engine again on the same port with the same arguments and GPUs."""
     engine.kill()
     port = int(engine.url.rsplit(":", 1)[1])
     model = engine.args[engine.args.index("--model") + 1]
     extra = engine.args[engine.args.index("--port") + 2:]
-    return start_engine(model, token, os.path.dirname(engine.log_path), port, extra)
+    return start_engine(model, token, os.path.dirname(engine.log_path), port, extra, env=engine.env)
 
 
-def engine_args(max_model_len: int, kv_cache_gib: float, seed: int) -> list[str]:
-    """The service's arguments for an engine that lives and dies with this process."""
-    return ["--max-model-len", str(max_model_len), "--kv-cache-gib", str(kv_cache_gib), "--seed", str(seed),
-            "--exit-with-parent", str(os.getpid())]
+def engine_args(max_model_len: int, kv_cache_gib: float, seed: int, on_gpu: bool | None = None,
+                tensor_parallel: int = 1, gpu_memory_utilization: float = 0.85) -> list[str]:
+    """The service's arguments for an engine that lives and dies with this process. The KV cache
+    is sized by hand on CPU only; on a GPU vLLM sizes it from gpu_memory_utilization (a fixed
+    1 GiB holds less than one 8,192-token sequence of Qwen3-8B, and vLLM would refuse to start)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    memory = (["--tensor-parallel-size", str(tensor_parallel), "--gpu-memory-utilization", str(gpu_memory_utilization)]
+              if on_gpu else ["--kv-cache-gib", str(kv_cache_gib)])
+    return ["--max-model-len", str(max_model_len), *memory, "--seed", str(seed), "--exit-with-parent", str(os.getpid())]
+
+
+def engine_devices(engines: int, tensor_parallel: int, reserved: int, visible: list[str] | None = None) -> list[dict]:
+    """CUDA_VISIBLE_DEVICES for each local engine: the GPUs after the first `reserved` (the
+    learner's local ranks), `tensor_parallel` each. Refuses when they do not fit, rather than
+    letting every engine land on the learner's GPU 0. On a machine without GPUs: no assignment."""
+    import torch
+
+    if visible is None:
+        if not torch.cuda.is_available():
+            return [{} for _ in range(engines)]
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
+    free = visible[reserved:]
+    need = engines * tensor_parallel
+    if len(free) < need:
+        raise RuntimeError(
+            f"rollout.local_engines={engines} x rollout.engine_tensor_parallel={tensor_parallel} need {need} GPU(s), "
+            f"but this node has {len(visible)} and the learner uses {reserved}; lower rollout.local_engines, run the "
+            "learner on fewer GPUs, or start engines elsewhere and pass rollout.engines")
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(free[i * tensor_parallel:(i + 1) * tensor_parallel])}
+            for i in range(engines)]
 
 
 @contextmanager
 def local_fleet(model_dir: str, log_dir: str, max_model_len: int = 4096, kv_cache_gib: float = 1.0, seed: int = 0,
-                engines: int = 1):
+                engines: int = 1, tensor_parallel: int = 1):
     """Local rollout services on `model_dir` for the duration of a block (evaluation, analysis);
-    yields a RolloutFleet over them and stops them afterwards."""
+    yields a RolloutFleet over them and stops them afterwards. On a GPU machine each engine gets
+    its own `tensor_parallel` GPUs (no learner runs here)."""
     from spice_megatron.rollout.fleet import RolloutFleet
 
     token = secrets.token_hex(16)
-    extra = engine_args(max_model_len, kv_cache_gib, seed)
-    started = [start_engine(model_dir, token, log_dir, extra=extra) for _ in range(engines)]
+    extra = engine_args(max_model_len, kv_cache_gib, seed, tensor_parallel=tensor_parallel)
+    devices = engine_devices(engines, tensor_parallel, reserved=0)
+    started = [start_engine(model_dir, token, log_dir, extra=extra, env=env) for env in devices]
     fleet = None
     try:
         wait_healthy(started)

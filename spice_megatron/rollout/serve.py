@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -56,6 +56,47 @@ class ReceiveBody(BaseModel):
     version: int
 
 
+class GenerationBatcher:
+    """Merges the /generate requests that wait while the engine is busy into one vLLM submission.
+    The fleet sends a phase's prompts as many concurrent chunks; run one after another, each chunk
+    would be its own small batch and vLLM's continuous batching would never see them together."""
+
+    def __init__(self, engine, engine_thread: ThreadPoolExecutor):
+        self.engine, self.engine_thread = engine, engine_thread
+        self._pending: list[tuple[list, SamplingSpec, Future]] = []
+        self._lock = threading.Lock()
+        self.submissions = 0  # vLLM generate calls, for /health
+
+    def generate(self, prompts: list, spec: SamplingSpec):
+        done: Future = Future()
+        with self._lock:
+            self._pending.append((prompts, spec, done))
+        self.engine_thread.submit(self._drain)
+        return done.result()
+
+    def _drain(self) -> None:  # on the engine thread; a later drain finds nothing left
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            self.submissions += 1
+            outs = self.engine.generate_many([(p, s) for p, s, _ in batch])
+        except VALIDATION_ERRORS:  # one bad request must not fail the others: run them one by one
+            for p, s, f in batch:
+                try:
+                    f.set_result(self.engine.generate(p, s))
+                except Exception as e:  # noqa: BLE001 - handed to that request's caller
+                    f.set_exception(e)
+            return
+        except Exception as e:  # noqa: BLE001
+            for _, _, f in batch:
+                f.set_exception(e)
+            return
+        for (_, _, f), out in zip(batch, outs):
+            f.set_result(out)
+
+
 def build_app(engine, token: str, require_token_for_generate: bool, engine_thread: ThreadPoolExecutor) -> FastAPI:
     """engine_thread: the one thread that built the engine and runs all its work. vLLM's CPU
     worker sets up its OpenMP threads from the thread that created it; work from other threads
@@ -63,6 +104,8 @@ def build_app(engine, token: str, require_token_for_generate: bool, engine_threa
 
     def on_engine(fn, *args):
         return engine_thread.submit(fn, *args).result()
+
+    batcher = GenerationBatcher(engine, engine_thread)
 
     app = FastAPI(title="spice rollout engine")
     state: dict[str, Any] = {"requests": 0, "tokens": 0, "busy_seconds": 0.0}
@@ -74,7 +117,8 @@ def build_app(engine, token: str, require_token_for_generate: bool, engine_threa
 
     @app.get("/health")
     def health():
-        return {"status": "ok", "version": engine.version, "model": engine.model_dir, "workers": engine.workers, **state}
+        return {"status": "ok", "version": engine.version, "model": engine.model_dir, "workers": engine.workers,
+                "submissions": batcher.submissions, **state}
 
     @app.get("/version")
     def version():
@@ -90,7 +134,7 @@ def build_app(engine, token: str, require_token_for_generate: bool, engine_threa
             raise HTTPException(status_code=400, detail=str(e)) from e
         t0 = time.perf_counter()
         try:
-            out = on_engine(engine.generate, body.prompts, spec)
+            out = batcher.generate(body.prompts, spec)
         except VALIDATION_ERRORS as e:  # vLLM's own checks (e.g. n > 1 with greedy sampling)
             raise HTTPException(status_code=400, detail=f"{type(e).__name__}: {e}") from e
         state["requests"] += 1
