@@ -1,0 +1,33 @@
+"""tools/gpu_check.py: the prepared bf16 GPU checks. On CPU its smoke mode runs every check that
+does not need a GPU, so the script cannot rot between the rare runs on a lent GPU machine."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), *args], capture_output=True,
+                          text=True, timeout=480, env={**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get(
+                              "CUDA_VISIBLE_DEVICES", "")} if "--allow-cpu" in args else None)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_gpu_check_smoke_on_cpu():
+    r = _run("--allow-cpu")
+    lines = [x for x in r.stdout.splitlines() if x.startswith("gpu_check ")]
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    verdicts = {x.split(":")[0].split()[1]: x.split(":", 1)[1].split()[0] for x in lines[1:-1]}
+    assert verdicts == {"bf16_hf_load_then_step": "PASS", "logprobs_gpu_vs_cpu": "PASS", "bf16_checkpoint_resume": "PASS",
+                        "weight_sync_gloo_to_cpu_receiver": "PASS", "weight_sync_nccl": "SKIP",
+                        "vocab_parallel_logprob_peak": "SKIP"}
+
+
+@pytest.mark.gpu
+def test_gpu_check_on_gpu():
+    r = _run()
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]

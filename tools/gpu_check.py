@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""The bf16 learner path on one CUDA GPU, one line per check (run by tools/gpu_check.sh).
+
+  gpu_check <name>: PASS|FAIL|SKIP <figures> (<seconds>s)
+
+Needs only torch (CUDA), megatron-core, safetensors and numpy: no Transformer Engine, apex, vLLM or
+transformers (the tiny Qwen3 checkpoint is written with safetensors). `--allow-cpu` runs the same
+checks on CPU (where the GPU-only ones are skipped), which is how CI keeps this script working.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+TINY = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
+            tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0,
+            torch_dtype="float32")
+
+
+def make_tiny_qwen3(out: str, seed: int = 7) -> str:
+    from safetensors.torch import save_file
+
+    from spice_megatron.bridge.mapping import expected_hf_shapes
+    from spice_megatron.policy.model import model_spec_from_hf
+
+    os.makedirs(out, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_hf_shapes(model_spec_from_hf(TINY)).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            tensors[name] = 0.05 * torch.randn(shape, generator=g)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(TINY, f)
+    return out
+
+
+def batch(n: int = 6, seed: int = 3):
+    from spice_megatron.policy.batching import TrainSequence
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n):
+        ids = torch.randint(0, TINY["vocab_size"], (5 + 2 * i,), generator=g).tolist()
+        seqs.append(TrainSequence(ids[:3], ids[3:], advantage=(-1.0) ** i * 0.5))
+    return seqs
+
+
+def learner(model_dir: str, dtype: str, lr: float):
+    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy.learner import Learner
+
+    return Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=lr, adam_eps=1e-5, weight_decay=0.0),
+                           PolicyTrainConfig(max_gen_len=16, micro_batch_tokens=256, dtype=dtype))
+
+
+# ----------------------------------------------------------------------------- checks
+
+def check_hf_load_then_step(model_dir: str) -> tuple[bool, str]:
+    """Defect 1 of issue 14: a bf16 step at lr=1e-9 must leave the HF weights where they were."""
+    from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.bridge.hf_io import HFCheckpointReader
+
+    lr = learner(model_dir, "bf16", 1e-9)
+    reader = HFCheckpointReader(model_dir)
+    loaded = gathered_hf_state_dict(lr)
+    exact = all(torch.equal(v.cpu(), reader.read(k, None, None, None).to(v.dtype)) for k, v in loaded.items())
+    lr.train_on_batch(batch())
+    after = gathered_hf_state_dict(lr)
+    drift = max((after[k].float() - loaded[k].float()).abs().max().item() for k in after)
+    dtypes = sorted({str(p.dtype) for p in lr.model.parameters()})
+    return exact and drift <= 1e-6 and dtypes == ["torch.bfloat16"], \
+        f"loaded==HF(bf16) {exact}, drift after lr=1e-9 step {drift:.2e} (fixed: 0; broken: ~0.1), dtypes {dtypes}"
+
+
+def _cpu_logprobs(model_dir: str, out: str) -> None:
+    """In a child process without a GPU: the CPU path's log-probs in fp32."""
+    lr = learner(model_dir, "fp32", 1e-6)
+    torch.save(lr.compute_logprobs(batch()), out)
+
+
+def check_logprobs_gpu_vs_cpu(model_dir: str, work: str) -> tuple[bool, str]:
+    ref_path = os.path.join(work, "cpu_logprobs.pt")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(_free_port())}
+    subprocess.run([sys.executable, __file__, "--cpu-logprobs", model_dir, ref_path], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ref = torch.load(ref_path)
+    got = learner(model_dir, "bf16", 1e-6).compute_logprobs(batch())
+    diffs = [abs(a - b) for x, y in zip(got, ref) for a, b in zip(x, y)]
+    mean, worst = sum(diffs) / len(diffs), max(diffs)
+    # bf16 weights and activations against fp32: per-token log-probs within a few hundredths
+    return mean < 0.02 and worst < 0.15, f"bf16 GPU vs fp32 CPU |dlogp| mean {mean:.4f} max {worst:.4f} over {len(diffs)} tokens"
+
+
+def check_checkpoint_resume(model_dir: str, work: str) -> tuple[bool, str]:
+    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    root = os.path.join(work, "ckpt")
+    a = learner(model_dir, "bf16", 1e-3)
+    a.train_on_batch(batch(seed=3))
+    save_checkpoint(a, root, step=1, trainer_state={"iteration": 1})
+    reference = a.train_on_batch(batch(seed=4))[0].loss
+    b = learner(model_dir, "bf16", 1e-3)
+    state = load_checkpoint(b, latest_checkpoint(root))
+    resumed = b.train_on_batch(batch(seed=4))[0].loss
+    return resumed == reference and state == {"iteration": 1}, \
+        f"second-step loss straight {reference:.6f} resumed {resumed:.6f} (exact: {resumed == reference})"
+
+
+def _receiver(port: int, backend: str, out: str) -> None:
+    from spice_megatron.bridge.weight_sync import ReceivedManifest, WeightSyncGroup, receive_all, verify_checksums
+
+    group = WeightSyncGroup("127.0.0.1", port, 1, 1, 1, backend=backend, timeout_s=120)
+    received, manifest = {}, ReceivedManifest()
+    for bucket in receive_all(group, manifest):
+        received.update({k: t.cpu().clone() for k, t in bucket})
+    verify_checksums(received.items(), manifest)
+    group.close()
+    torch.save(received, out)
+
+
+def check_weight_sync(model_dir: str, work: str, backend: str) -> tuple[bool, str]:
+    """The learner's stage sender (bf16 on the GPU) to a receiver in another process: over gloo the
+    receiver is on CPU; over NCCL it needs a second GPU (NCCL refuses two ranks on one GPU)."""
+    from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup, send_learner_weights
+
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        return None, "needs 2 GPUs (NCCL refuses two ranks on one GPU); the gloo row covers the GPU-side gather"
+    port, out = _free_port(), os.path.join(work, f"received_{backend}.pt")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1" if backend == "nccl" else ""}
+    child = subprocess.Popen([sys.executable, __file__, "--receiver", str(port), backend, out], env=env,
+                             stderr=subprocess.PIPE)
+    lr = learner(model_dir, "bf16", 1e-6)
+    group = WeightSyncGroup("127.0.0.1", port, 0, 1, 1, backend=backend, timeout_s=120)
+    t0 = time.perf_counter()
+    report = send_learner_weights(lr, group, version=1, bucket_bytes=1 << 20)
+    seconds = time.perf_counter() - t0
+    group.close()
+    _, err = child.communicate(timeout=300)
+    if child.returncode:
+        return False, f"receiver failed: {err.decode()[-500:]}"
+    received, sent = torch.load(out), gathered_hf_state_dict(lr)
+    same = received.keys() == sent.keys() and all(torch.equal(received[k], sent[k].cpu()) for k in sent)
+    return same, f"{report.tensors} tensors, {report.bytes / 2**20:.1f} MiB in {report.buckets} buckets, " \
+                 f"{seconds:.2f}s, identical and checksummed: {same}"
+
+
+def check_vocab_parallel_peak(seq: int = 4096, vocab: int = 151_936) -> tuple[bool, str]:
+    """The log-prob pass over Qwen3's vocabulary must not copy the logits more than a few times."""
+    from spice_megatron.policy.learner import token_logprobs
+
+    if not torch.cuda.is_available():
+        return None, "needs a GPU"
+    logits = torch.randn(1, seq, vocab, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (1, seq), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    lp = token_logprobs(logits, labels)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    ratio = extra / logits.nbytes
+    ok = bool(torch.isfinite(lp).all()) and ratio <= 6.0
+    return ok, f"[1, {seq}, {vocab}] bf16 logits {logits.nbytes / 2**30:.2f} GiB; peak extra {extra / 2**30:.2f} GiB " \
+               f"= {ratio:.1f}x the logits (fp32 upcast alone is 2x)"
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _free_port() -> int:
+    from spice_megatron.launch import free_port
+
+    return free_port()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--allow-cpu", action="store_true", help="run on CPU (GPU-only checks are skipped)")
+    ap.add_argument("--cpu-logprobs", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--receiver", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if args.cpu_logprobs:
+        _cpu_logprobs(*args.cpu_logprobs)
+        return 0
+    if args.receiver:
+        _receiver(int(args.receiver[0]), args.receiver[1], args.receiver[2])
+        return 0
+    import megatron.core
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if on_gpu else "CPU"
+    print(f"gpu_check env: torch {torch.__version__} cuda {torch.version.cuda} device {device} "
+          f"megatron-core {megatron.core.__version__}", flush=True)
+    if not on_gpu and not args.allow_cpu:
+        print("gpu_check env: FAIL no CUDA device (pass --allow-cpu for the CPU smoke run)")
+        return 1
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="spice_gpu_check_") as work:
+        model_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3"))
+        checks = [("bf16_hf_load_then_step", lambda: check_hf_load_then_step(model_dir)),
+                  ("logprobs_gpu_vs_cpu", lambda: check_logprobs_gpu_vs_cpu(model_dir, work)),
+                  ("bf16_checkpoint_resume", lambda: check_checkpoint_resume(model_dir, work)),
+                  ("weight_sync_gloo_to_cpu_receiver", lambda: check_weight_sync(model_dir, work, "gloo")),
+                  ("weight_sync_nccl", lambda: check_weight_sync(model_dir, work, "nccl") if on_gpu
+                   else (None, "needs GPUs")),
+                  ("vocab_parallel_logprob_peak", check_vocab_parallel_peak)]
+        for name, fn in checks:
+            t0 = time.perf_counter()
+            try:
+                ok, detail = fn()
+            except Exception as e:  # noqa: BLE001 - one check's failure must not hide the others
+                ok, detail = False, f"{type(e).__name__}: {e} | {traceback.format_exc(limit=3)!r}"[:1500]
+            verdict = "SKIP" if ok is None else ("PASS" if ok else "FAIL")
+            failed += verdict == "FAIL"
+            print(f"gpu_check {name}: {verdict} {detail} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    print(f"gpu_check done: {'all passed' if not failed else f'{failed} failed'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
