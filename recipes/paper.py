@@ -48,17 +48,22 @@ MAX_MODEL_LEN = 8192
 
 
 def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: int, pp: int, engine_tp: int,
-                 micro_batch_tokens: int = 8192, gpu_memory_gib: float = 80.0) -> SpiceConfig:
+                 template: str, micro_batch_tokens: int = 8192, gpu_memory_gib: float = 80.0) -> SpiceConfig:
+    """Algorithm 1 as published: the selection + JSON protocol, challenger groups of G=8 per document
+    (invalid attempts trained, advantages centred per document), the family's prompt template, and
+    updates of 128 trajectories (an iteration's ~2,048 in ~16 optimiser steps, PPO clip after the first)."""
     return SpiceConfig(
         run=RunConfig(name=name, model=model, output_dir=f"runs/{name}", iterations=640, checkpoint_every=10,
                       keep_last=3, eval_every=0, min_valid_task_rate=0.02, patience=20),
         corpus=CorpusConfig(sources=paper_sources(), max_doc_tokens=5992, max_docs=20000, stage_dir=stage_dir(name)),
         selfplay=SelfPlayConfig(batch_docs=128, group_size=8, max_attempts=1024, attempts_per_round=8,
                                 challenger_temperature=1.0, reasoner_temperature=1.0, invalid_penalty=-0.1,
-                                challenger_max_tokens=2048, reasoner_max_tokens=4096),
+                                challenger_max_tokens=2048, reasoner_max_tokens=4096, selection_max_tokens=512,
+                                protocol="paper", challenger_group="document", template=template),
         parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
         optim=OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=True),
-        train=PolicyTrainConfig(max_gen_len=4096, micro_batch_tokens=micro_batch_tokens, dtype="bf16"),
+        train=PolicyTrainConfig(max_gen_len=4096, micro_batch_tokens=micro_batch_tokens, dtype="bf16",
+                                trajectories_per_update=128),
         rollout=RolloutConfig(max_model_len=MAX_MODEL_LEN, engine_tensor_parallel=engine_tp, request_timeout=3600.0,
                               chunk_size=32, bucket_mb=1024),
         cluster=ClusterConfig(nodes=nodes, gpus_per_node=8, gpu_memory_gib=gpu_memory_gib, learner_nodes=learner_nodes),
@@ -66,32 +71,34 @@ def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: i
 
 
 def qwen3_4b() -> SpiceConfig:
-    return paper_config("qwen3_4b", "Qwen/Qwen3-4B-Base", nodes=2, learner_nodes=1, tp=1, pp=1, engine_tp=1)
+    return paper_config("qwen3_4b", "Qwen/Qwen3-4B-Base", nodes=2, learner_nodes=1, tp=1, pp=1, engine_tp=1, template="qwen3")
 
 
 def qwen3_8b() -> SpiceConfig:
-    return paper_config("qwen3_8b", "Qwen/Qwen3-8B-Base", nodes=2, learner_nodes=1, tp=2, pp=1, engine_tp=1)
+    return paper_config("qwen3_8b", "Qwen/Qwen3-8B-Base", nodes=2, learner_nodes=1, tp=2, pp=1, engine_tp=1, template="qwen3")
 
 
 def octothinker_3b() -> SpiceConfig:
     return paper_config("octothinker_3b", "OctoThinker/OctoThinker-3B-Hybrid-Base", nodes=2, learner_nodes=1,
-                        tp=1, pp=1, engine_tp=1)
+                        tp=1, pp=1, engine_tp=1, template="octothinker")
 
 
 def octothinker_8b() -> SpiceConfig:
     return paper_config("octothinker_8b", "OctoThinker/OctoThinker-8B-Hybrid-Base", nodes=2, learner_nodes=1,
-                        tp=2, pp=1, engine_tp=1)
+                        tp=2, pp=1, engine_tp=1, template="octothinker")
 
 
 def qwen3_14b() -> SpiceConfig:
-    return paper_config("qwen3_14b", "Qwen/Qwen3-14B-Base", nodes=4, learner_nodes=2, tp=4, pp=1, engine_tp=2)
+    return paper_config("qwen3_14b", "Qwen/Qwen3-14B-Base", nodes=4, learner_nodes=2, tp=4, pp=1, engine_tp=2,
+                        template="qwen3")
 
 
 def qwen3_32b() -> SpiceConfig:
     # Qwen3-32B has no published base checkpoint; the post-trained model stands in.
-    return paper_config("qwen3_32b", "Qwen/Qwen3-32B", nodes=8, learner_nodes=4, tp=8, pp=2, engine_tp=2)
+    return paper_config("qwen3_32b", "Qwen/Qwen3-32B", nodes=8, learner_nodes=4, tp=8, pp=2, engine_tp=2,
+                        template="qwen3")
 
 
 def llama3_70b() -> SpiceConfig:
     return paper_config("llama3_70b", "meta-llama/Llama-3.3-70B-Instruct", nodes=16, learner_nodes=8, tp=8, pp=4,
-                        engine_tp=4, micro_batch_tokens=8192)
+                        engine_tp=4, micro_batch_tokens=8192, template="chat")

@@ -19,7 +19,7 @@ def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_c
                             max_doc_tokens=512, max_docs=2000),
         selfplay=SelfPlayConfig(batch_docs=4, group_size=4, max_attempts=8, attempts_per_round=4,
                                 challenger_max_tokens=max_tokens, reasoner_max_tokens=max_tokens,
-                                use_chat_template=True),
+                                template="chat", protocol="compact", challenger_group="document"),
         parallel=ParallelConfig(tensor_parallel=1, pipeline_parallel=1),
         optim=OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0),
         # fp32 logits of 1024 tokens x 49,152 vocabulary are 200 MB per copy: keep micro-batches small

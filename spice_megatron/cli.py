@@ -122,7 +122,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from spice_megatron.eval.run import training_eval_hook
 
         settings = EvalSettings(max_tokens=cfg.selfplay.reasoner_max_tokens, seed=cfg.run.seed,
-                                use_chat_template=cfg.selfplay.use_chat_template)
+                                template=cfg.selfplay.template, prompt_dir=cfg.selfplay.prompt_dir)
         eval_hook = training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data,
                                        AutoTokenizer.from_pretrained(cfg.run.model), settings, args.eval_limit or None)
     try:
@@ -194,8 +194,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    template, prompt_dir = args.template, ""
+    if args.recipe:  # the recipe's training prompts, unless --template names another
+        from recipes import get_recipe
+
+        recipe = get_recipe(args.recipe).selfplay
+        template, prompt_dir = args.template or recipe.template, recipe.prompt_dir
     settings = EvalSettings(max_tokens=args.max_tokens, sample_temperature=args.sample_temperature, seed=args.seed,
-                            use_chat_template=args.chat_template)
+                            template=template or "plain", prompt_dir=prompt_dir)
     judge = None
     if args.judge_engines:  # off by default: the paper's table uses a judge model, the rules are the baseline
         from spice_megatron.eval.harness import LLMJudge
@@ -371,10 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--max-tokens", type=int, default=4096)
     se.add_argument("--sample-temperature", type=float, default=0.6, help="for avg@k benchmarks (AIME: 32 samples)")
     se.add_argument("--seed", type=int, default=1234)
-    se.add_argument("--chat-template", action="store_true", help="wrap prompts in the tokenizer's chat template")
+    se.add_argument("--recipe", default="", help="use this recipe's reasoner prompts (its selfplay.template)")
+    se.add_argument("--template", default="", choices=["", "plain", "chat", "qwen3", "octothinker"],
+                    help="the prompt template (default: the recipe's, else plain); results record it")
     se.add_argument("--engines", default="", help="comma-separated rollout engine URLs (default: start one here)")
     se.add_argument("--judge-engines", default="", help="rollout engine URLs serving a judge model, asked about "
-                    "answers the rules reject (off by default)")
+                    "every math answer (the paper's GPT-4o grading); rule-only scores are reported next to it")
     se.add_argument("--judge-tokenizer", default="", help="the judge model's HF directory, for its chat template")
     se.add_argument("--kv-cache-gib", type=float, default=1.0)
     se.add_argument("--max-model-len", type=int, default=8192)

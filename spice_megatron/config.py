@@ -6,6 +6,7 @@ function returning a fully populated config.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,9 @@ class CorpusConfig:
 
 
 CHALLENGER_REWARDS = ("variance", "absolute_zero", "threshold", "r_zero")
+CHALLENGER_GROUPS = ("document", "single")
+PROTOCOLS = ("paper", "compact")
+TEMPLATES = ("plain", "chat", "qwen3", "octothinker")
 
 
 @dataclass
@@ -82,7 +86,14 @@ class SelfPlayConfig:
     reasoner_max_tokens: int = 2048
     challenger_reward: str = "variance"
     invalid_penalty: float = -0.1  # rho
-    use_chat_template: bool = False  # base models read plain text; instruct models their template
+    # document: Algorithm 1's challenger group, G attempts per document (valid:invalid ratio kept),
+    # advantages centred per document, every valid task answered G times. single: one attempt per
+    # document (a valid one if any), advantages centred over the batch (compact, cheaper).
+    challenger_group: str = "document"
+    protocol: str = "paper"  # paper: selection + JSON generation (protocol.py); compact: tagged sections
+    selection_max_tokens: int = 512  # the paper protocol's selection step
+    template: str = "plain"  # conversation format: plain, chat (the tokenizer's), qwen3, octothinker
+    prompt_dir: str = ""  # files that replace the built-in prompts (protocol.py, templates.py)
 
     def validate(self, prefix: str = "selfplay") -> None:
         for name in ("batch_docs", "group_size", "max_attempts", "attempts_per_round",
@@ -94,6 +105,12 @@ class SelfPlayConfig:
         _require(0 < self.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1]")
         _require(self.challenger_reward in CHALLENGER_REWARDS, f"{prefix}.challenger_reward",
                  f"must be one of {CHALLENGER_REWARDS}, got {self.challenger_reward!r}")
+        for name, allowed in (("challenger_group", CHALLENGER_GROUPS), ("protocol", PROTOCOLS), ("template", TEMPLATES)):
+            _require(getattr(self, name) in allowed, f"{prefix}.{name}",
+                     f"must be one of {allowed}, got {getattr(self, name)!r}")
+        _require(self.selection_max_tokens > 0, f"{prefix}.selection_max_tokens", "must be > 0")
+        _require(not self.prompt_dir or os.path.isdir(self.prompt_dir), f"{prefix}.prompt_dir",
+                 f"{self.prompt_dir!r} is not a directory")
 
 
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
@@ -179,6 +196,9 @@ class PolicyTrainConfig:
     max_gen_len: int = 2048  # DrGRPO's constant normaliser (the generation budget)
     micro_batch_tokens: int = 8192  # token budget of one micro-batch (padded length x sequences)
     steps_per_batch: int = 1  # optimiser steps per rollout batch; > 1 turns on the PPO clip
+    # The paper's "128 trajectories per gradient update": an iteration's trajectories are consumed in
+    # ceil(n / trajectories_per_update) optimiser steps (PPO clip after the first). 0: steps_per_batch.
+    trajectories_per_update: int = 0
     clip_low: float = 0.2
     clip_high: float = 0.2
     old_logprobs: str = "forward"  # forward: recompute before the update | rollout: the engine's
@@ -190,6 +210,9 @@ class PolicyTrainConfig:
         _require(self.max_gen_len > 0, f"{prefix}.max_gen_len", "must be > 0")
         _require(self.micro_batch_tokens > 0, f"{prefix}.micro_batch_tokens", "must be > 0")
         _require(self.steps_per_batch >= 1, f"{prefix}.steps_per_batch", "must be >= 1")
+        _require(self.trajectories_per_update >= 0, f"{prefix}.trajectories_per_update", "must be >= 0")
+        _require(not (self.trajectories_per_update and self.steps_per_batch > 1), f"{prefix}.trajectories_per_update",
+                 "set either trajectories_per_update or steps_per_batch > 1, not both")
         _require(self.clip_low > 0 and self.clip_high > 0, f"{prefix}.clip_low", "clip ranges must be > 0")
         _require(self.old_logprobs in ("forward", "rollout"), f"{prefix}.old_logprobs", "must be forward or rollout")
         _require(self.temperature > 0, f"{prefix}.temperature", "must be > 0")

@@ -23,20 +23,21 @@ def center_by_group(rewards: torch.Tensor, group_ids: Sequence[int] | torch.Tens
     return rewards - (sums / counts)[inverse]
 
 
-def role_advantages(rewards: torch.Tensor, roles: Sequence[str], task_ids: Sequence[int]) -> torch.Tensor:
-    """A_C = r_C - mean over the batch's challenger samples; A_R = r_R - mean over the G answers
-    to the same question (identified by task_id)."""
-    if len(roles) != rewards.numel() or len(task_ids) != rewards.numel():
-        raise ValueError(f"rewards ({rewards.numel()}), roles ({len(roles)}) and task_ids ({len(task_ids)}) "
+def role_advantages(rewards: torch.Tensor, roles: Sequence[str], groups: Sequence[int]) -> torch.Tensor:
+    """A_i = r_i - mean of r over i's group, per role: a challenger sample's group is its document
+    (Algorithm 1; -1 for one group over the batch), a reasoner sample's the question it answers.
+    The two roles' group ids are separate namespaces."""
+    if len(roles) != rewards.numel() or len(groups) != rewards.numel():
+        raise ValueError(f"rewards ({rewards.numel()}), roles ({len(roles)}) and groups ({len(groups)}) "
                          "must have the same length")
     unknown = set(roles) - {CHALLENGER, REASONER}
     if unknown:
         raise ValueError(f"roles: unknown role(s) {sorted(unknown)}")
-    # All challenger samples form one group (-1); each task's reasoner answers form their own.
-    groups = [-1 if role == CHALLENGER else int(t) for role, t in zip(roles, task_ids)]
-    if any(g == -1 and r == REASONER for g, r in zip(groups, roles)):
-        raise ValueError("task_ids: reasoner samples need task ids >= 0")
-    return center_by_group(rewards, groups)
+    if any(g < 0 and r == REASONER for g, r in zip(groups, roles)):
+        raise ValueError("groups: reasoner samples need the id (>= 0) of the question they answer")
+    keys: dict[tuple[str, int], int] = {}
+    ids = [keys.setdefault((role, int(g)), len(keys)) for role, g in zip(roles, groups)]
+    return center_by_group(rewards, ids)
 
 
 def drgrpo_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, max_gen_len: int,

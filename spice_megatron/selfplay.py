@@ -1,4 +1,16 @@
-"""One SPICE iteration's data: documents -> valid tasks -> G answers -> rewards -> samples.
+"""One SPICE iteration's data (Algorithm 1): documents -> challenger groups -> G answers per valid
+task -> rewards -> role-specific advantages -> training samples.
+
+Per document, with selfplay.challenger_group = "document" (the paper's):
+  - challenger attempts in rounds until one is a valid task, at most N (max_attempts);
+  - the challenger group: G of the attempts, keeping the valid:invalid ratio (`group_counts`);
+  - every valid task in the group gets G reasoner answers and the variance reward, every invalid
+    attempt the penalty rho; challenger advantages are centred within the document's group;
+  - one valid task of the group, drawn at random, is the reasoner group: its G answers (the same
+    ones that gave the variance) are trained, centred per question.
+  So a document yields up to G challenger and G reasoner trajectories.
+With "single" (compact): one attempt per document (a valid one if any), one task answered, the
+challenger advantages centred over the batch.
 
 The generate function is the only link to a model: the trainer passes the rollout fleet's, tests
 pass a scripted one. Everything here is deterministic given the generator's outputs and `rng`.
@@ -8,7 +20,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -16,11 +28,12 @@ import torch
 from spice_megatron.config import SelfPlayConfig
 from spice_megatron.corpus import Document
 from spice_megatron.loss import CHALLENGER, REASONER, role_advantages
+from spice_megatron.protocol import ChallengerPrompts, parse_generation, parse_selection
 from spice_megatron.rewards import challenger_reward, reasoner_reward
 from spice_megatron.rollout.types import Completion, SamplingSpec
-from spice_megatron.tasks import ParseResult, Task, challenger_prompt, extract_boxed, parse_challenger_output, reasoner_prompt
+from spice_megatron.tasks import ParseResult, Task, extract_boxed, parse_challenger_output
+from spice_megatron.templates import reasoner_prompt
 from spice_megatron.verify import AnswerVerifier, answer_key
-
 
 # prompts, sampling -> for each prompt, sampling.n completions
 GenerateFn = Callable[[list[str], SamplingSpec], list[list[Completion]]]
@@ -35,7 +48,7 @@ class Sample:
     completion: Completion
     reward: float
     advantage: float
-    group: int  # reasoner: the task index; challenger: -1 (one group over the batch)
+    group: int  # the group its advantage is centred in: challenger: document (-1: batch); reasoner: task
     doc_id: str
 
 
@@ -43,13 +56,53 @@ class Sample:
 class IterationResult:
     samples: list[Sample]
     stats: dict[str, float]
-    records: list[dict]  # the audit trail: every challenger output and reasoner answer
+    records: list[dict]  # the audit trail: every challenger attempt and reasoner answer
 
 
-def _pick_reservoir(slot: list, item, seen: int, rng: random.Random) -> None:
-    """Keep one uniformly random item of a stream in slot[0] without storing the stream."""
-    if seen == 1 or rng.random() < 1.0 / seen:
-        slot[:] = [item]
+@dataclass
+class Attempt:
+    """One challenger attempt: the trajectory that would be trained and what it produced."""
+
+    prompt: str
+    completion: Completion
+    parsed: ParseResult
+    record: int  # index of its audit record
+    selection: Completion | None = None  # the paper protocol's selection output, when a generation followed
+
+
+@dataclass
+class Reservoir:
+    """A uniform random sample of up to k items of a stream, without storing the stream."""
+
+    k: int
+    items: list = field(default_factory=list)
+    seen: int = 0
+
+    def offer(self, item, rng: random.Random) -> None:
+        self.seen += 1
+        if len(self.items) < self.k:
+            self.items.append(item)
+        else:
+            j = rng.randrange(self.seen)
+            if j < self.k:
+                self.items[j] = item
+
+
+def group_counts(valid: int, invalid: int, g: int) -> tuple[int, int]:
+    """How many valid and invalid attempts form a document's challenger group of size g.
+
+    All attempts when there are at most g. Otherwise the valid share is round(g * valid / total),
+    halves rounded up, at least 1 when any attempt is valid (the reasoner needs a task), and never
+    more than exist of either kind."""
+    total = valid + invalid
+    if total <= g:
+        return valid, invalid
+    n_valid = int(g * valid / total + 0.5)
+    if valid:
+        n_valid = max(n_valid, 1)
+    n_valid = min(n_valid, valid)
+    n_invalid = min(g - n_valid, invalid)
+    return g - n_invalid, n_invalid
 
 
 def _round_seed(seed: int | None, attempt: int) -> int | None:
@@ -65,16 +118,16 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     stats: dict[str, float] = {}
     records: list[dict] = []
     n_docs = len(documents)
+    prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
+    per_doc = cfg.group_size if cfg.challenger_group == "document" else 1
 
     # --- Challenger: attempts in rounds until each document has a valid task or N are spent.
     t0 = time.perf_counter()
-    prompts = [challenger_prompt(d.text, tokenizer, cfg.use_chat_template) for d in documents]
     attempts = [0] * n_docs
-    valid_seen, invalid_seen = [0] * n_docs, [0] * n_docs
-    chosen_valid: list[list] = [[] for _ in range(n_docs)]
-    chosen_invalid: list[list] = [[] for _ in range(n_docs)]
+    valid = [Reservoir(per_doc) for _ in range(n_docs)]
+    invalid = [Reservoir(per_doc) for _ in range(n_docs)]
     reasons: Counter = Counter()
-    challenger_tokens = 0
+    counters = Counter()
     pending = list(range(n_docs))
     while pending:
         # Documents in the same round get the same n, except those near their N budget.
@@ -82,31 +135,35 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
         for i in pending:
             by_n.setdefault(min(cfg.attempts_per_round, cfg.max_attempts - attempts[i]), []).append(i)
         for n, idx in by_n.items():
-            outs = generate([prompts[i] for i in idx], SamplingSpec(
-                n=n, temperature=cfg.challenger_temperature, top_p=cfg.top_p, max_tokens=cfg.challenger_max_tokens,
-                seed=_round_seed(seed, attempts[idx[0]]), role=CHALLENGER))
-            for i, comps in zip(idx, outs):
-                for c in comps:
+            round_seed = _round_seed(seed, attempts[idx[0]])
+            for i, att in zip(idx, _challenger_round([documents[i] for i in idx], n, generate, prompts, cfg,
+                                                     round_seed, counters)):
+                for a in att:
                     attempts[i] += 1
-                    challenger_tokens += len(c.token_ids)
-                    parsed = parse_challenger_output(c.text)
-                    records.append(_challenger_record(documents[i], attempts[i], c, parsed, weights_version, iteration))
-                    if parsed.valid:
-                        valid_seen[i] += 1
-                        _pick_reservoir(chosen_valid[i], (c, parsed, len(records) - 1), valid_seen[i], rng)
+                    records.append(_challenger_record(documents[i], attempts[i], a, weights_version, iteration))
+                    a.record = len(records) - 1
+                    if a.parsed.valid:
+                        valid[i].offer(a, rng)
                     else:
-                        reasons[parsed.reason] += 1
-                        invalid_seen[i] += 1
-                        _pick_reservoir(chosen_invalid[i], (c, parsed, len(records) - 1), invalid_seen[i], rng)
-        pending = [i for i in pending if not chosen_valid[i] and attempts[i] < cfg.max_attempts]
+                        reasons[a.parsed.reason] += 1
+                        invalid[i].offer(a, rng)
+        pending = [i for i in pending if not valid[i].seen and attempts[i] < cfg.max_attempts]
     stats["time/challenger_rollout"] = time.perf_counter() - t0
-    stats["tokens/challenger"] = challenger_tokens
 
-    # --- Reasoner: G answers per valid task, without the document.
+    # --- The challenger groups.
+    groups: list[list[Attempt]] = []
+    for i in range(n_docs):
+        if cfg.challenger_group == "document":
+            n_valid, n_invalid = group_counts(valid[i].seen, invalid[i].seen, cfg.group_size)
+            groups.append(rng.sample(valid[i].items, n_valid) + rng.sample(invalid[i].items, n_invalid))
+        else:  # one attempt: a valid task if the document gave one
+            groups.append(valid[i].items[:1] or invalid[i].items[:1])
+
+    # --- Reasoner: G answers for every valid task in a group, without the document.
     t0 = time.perf_counter()
-    task_docs = [i for i in range(n_docs) if chosen_valid[i]]
-    tasks: list[Task] = [chosen_valid[i][0][1].task for i in task_docs]
-    r_prompts = [reasoner_prompt(t, tokenizer, cfg.use_chat_template) for t in tasks]
+    task_of: list[tuple[int, Attempt]] = [(i, a) for i, group in enumerate(groups) for a in group if a.parsed.valid]
+    tasks: list[Task] = [a.parsed.task for _, a in task_of]
+    r_prompts = [reasoner_prompt(t, cfg.template, tokenizer, cfg.prompt_dir) for t in tasks]
     answers = generate(r_prompts, SamplingSpec(
         n=cfg.group_size, temperature=cfg.reasoner_temperature, top_p=cfg.top_p, max_tokens=cfg.reasoner_max_tokens,
         seed=_round_seed(seed, -1), role=REASONER)) if tasks else []
@@ -118,7 +175,7 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     correct = verifier.verify_batch([(pred, tasks[k].answer, tasks[k].answer_type) for k, _, pred in flat])
     stats["time/verify"] = time.perf_counter() - t0
 
-    # --- Rewards.
+    # --- Rewards: the variance of each task's G outcomes (its challenger reward).
     outcomes: list[list[bool]] = [[] for _ in tasks]
     keys: list[list[str | None]] = [[] for _ in tasks]
     for (k, _, pred), ok in zip(flat, correct):
@@ -126,61 +183,116 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
         keys[k].append(answer_key(pred, tasks[k].answer_type))
     task_reward = [challenger_reward(o, True, cfg.challenger_reward, answers=a, invalid_penalty=cfg.invalid_penalty)
                    for o, a in zip(outcomes, keys)]
+    reward_of = {id(a): r for (_, a), r in zip(task_of, task_reward)}
+
+    # --- The reasoner group of each document: one of its valid tasks, drawn at random.
+    tasks_by_doc: dict[int, list[int]] = {}
+    for k, (i, _) in enumerate(task_of):
+        tasks_by_doc.setdefault(i, []).append(k)
+    trained_task = {i: rng.choice(ks) for i, ks in sorted(tasks_by_doc.items())}
 
     samples: list[Sample] = []
     sample_record: list[int] = []  # audit record index of each sample, to write its advantage back
-    for k, i in enumerate(task_docs):
-        c, _, rec = chosen_valid[i][0]
-        samples.append(Sample(CHALLENGER, prompts[i], c, task_reward[k], 0.0, -1, documents[i].doc_id))
-        sample_record.append(rec)
-    for i in range(n_docs):
-        if not chosen_valid[i] and chosen_invalid[i]:
-            c, _, rec = chosen_invalid[i][0]
-            samples.append(Sample(CHALLENGER, prompts[i], c, cfg.invalid_penalty, 0.0, -1, documents[i].doc_id))
-            sample_record.append(rec)
+    for i, group in enumerate(groups):
+        centre = i if cfg.challenger_group == "document" else -1
+        for a in group:
+            reward = reward_of[id(a)] if a.parsed.valid else cfg.invalid_penalty
+            samples.append(Sample(CHALLENGER, a.prompt, a.completion, reward, 0.0, centre, documents[i].doc_id))
+            sample_record.append(a.record)
+    trained_keys = set(trained_task.values())
     for (k, c, pred), ok in zip(flat, correct):
-        samples.append(Sample(REASONER, r_prompts[k], c, reasoner_reward(ok), 0.0, k, documents[task_docs[k]].doc_id))
-        records.append({"kind": "reasoner", "iteration": iteration, "doc_id": documents[task_docs[k]].doc_id,
-                        "task_index": k, "weights_version": weights_version, "text": c.text,
-                        "extracted": pred, "correct": ok, "reward": reasoner_reward(ok)})
-        sample_record.append(len(records) - 1)
+        i = task_of[k][0]
+        records.append({"kind": "reasoner", "iteration": iteration, "doc_id": documents[i].doc_id,
+                        "task_index": k, "challenger_record": task_of[k][1].record,
+                        "weights_version": weights_version, "text": c.text, "extracted": pred, "correct": ok,
+                        "reward": reasoner_reward(ok), "trained": False})
+        if k in trained_keys:
+            samples.append(Sample(REASONER, r_prompts[k], c, reasoner_reward(ok), 0.0, k, documents[i].doc_id))
+            sample_record.append(len(records) - 1)
 
-    # --- Role-specific advantages (centred, no std normalisation).
+    # --- Role-specific advantages (centred per group, no std normalisation).
     if samples:
         adv = role_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
                               [s.role for s in samples], [s.group for s in samples])
         for s, a, rec in zip(samples, adv.tolist(), sample_record):
             s.advantage = a
-            records[rec]["advantage"] = a
-            records[rec]["trained"] = True
-            records[rec]["reward"] = s.reward
-    for k, i in enumerate(task_docs):
-        rec = records[chosen_valid[i][0][2]]
-        rec["outcomes"] = outcomes[k]
-        rec["pass_rate"] = sum(outcomes[k]) / len(outcomes[k])
+            records[rec].update(advantage=a, trained=True, reward=s.reward)
+    for k, (i, a) in enumerate(task_of):
+        records[a.record].update(outcomes=outcomes[k], pass_rate=sum(outcomes[k]) / len(outcomes[k]),
+                                 reasoner_group=k in trained_keys)
 
-    stats.update(_statistics(n_docs, attempts, task_docs, tasks, outcomes, task_reward, samples, reasons, cfg))
+    stats.update(_statistics(n_docs, attempts, groups, tasks, outcomes, task_reward, samples, reasons, counters, cfg))
     return IterationResult(samples, stats, records)
 
 
-def _challenger_record(doc: Document, attempt: int, c: Completion, parsed: ParseResult, weights_version: int,
-                       iteration: int) -> dict:
-    return {"kind": "challenger", "iteration": iteration, "doc_id": doc.doc_id, "doc_sha256": doc.sha256,
-            "attempt": attempt, "weights_version": weights_version, "text": c.text, "valid": parsed.valid,
-            "reason": parsed.reason, "task": asdict(parsed.task) if parsed.task else None, "trained": False}
+def _challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompts: ChallengerPrompts,
+                      cfg: SelfPlayConfig, seed: int | None, counters: Counter) -> list[list[Attempt]]:
+    """n attempts for each document (one generation call per protocol step)."""
+    spec = SamplingSpec(n=n, temperature=cfg.challenger_temperature, top_p=cfg.top_p,
+                        max_tokens=cfg.challenger_max_tokens, seed=seed, role=CHALLENGER)
+    if cfg.protocol == "compact":
+        texts = [prompts.compact_prompt(d.text) for d in docs]
+        outs = generate(texts, spec)
+        counters["tokens/challenger"] += sum(len(c.token_ids) for comps in outs for c in comps)
+        return [[Attempt(p, c, parse_challenger_output(c.text), -1) for c in comps] for p, comps in zip(texts, outs)]
+
+    # paper: selection (n per document), then one generation per valid selection
+    sel_prompts = [prompts.selection_prompt(d.text) for d in docs]
+    selections = generate(sel_prompts, SamplingSpec(
+        n=n, temperature=cfg.challenger_temperature, top_p=cfg.top_p, max_tokens=cfg.selection_max_tokens,
+        seed=seed, role=CHALLENGER))
+    counters["tokens/challenger_selection"] += sum(len(c.token_ids) for comps in selections for c in comps)
+    result: list[list[Attempt | None]] = [[None] * n for _ in docs]
+    gen_prompts, slots = [], []
+    for d, (doc_, comps) in enumerate(zip(docs, selections)):
+        for j, c in enumerate(comps):
+            sel = parse_selection(c.text)
+            counters["selections"] += 1
+            if sel.selection is None:  # the selection output itself is the trajectory, penalised
+                result[d][j] = Attempt(sel_prompts[d], c, ParseResult(None, sel.reason), -1)
+            else:
+                counters["selections_valid"] += 1
+                gen_prompts.append(prompts.generation_prompt(doc_.text, sel.selection))
+                slots.append((d, j, c, sel.selection))
+    if gen_prompts:
+        gen_seed = None if seed is None else (seed + 7919) % 2**31
+        outs = generate(gen_prompts, SamplingSpec(
+            n=1, temperature=cfg.challenger_temperature, top_p=cfg.top_p, max_tokens=cfg.challenger_max_tokens,
+            seed=gen_seed, role=CHALLENGER))
+        for p, (d, j, sel_completion, selection), (c,) in zip(gen_prompts, slots, outs):
+            counters["tokens/challenger"] += len(c.token_ids)
+            result[d][j] = Attempt(p, c, parse_generation(c.text, selection), -1, sel_completion)
+    return result  # type: ignore[return-value]
 
 
-def _statistics(n_docs: int, attempts: list[int], task_docs: list[int], tasks: list[Task],
+def _challenger_record(doc: Document, attempt: int, a: Attempt, weights_version: int, iteration: int) -> dict:
+    rec = {"kind": "challenger", "iteration": iteration, "doc_id": doc.doc_id, "doc_sha256": doc.sha256,
+           "attempt": attempt, "weights_version": weights_version, "text": a.completion.text, "valid": a.parsed.valid,
+           "reason": a.parsed.reason, "task": asdict(a.parsed.task) if a.parsed.task else None, "trained": False}
+    if a.selection is not None:
+        rec["selection"] = a.selection.text
+    return rec
+
+
+def _statistics(n_docs: int, attempts: list[int], groups: list[list[Attempt]], tasks: list[Task],
                 outcomes: list[list[bool]], task_reward: list[float], samples: list[Sample],
-                reasons: Counter, cfg: SelfPlayConfig) -> dict[str, float]:
+                reasons: Counter, counters: Counter, cfg: SelfPlayConfig) -> dict[str, float]:
     s: dict[str, float] = {}
     total_attempts = sum(attempts)
-    s["valid_task_rate"] = len(task_docs) / n_docs if n_docs else 0.0
+    with_task = sum(any(a.parsed.valid for a in g) for g in groups)
+    s["valid_task_rate"] = with_task / n_docs if n_docs else 0.0
     s["attempts_per_doc"] = total_attempts / n_docs if n_docs else 0.0
     s["attempts_per_doc_max"] = float(max(attempts, default=0))
     s["challenger_parse_rate"] = (total_attempts - sum(reasons.values())) / total_attempts if total_attempts else 0.0
+    s["tokens/challenger"] = float(counters["tokens/challenger"] + counters["tokens/challenger_selection"])
+    if counters["selections"]:
+        s["selection_valid_rate"] = counters["selections_valid"] / counters["selections"]
     for reason, count in reasons.items():
         s[f"invalid/{reason}"] = count / total_attempts
+    # challenger group composition (Algorithm 1: G per document, valid:invalid ratio kept)
+    s["challenger/group_valid"] = sum(a.parsed.valid for g in groups for a in g) / n_docs if n_docs else 0.0
+    s["challenger/group_invalid"] = sum(not a.parsed.valid for g in groups for a in g) / n_docs if n_docs else 0.0
+    s["challenger/groups_without_task"] = float(n_docs - with_task)
     types = Counter(t.answer_type for t in tasks)
     for answer_type in ("multiple_choice", "integer", "expression", "string"):
         s[f"mix/{answer_type}"] = types[answer_type] / len(tasks) if tasks else 0.0
@@ -201,4 +313,5 @@ def _statistics(n_docs: int, attempts: list[int], task_docs: list[int], tasks: l
         s[f"{role}/advantage_mean"] = adv.mean().item() if adv.numel() else 0.0
         s[f"{role}/advantage_std"] = adv.std(unbiased=False).item() if adv.numel() else 0.0
         s[f"{role}/advantage_abs_max"] = adv.abs().max().item() if adv.numel() else 0.0
+        s[f"{role}/nonzero_advantage_rate"] = (adv.abs() > 1e-12).double().mean().item() if adv.numel() else 0.0
     return s

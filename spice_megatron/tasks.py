@@ -1,9 +1,10 @@
-"""The two roles' prompts and parsers.
+"""Tasks, the compact challenger protocol and the reasoner's answers.
 
-The challenger writes its task in tagged sections (<question>, <answer_type>, <options>, <answer>)
-after free-form working notes; tags parse reliably from base and instruct models alike. The parser
-never raises and runs in linear time on any text. The reasoner sees only the question and ends
-with \\boxed{answer}.
+The compact protocol: the challenger writes its task in tagged sections (<question>,
+<answer_type>, <options>, <answer>) after free-form working notes; tags parse reliably from small
+base and instruct models alike. The paper's JSON protocol is in `protocol.py`, the conversation
+templates and the reasoner's prompt in `templates.py`. Parsers never raise and run in linear time
+on any text. The reasoner sees only the question and ends with \\boxed{answer}.
 """
 from __future__ import annotations
 
@@ -49,11 +50,6 @@ D) ...
 Omit <options> unless the answer_type is multiple_choice.
 """
 
-REASONER_INSTRUCTIONS = ("Solve the following problem. Reason step by step, then give the final answer "
-                         "on its own as \\boxed{{answer}}.{mcq_hint}\n\n")
-MCQ_HINT = " For a multiple-choice question, the answer is the letter of the correct option."
-
-
 @dataclass(frozen=True)
 class Task:
     question: str
@@ -78,26 +74,6 @@ class ParseResult:
     @property
     def valid(self) -> bool:
         return self.task is not None
-
-
-def _chat(tokenizer, user: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                         add_generation_prompt=True)
-
-
-def challenger_prompt(document: str, tokenizer=None, use_chat_template: bool = False) -> str:
-    body = f"{CHALLENGER_INSTRUCTIONS}\n<document>\n{document}\n</document>\n"
-    if use_chat_template:
-        return _chat(tokenizer, body)
-    return body + "\nWorking notes:\n"
-
-
-def reasoner_prompt(task: Task, tokenizer=None, use_chat_template: bool = False) -> str:
-    hint = MCQ_HINT if task.answer_type == "multiple_choice" else ""
-    body = REASONER_INSTRUCTIONS.format(mcq_hint=hint) + f"Problem:\n{task.reasoner_text()}\n"
-    if use_chat_template:
-        return _chat(tokenizer, body)
-    return body + "\nSolution:\n"
 
 
 # ----------------------------------------------------------------------------- parsing

@@ -6,10 +6,12 @@ logs; the training sequences it builds are broadcast to every learner rank.
 
 One iteration:
   1. sample B documents from the corpus
-  2. challenger: tasks from documents, up to N attempts each          (rollout fleet)
-  3. reasoner: G answers per valid task, without the document           (rollout fleet)
-  4. verify answers; rewards; role-specific DrGRPO advantages            (driver)
-  5. DrGRPO step(s) on the learner                                        (all ranks)
+  2. challenger: attempts per document until one is a valid task (<= N);
+     its group: G attempts, valid:invalid ratio kept                      (rollout fleet)
+  3. reasoner: G answers per valid task of a group, without the document  (rollout fleet)
+  4. verify answers; rewards; advantages centred per document (challenger)
+     and per question (reasoner, one task per document)                   (driver)
+  5. DrGRPO steps on the learner, train.trajectories_per_update each     (all ranks)
   6. stream the new weights to the engines, verified by checksums       (stage senders)
   7. log metrics and the audit trail; kill switch; checkpoint every k
 """
@@ -160,6 +162,7 @@ class Driver:
         from spice_megatron.selfplay import run_iteration
 
         docs = self.sampler.next_batch(self.cfg.selfplay.batch_docs)
+        self._ids.clear()  # prompts hold this iteration's documents: do not keep them for the whole run
         seed = self.cfg.run.seed * 100_003 + iteration
         result = run_iteration(docs, self.generate, self.verifier, self.cfg.selfplay, self.rng, self.tokenizer,
                                weights_version=version, iteration=iteration, seed=seed)

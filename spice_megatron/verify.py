@@ -29,7 +29,7 @@ from spice_megatron.tasks import INTEGER_ANSWER, parse_letter
 log = logging.getLogger(__name__)
 
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ARTICLES = ("a", "an", "the")
 MAX_ANSWER_CHARS = 2000  # longer predictions are wrong by construction, never parsed
 
 
@@ -153,10 +153,12 @@ def _unwrap(s: str) -> str:
 
 
 def normalise_string(s: str) -> str:
+    """Case, punctuation, spacing and articles removed. An answer made only of articles keeps
+    them: "A", "(A)" and "a" are option letters there ("(A)" is a BBEH target), not an article."""
     s = unicodedata.normalize("NFKC", _unwrap(s)).lower()
     s = "".join(" " if unicodedata.category(c).startswith("P") or c in string.punctuation else c for c in s)
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
+    words = s.split()
+    return " ".join([w for w in words if w not in _ARTICLES] or words)
 
 
 def _as_int(s: str) -> int | None:

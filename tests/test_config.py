@@ -28,8 +28,8 @@ def test_overrides_parse_by_field_type_and_name_bad_keys():
     cfg = CorpusConfig(sources=[SourceConfig(path="x.jsonl")])
     apply_overrides(cfg, ["max_doc_tokens=1024", "max_docs=none", "seed=7"])
     assert (cfg.max_doc_tokens, cfg.max_docs, cfg.seed) == (1024, None, 7)
-    sp = apply_overrides(SelfPlayConfig(), ["use_chat_template=true", "top_p=0.9"])
-    assert sp.use_chat_template is True and sp.top_p == 0.9
+    sp = apply_overrides(SelfPlayConfig(), ["template=qwen3", "top_p=0.9", "protocol=compact"])
+    assert sp.template == "qwen3" and sp.top_p == 0.9 and sp.protocol == "compact"
     with pytest.raises(ConfigError, match="max_doc_tokenz: no such config field"):
         apply_overrides(cfg, ["max_doc_tokenz=3"])
     with pytest.raises(ConfigError, match="max_doc_tokens: cannot parse 'many' as int"):

@@ -77,14 +77,25 @@ def test_grading_of_known_answers(verifier):
     assert calls[0].temperature == 0.0 and calls[0].n == 1  # greedy
     assert [r["correct"] for r in records] == [True, True, True, True, False]
     assert (result.items, result.correct, result.no_answer, result.accuracy) == (5, 4.0, 1, 80.0)
-    # a judge is asked only about answers the rules rejected, and what it accepts is marked
+    assert result.rule_accuracy == 80.0 and result.judged_accuracy != result.judged_accuracy  # no judge: NaN
+    assert result.expected_items == 1319 and result.template == "plain"
+    # on a math set the judge is asked about EVERY extracted answer (the paper's GPT-4o grading), and
+    # the rules' verdict is reported next to it
     generate, _ = _scripted({"6*7": ["\\boxed{forty-two}"], "2/4": ["\\boxed{3}"], "metal": ["\\boxed{A}"],
                              "France": ["\\boxed{Paris}"], "2+3": ["\\boxed{5}"]})
     asked = []
-    judge = lambda q, pred, gold: asked.append(pred) or pred == "forty-two"  # noqa: E731
+    judge = lambda q, pred, gold: asked.append(pred) or pred in ("forty-two", "Paris", "5")  # noqa: E731
     result, records = evaluate_benchmark(bench, generate, verifier, None, EvalSettings(), judge=judge)
-    assert sorted(asked) == ["3", "A", "forty-two"] and result.judged_correct == 1 and result.correct == 3
-    assert [r["by_judge"] for r in records] == [True, False, False, False, False]
+    assert sorted(asked) == ["3", "5", "A", "Paris", "forty-two"]
+    assert [r["rule_correct"] for r in records] == [False, False, False, True, True]
+    assert [r["judge_correct"] for r in records] == [True, False, False, True, True]
+    assert (result.rule_accuracy, result.judged_accuracy, result.accuracy) == (40.0, 60.0, 60.0)
+    assert result.judged_correct == 3 and result.judge_flips == 1 and result.correct == 3
+    # a general set is graded by the rules only (exact match of the letter), judge or not
+    general = LoadedBenchmark(BENCHMARKS["mmlu_pro"], items, "scripted")
+    asked.clear()
+    result, _ = evaluate_benchmark(general, generate, verifier, None, EvalSettings(), judge=judge)
+    assert asked == [] and result.accuracy == result.rule_accuracy == 40.0
 
 
 def test_llm_judge_asks_a_served_model():
@@ -114,7 +125,8 @@ def test_aime_is_the_average_of_32_samples(verifier):
 
 
 def test_table_and_averages(tmp_path):
-    results = [BenchmarkResult("gsm8k", "math", "ok", items=10, correct=5, accuracy=50.0),
+    results = [BenchmarkResult("gsm8k", "math", "ok", items=10, correct=5, accuracy=50.0, rule_accuracy=40.0,
+                               judged_accuracy=50.0, expected_items=1319, template="qwen3"),
                BenchmarkResult("math500", "math", "ok", items=4, correct=1, accuracy=25.0),
                BenchmarkResult("mmlu", "general", "ok", items=8, correct=6, accuracy=75.0),
                BenchmarkResult("gpqa_diamond", "general", "unavailable", reason="no hub")]
@@ -123,7 +135,8 @@ def test_table_and_averages(tmp_path):
     assert s["benchmarks_unavailable"] == 1
     report = EvalReport("m", results, s)
     md = markdown_table(report)
-    assert "| gpqa_diamond | general | unavailable | 0 |" in md and "| math | 37.5 |" in md and "| gsm8k | math | 50.0 | 10 |" in md
+    assert "| gpqa_diamond | general | unavailable | - | - | 0 |" in md and "| math | 37.5 |" in md
+    assert "| gsm8k | math | 50.0 | 40.0 | 50.0 | 10 (1319) |" in md and "Prompt template: `qwen3`" in md
     paths = write_report(str(tmp_path), report, [{"id": "a"}])
     data = json.loads(open(paths["json"]).read())  # strict JSON: NaN became null
     assert data["benchmarks"][3]["accuracy"] is None and data["summary"]["overall_average"] == 50.0
@@ -203,7 +216,7 @@ def test_spice_eval_with_smollm2(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "eval", "--model", smollm2_dir(),
                            "--benchmarks", "gsm8k,arc_challenge,aime24,mmlu", "--data", str(data), "--output", str(out),
-                           "--max-tokens", "48", "--chat-template", "--max-model-len", "1024", "--kv-cache-gib", "0.5"],
+                           "--max-tokens", "48", "--template", "chat", "--max-model-len", "1024", "--kv-cache-gib", "0.5"],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     results = json.load(open(out / "results.json"))

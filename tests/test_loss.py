@@ -21,8 +21,19 @@ def test_role_advantages_validate_inputs():
         role_advantages(torch.zeros(2), ["challenger", "critic"], [-1, 0])
     with pytest.raises(ValueError, match="same length"):
         role_advantages(torch.zeros(2), ["challenger"], [-1, 0])
-    with pytest.raises(ValueError, match="task_ids"):
+    with pytest.raises(ValueError, match="groups: reasoner"):
         role_advantages(torch.zeros(1), ["reasoner"], [-1])
+
+
+def test_challenger_advantages_are_centred_per_document():
+    # two documents' challenger groups (0 and 1) and a reasoner group that reuses the id 0
+    rewards = torch.tensor([1.0, -0.1, 0.8, 0.0, -0.1, 1.0, 0.0], dtype=torch.float64)
+    roles = ["challenger"] * 5 + ["reasoner"] * 2
+    groups = [0, 0, 1, 1, 1, 0, 0]
+    adv = role_advantages(rewards, roles, groups).tolist()
+    assert adv[:2] == pytest.approx([0.55, -0.55])
+    assert adv[2:5] == pytest.approx([0.8 - 0.7 / 3, -0.7 / 3, -0.1 - 0.7 / 3])
+    assert adv[5:] == pytest.approx([0.5, -0.5])  # not mixed with the challenger group 0
 
 
 def test_center_by_group_single_group():

@@ -350,3 +350,47 @@ def test_distributed_optimizer_checkpoints_ask_for_a_supported_sharding():
     plain = SimpleNamespace(optim_cfg=OptimConfig())
     from spice_megatron.policy.checkpoint import optimizer_metadata
     assert optimizer_metadata(plain) is None
+
+
+def _updates_rank(model_dir, layouts):
+    from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.policy.learner import Learner
+
+    out = {}
+    for tp, pp in layouts:
+        learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=1e-3, adam_eps=1e-5),
+                                  PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, trajectories_per_update=2))
+        steps = learner.train_on_batch(train_batch())
+        out[(tp, pp, learner.layout.dp)] = ([m.as_dict() for m in steps], gathered_hf_state_dict(learner))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_updates_of_k_trajectories_are_the_same_with_and_without_data_parallelism(tiny_models, tmp_path):
+    model_dir = tiny_models["qwen3_untied"]
+    (single,) = run_ranks(_updates_rank, 1, model_dir, [(1, 1)], tmp_path=tmp_path)
+    dp2 = run_ranks(_updates_rank, 2, model_dir, [(1, 1)], tmp_path=tmp_path)[0]
+    ref_steps, ref_w = single[(1, 1, 1)]
+    steps, w = dp2[(1, 1, 2)]
+    # 6 trajectories, 2 per update: 3 optimiser steps; the PPO clip is live from the second on
+    assert [m["sequences"] for m in ref_steps] == [2, 2, 2] and len(steps) == 3
+    assert ref_steps[0]["approx_kl"] == pytest.approx(0.0, abs=1e-9) and ref_steps[2]["approx_kl"] > 0
+    for a, b in zip(ref_steps, steps):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in w) < 2e-6
+
+
+def test_trajectories_per_update_sets_the_number_of_steps():
+    from types import SimpleNamespace
+
+    from spice_megatron.policy.learner import Learner
+
+    steps = lambda n, per, k=1: Learner.steps_for(  # noqa: E731
+        SimpleNamespace(train_cfg=PolicyTrainConfig(trajectories_per_update=per, steps_per_batch=k)), n)
+    assert steps(2048, 128) == 16 and steps(2000, 128) == 16 and steps(100, 128) == 1 and steps(129, 128) == 2
+    assert steps(2048, 0, 3) == 3
+    with pytest.raises(ConfigError, match="train.trajectories_per_update"):
+        PolicyTrainConfig(trajectories_per_update=128, steps_per_batch=2).validate()
+    with pytest.raises(ConfigError, match="train.trajectories_per_update"):
+        PolicyTrainConfig(trajectories_per_update=-1).validate()

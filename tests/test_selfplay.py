@@ -1,5 +1,7 @@
+import json
 import random
 import re
+from collections import Counter
 
 import pytest
 
@@ -47,7 +49,9 @@ class ScriptedModel:
 
 
 def run(docs, **cfg):
-    cfg = SelfPlayConfig(**{"batch_docs": len(docs), "group_size": 8, "attempts_per_round": 4, **cfg})
+    """The compact protocol with one challenger sample per document (selfplay.challenger_group=single)."""
+    cfg = SelfPlayConfig(**{"batch_docs": len(docs), "group_size": 8, "attempts_per_round": 4,
+                            "protocol": "compact", "challenger_group": "single", **cfg})
     model = ScriptedModel()
     result = run_iteration(docs, model, _verifier(), cfg, random.Random(0), weights_version=3, iteration=5)
     return result, model
@@ -103,6 +107,7 @@ def test_audit_records_trace_every_output():
     trained = [r for r in ch if r["trained"]]
     assert len(trained) == 2 and {r["doc_id"] for r in trained} == {"src/0/0", "src/1/0"}
     valid = [r for r in trained if r["valid"]][0]
+    assert all(r["challenger_record"] == result.records.index(valid) for r in rs)
     assert valid["task"]["answer"] == "42" and valid["pass_rate"] == 0.5 and valid["reward"] == pytest.approx(1.0)
     assert all("advantage" in r and r["extracted"] in ("42", "7") for r in rs)
     assert sum(r["trained"] for r in result.records if r["kind"] == "reasoner") == 8
@@ -125,3 +130,161 @@ def test_attempt_budget_not_multiple_of_round():
 def test_ablation_rewards_flow_through(kind, expected):
     result, _ = run([doc(0, "SPEC[k4]")], challenger_reward=kind)
     assert [x.reward for x in result.samples if x.role == "challenger"] == [pytest.approx(expected)]
+
+
+# ----------------------------------------------------------------------------- the paper's protocol and groups
+
+class PaperScriptedModel:
+    """A stand-in LLM for the paper protocol. A document `PLAN[v/t]` gives a valid selection every
+    time, and its k-th generation is a valid task when k mod t < v (`PLAN[late]`: the first round
+    fails, the second gives one valid task; `PLAN[badsel]`: selections are never valid JSON).
+    Reasoners answer a question `K=k` right k times out of G."""
+
+    def __init__(self):
+        self.calls, self.generations = [], Counter()
+
+    def __call__(self, prompts, sampling: SamplingSpec):
+        kind = "reasoner" if sampling.role == "reasoner" else (
+            "selection" if "suitable_for_mcq" in prompts[0] else "generation")
+        self.calls.append((kind, len(prompts), sampling.n, sampling.max_tokens))
+        return [[self._one(kind, p, j) for j in range(sampling.n)] for p in prompts]
+
+    def _one(self, kind, prompt, j):
+        if kind == "selection":
+            if "PLAN[badsel]" in prompt:
+                return Completion("I would pick multiple choice.", [1, 2])
+            mcq = "PLAN[mcq" in prompt
+            return Completion('<think>the text has numbers {maybe}</think>\n{"suitable_for_mcq": %s, '
+                              '"suitable_for_free_form": %s, "best_answer_type": %s, "reason": "numbers"}'
+                              % (str(mcq).lower(), str(not mcq).lower(), "null" if mcq else '"Integer"'), [1, 2, 3])
+        if kind == "generation":
+            plan = re.search(r"PLAN\[([\w/]+)\]", prompt).group(1)
+            k = self.generations[plan]
+            self.generations[plan] += 1
+            if plan == "late":
+                ok, key = k == 8, 4
+            elif plan.startswith("mcq"):
+                ok, key = True, 2
+            else:
+                v, t = map(int, plan.split("/"))
+                ok, key = k % t < v, 4
+            if not ok:
+                return Completion('{"question": "", "answer": "", "answer_type": "Integer"}', [9] * 3)
+            if plan.startswith("mcq"):
+                body = {"multiple_choice_question": f"Which metal? K={key}\nA) Tin\nB) Iron\nC) Lead\nD) Zinc",
+                        "multiple_choice_correct": "C", "question_difficulty": "Hard"}
+            else:
+                body = {"question": f"How many items {plan} #{k}? K={key}", "answer": "42", "answer_type": "Integer",
+                        "difficulty_level": "Hard"}
+            return Completion("Let me think about the document first.\n```json\n" + json.dumps(body) + "\n```",
+                              [7] * 5)
+        k = int(re.search(r"K=(\d)", prompt).group(1))
+        right = "C" if "Which metal" in prompt else "42"
+        return Completion(f"Thinking... \\boxed{{{right if j < k else '7'}}}", [5] * 6)
+
+
+def run_paper(docs, **cfg):
+    cfg = SelfPlayConfig(**{"batch_docs": len(docs), "group_size": 8, "attempts_per_round": 8, "max_attempts": 16,
+                            **cfg})
+    model = PaperScriptedModel()
+    return run_iteration(docs, model, _verifier(), cfg, random.Random(0), weights_version=3, iteration=5), model
+
+
+@pytest.mark.parametrize("valid,invalid,expected", [
+    (3, 5, (3, 5)),  # exactly G attempts: all of them
+    (1, 15, (1, 7)),  # 8 x 1/16 = 0.5, rounded half up
+    (5, 11, (3, 5)),  # 8 x 5/16 = 2.5 -> 3
+    (12, 4, (6, 2)), (0, 20, (0, 8)), (9, 0, (8, 0)),
+    (1, 1000, (1, 7)),  # 0.008 rounds to 0, but a valid task always gets a place (the reasoner needs one)
+    (2, 1, (2, 1)),  # fewer than G attempts (max_attempts < G): the group is all of them
+])
+def test_challenger_group_keeps_the_valid_invalid_ratio(valid, invalid, expected):
+    from spice_megatron.selfplay import group_counts
+
+    assert group_counts(valid, invalid, 8) == expected
+
+
+def test_paper_groups_train_invalid_attempts_and_centre_per_document():
+    docs = [doc(0, "PLAN[3/8]"), doc(1, "PLAN[0/8]"), doc(2, "PLAN[late]"), doc(3, "PLAN[mcq]")]
+    result, model = run_paper(docs)
+    ch = [x for x in result.samples if x.role == "challenger"]
+    rs = [x for x in result.samples if x.role == "reasoner"]
+    by_doc = lambda xs, i: [x for x in xs if x.doc_id == f"src/{i}/0"]  # noqa: E731
+    # 8 challenger trajectories per document, invalid ones included; 8 reasoner ones per document with a task
+    assert [len(by_doc(ch, i)) for i in range(4)] == [8, 8, 8, 8]
+    assert [len(by_doc(rs, i)) for i in range(4)] == [8, 0, 8, 8]
+    # doc 0: 3 valid tasks (K=4: variance reward 1.0) and 5 invalid (rho): centred in its own group
+    d0 = by_doc(ch, 0)
+    assert sorted(round(x.reward, 4) for x in d0) == [-0.1] * 5 + [1.0] * 3
+    mean0 = (3 * 1.0 - 5 * 0.1) / 8
+    assert all(x.advantage == pytest.approx(x.reward - mean0) for x in d0)
+    # doc 1 never wrote a task: all rho, advantage 0 (no signal, no crash)
+    assert all(x.reward == pytest.approx(-0.1) and x.advantage == pytest.approx(0.0) for x in by_doc(ch, 1))
+    # doc 2: one valid of 16 attempts -> 1 valid + 7 invalid
+    assert sorted(x.reward > 0 for x in by_doc(ch, 2)) == [False] * 7 + [True]
+    # doc 3: all 8 valid MCQ tasks, same reward: advantages 0 within the document (not the batch)
+    assert all(x.advantage == pytest.approx(0.0) for x in by_doc(ch, 3))
+    assert sum(x.advantage for x in ch) == pytest.approx(0.0)
+    s = result.stats
+    assert s["challenger/samples"] == 32 and s["reasoner/samples"] == 24
+    assert s["challenger/group_valid"] == pytest.approx((3 + 0 + 1 + 8) / 4)
+    assert s["challenger/group_invalid"] == pytest.approx((5 + 8 + 7 + 0) / 4)
+    assert s["challenger/groups_without_task"] == 1 and s["valid_task_rate"] == pytest.approx(0.75)
+    assert s["selection_valid_rate"] == 1.0 and s["invalid/no_question"] > 0
+    # every valid task of a group is answered G times: 3 + 1 + 8 tasks
+    reasoner_calls = [c for c in model.calls if c[0] == "reasoner"]
+    assert reasoner_calls == [("reasoner", 12, 8, 2048)]
+    # the selection step has its own token budget
+    assert [c[3] for c in model.calls if c[0] == "selection"][0] == 512
+
+
+def test_the_reasoner_group_reuses_the_variance_answers():
+    result, _ = run_paper([doc(0, "PLAN[3/8]")])
+    rs = [x for x in result.samples if x.role == "reasoner"]
+    answers = [r for r in result.records if r["kind"] == "reasoner"]
+    assert len(answers) == 24 and sum(r["trained"] for r in answers) == 8  # 3 tasks answered, one trained
+    trained_task = {r["task_index"] for r in answers if r["trained"]}
+    assert len(trained_task) == 1
+    # the trained answers are exactly the answers that gave the chosen task its variance reward
+    (k,) = trained_task
+    task_answers = [r for r in answers if r["task_index"] == k]
+    assert [x.completion.text for x in rs] == [r["text"] for r in task_answers]
+    chosen = result.records[task_answers[0]["challenger_record"]]
+    assert chosen["reasoner_group"] is True and chosen["outcomes"] == [r["correct"] for r in task_answers]
+    assert sorted({round(x.advantage, 6) for x in rs}) == [-0.5, 0.5]
+
+
+def test_audit_trail_marks_the_trained_attempts_with_their_selection():
+    result, _ = run_paper([doc(0, "PLAN[3/8]"), doc(1, "PLAN[badsel]")])
+    ch = [r for r in result.records if r["kind"] == "challenger"]
+    assert len(ch) == 8 + 16  # every attempt is recorded
+    assert sum(r["trained"] for r in ch) == 16 and all("advantage" in r for r in ch if r["trained"])
+    d0 = [r for r in ch if r["doc_id"] == "src/0/0"]
+    assert all('"suitable_for_mcq": false' in r["selection"] for r in d0)
+    assert sum(r["valid"] for r in d0 if r["trained"]) == 3
+    d1 = [r for r in ch if r["doc_id"] == "src/1/0"]
+    assert all(r["reason"] == "selection_no_json" and "selection" not in r for r in d1)
+    # a failed selection is itself the trajectory that takes the penalty
+    bad = [x for x in result.samples if x.doc_id == "src/1/0"]
+    assert len(bad) == 8 and all(x.completion.text == "I would pick multiple choice." for x in bad)
+    assert result.stats["selection_valid_rate"] == pytest.approx(8 / 24)
+
+
+def test_paper_protocol_prompts_come_from_files(tmp_path):
+    (tmp_path / "selection.txt").write_text("PUBLISHED SELECTION {document} suitable_for_mcq {\"json\": true}")
+    (tmp_path / "generate_free_form.txt").write_text("PUBLISHED FREE {answer_type}: {document}")
+    (tmp_path / "reasoner.txt").write_text("PUBLISHED REASONER {question}")
+    model = PaperScriptedModel()
+    cfg = SelfPlayConfig(batch_docs=1, group_size=8, attempts_per_round=8, max_attempts=8, prompt_dir=str(tmp_path),
+                         template="qwen3")
+    seen = []
+
+    def generate(prompts, spec):
+        seen.extend(prompts)
+        return model(prompts, spec)
+
+    run_iteration([doc(0, "PLAN[8/8]")], generate, _verifier(), cfg, random.Random(0))
+    assert any(p.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                            "PUBLISHED SELECTION PLAN[8/8] suitable_for_mcq {\"json\": true}") for p in seen)
+    assert any("PUBLISHED FREE Integer: PLAN[8/8]" in p for p in seen)
+    assert any("PUBLISHED REASONER How many items" in p for p in seen)

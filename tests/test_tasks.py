@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spice_megatron.tasks import (Task, challenger_prompt, extract_boxed, parse_challenger_output, parse_letter,
-                                  reasoner_prompt)
+from spice_megatron.protocol import ChallengerPrompts
+from spice_megatron.tasks import Task, extract_boxed, parse_challenger_output, parse_letter
+from spice_megatron.templates import reasoner_prompt
 
 MCQ = """Let me extract facts: the tower is 330 m tall ...
 <question>Which material was used for the tower's lattice?</question>
@@ -137,10 +138,10 @@ def test_parse_letter():
 
 
 def test_prompts(qwen3_tokenizer):
-    p = challenger_prompt("The Eiffel Tower is 330 m tall.")
+    p = ChallengerPrompts().compact_prompt("The Eiffel Tower is 330 m tall.")
     assert "<document>\nThe Eiffel Tower is 330 m tall.\n</document>" in p and "<question>" in p
     task = Task("Which?", "B", "multiple_choice", ("w", "x", "y", "z"))
     rp = reasoner_prompt(task)
     assert "\\boxed{" in rp and "B) x" in rp and "Eiffel" not in rp and "letter" in rp
-    chat = reasoner_prompt(Task("What is 2+2?", "4", "integer"), qwen3_tokenizer, use_chat_template=True)
+    chat = reasoner_prompt(Task("What is 2+2?", "4", "integer"), "chat", qwen3_tokenizer)
     assert chat.startswith("<|im_start|>user") and chat.rstrip().endswith("<|im_start|>assistant")

@@ -91,3 +91,18 @@ def test_answer_keys_and_normalisation():
     assert answer_key("\\boxed{(C)}", "multiple_choice") == "C"
     assert answer_key("1,000", "integer") == "1000"
     assert answer_key(None, "string") is None
+
+
+@pytest.mark.parametrize("pred,gold,same", [
+    ("A", "(A)", True), ("(A)", "(A)", True), ("a", "A", True), ("(B)", "(A)", False),
+    ("The A", "(A)", False),  # "the a" keeps both words: only all-article answers are kept whole
+    ("a cat", "Cat", True), ("The Eiffel Tower", "eiffel tower", True), ("an", "An", True),
+    ("", "A", False), ("the", "a", False), ("Paris, France", "paris france", True),
+])
+def test_string_normaliser_keeps_answers_made_of_articles(pred, gold, same):
+    assert (normalise_string(pred) == normalise_string(gold) != "") is same
+
+
+def test_bbeh_letter_targets_match(verifier):
+    assert verifier.verify_batch([("(A)", "(A)", "string"), ("A", "(A)", "string"), ("B", "(A)", "string")]) == [
+        True, True, False]

@@ -84,10 +84,12 @@ class PassRate:
 
 
 def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int) -> tuple[list, float]:
+    from spice_megatron.protocol import ChallengerPrompts
     from spice_megatron.rollout.types import SamplingSpec
-    from spice_megatron.tasks import challenger_prompt, parse_challenger_output
+    from spice_megatron.tasks import parse_challenger_output
 
-    prompts = [challenger_prompt(d.text, tokenizer, cfg.use_chat_template) for d in docs]
+    # the compact protocol: one generation per document is all this analysis needs
+    prompts = [ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir).compact_prompt(d.text) for d in docs]
     spec = SamplingSpec(n=1, temperature=cfg.challenger_temperature, max_tokens=cfg.challenger_max_tokens,
                         seed=seed, logprobs=False)
     parsed = [parse_challenger_output(c[0].text) for c in fleet.generate(prompts, spec)]
@@ -97,11 +99,12 @@ def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int) -> tuple[list, flo
 
 def _answer(fleet, tasks, tokenizer, cfg, verifier, seed: int) -> tuple[int, int]:
     from spice_megatron.rollout.types import SamplingSpec
-    from spice_megatron.tasks import extract_boxed, reasoner_prompt
+    from spice_megatron.tasks import extract_boxed
+    from spice_megatron.templates import reasoner_prompt
 
     if not tasks:
         return 0, 0
-    prompts = [reasoner_prompt(t, tokenizer, cfg.use_chat_template) for t in tasks]
+    prompts = [reasoner_prompt(t, cfg.template, tokenizer, cfg.prompt_dir) for t in tasks]
     spec = SamplingSpec(n=cfg.group_size, temperature=cfg.reasoner_temperature, max_tokens=cfg.reasoner_max_tokens,
                         seed=seed, logprobs=False)
     outs = fleet.generate(prompts, spec)

@@ -46,6 +46,8 @@ class Benchmark:
     convert: Callable[[dict, int], EvalItem] | None = None  # hub record -> item
     offline_file: str = ""  # under the prepared data directory's eval/
     samples: int = 1  # > 1: the score is the mean over this many samples per item (avg@k)
+    expected_items: int | None = None  # the set the paper's numbers are over (None: not stated)
+    keep: Callable[[dict], bool] | None = None  # hub records that belong to the set
 
 
 class RecordError(ValueError):
@@ -118,24 +120,31 @@ def _bbeh(rec: dict, i: int) -> EvalItem:
 
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
-    Benchmark("math500", "math", "HuggingFaceH4/MATH-500", split="test", convert=_math500, offline_file="math500.jsonl"),
-    Benchmark("gsm8k", "math", "openai/gsm8k", "main", "test", _gsm8k, offline_file="gsm8k_test.jsonl"),
+    Benchmark("math500", "math", "HuggingFaceH4/MATH-500", split="test", convert=_math500, offline_file="math500.jsonl",
+              expected_items=500),
+    Benchmark("gsm8k", "math", "openai/gsm8k", "main", "test", _gsm8k, offline_file="gsm8k_test.jsonl",
+              expected_items=1319),
     Benchmark("minerva_math", "math", "math-ai/minervamath", split="test",
-              convert=_free(("idx",), ("question", "problem"), ("answer",), "minerva")),
+              convert=_free(("idx",), ("question", "problem"), ("answer",), "minerva"), expected_items=272),
+    # the English, text-only, open-ended competition maths subset
     Benchmark("olympiadbench", "math", "Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train",
-              _free(("id",), ("question",), ("final_answer",), "olympiad")),
+              _free(("id",), ("question",), ("final_answer",), "olympiad"), expected_items=675),
+    # AMC 2023: the paper's scores are multiples of 2.5, so 40 problems; the AIMO validation set holds
+    # 83 AMC problems of several years, of which the 40 from 2023 are kept by their source URL
     Benchmark("amc", "math", "AI-MO/aimo-validation-amc", split="train",
-              convert=_free(("id",), ("problem",), ("answer",), "amc")),
+              convert=_free(("id",), ("problem",), ("answer",), "amc23"), expected_items=40,
+              keep=lambda rec: "2023" in str(rec.get("url", ""))),
     Benchmark("aime24", "math", "HuggingFaceH4/aime_2024", split="train",
-              convert=_free(("id",), ("problem",), ("answer",), "aime24"), samples=32),
+              convert=_free(("id",), ("problem",), ("answer",), "aime24"), samples=32, expected_items=30),
     Benchmark("aime25", "math", "math-ai/aime25", split="test",
-              convert=_free(("id",), ("problem",), ("answer",), "aime25"), samples=32),
+              convert=_free(("id",), ("problem",), ("answer",), "aime25"), samples=32, expected_items=30),
+    # the general sets: full test sets; the paper does not state a subset (README, fidelity table)
     Benchmark("mmlu_pro", "general", "TIGER-Lab/MMLU-Pro", split="test",
-              convert=_mcq_with_letters(("question",), "mmlu_pro", "answer")),
-    Benchmark("gpqa_diamond", "general", "Idavidrein/gpqa", "gpqa_diamond", "train", _gpqa),
+              convert=_mcq_with_letters(("question",), "mmlu_pro", "answer"), expected_items=12032),
+    Benchmark("gpqa_diamond", "general", "Idavidrein/gpqa", "gpqa_diamond", "train", _gpqa, expected_items=198),
     Benchmark("supergpqa", "general", "m-a-p/SuperGPQA", split="train",
-              convert=_mcq_with_letters(("question",), "supergpqa", "answer_letter")),
-    Benchmark("bbeh", "general", "BBEH/bbeh", split="train", convert=_bbeh),
+              convert=_mcq_with_letters(("question",), "supergpqa", "answer_letter"), expected_items=26529),
+    Benchmark("bbeh", "general", "BBEH/bbeh", split="train", convert=_bbeh, expected_items=4520),
     # offline only (`spice prepare`): not in the paper's table, useful on machines without the hub
     Benchmark("mmlu", "general", offline_file="mmlu_test.jsonl"),
     Benchmark("arc_challenge", "general", offline_file="arc_challenge_test.jsonl"),
@@ -162,6 +171,7 @@ class LoadedBenchmark:
     items: list[EvalItem]
     source: str  # the file or hub id it came from
     skipped: Counter = field(default_factory=Counter)
+    limit: int | None = None  # items were cut to this many (--limit)
 
 
 def _offline_item(rec: dict, i: int) -> EvalItem:
@@ -206,10 +216,10 @@ def load_benchmark(name: str, data_dir: str = "", source: str = "auto", limit: i
             ds = datasets.load_dataset(b.hub_id, b.hub_config, split=b.split)
         except Exception as e:  # noqa: BLE001 - offline, gated, renamed: the report says why
             raise BenchmarkUnavailable(f"{b.hub_id}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") from e
-        items, skipped = _convert_all(ds, b.convert, b.hub_id)
+        items, skipped = _convert_all([r for r in ds if b.keep(r)] if b.keep else ds, b.convert, b.hub_id)
         where = b.hub_id
     if skipped:
         log.warning("%s: %d record(s) skipped: %s", name, sum(skipped.values()), dict(skipped))
     if not items:
         raise BenchmarkUnavailable(f"{where}: no usable records ({dict(skipped)})")
-    return LoadedBenchmark(b, items[:limit] if limit else items, where, skipped)
+    return LoadedBenchmark(b, items[:limit] if limit else items, where, skipped, limit)

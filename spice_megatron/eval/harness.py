@@ -17,7 +17,8 @@ from typing import Callable, Protocol
 
 from spice_megatron.eval.benchmarks import LoadedBenchmark
 from spice_megatron.rollout.types import Completion, SamplingSpec
-from spice_megatron.tasks import extract_boxed, reasoner_prompt
+from spice_megatron.tasks import extract_boxed
+from spice_megatron.templates import reasoner_prompt
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ class EvalSettings:
     sample_temperature: float = 0.6  # for avg@k benchmarks
     sample_top_p: float = 0.95
     seed: int = 1234
-    use_chat_template: bool = False
+    template: str = "plain"  # the recipe's conversation template (templates.py): the training prompts
+    prompt_dir: str = ""
 
 
 @dataclass
@@ -46,11 +48,17 @@ class BenchmarkResult:
     source: str = ""
     items: int = 0
     samples_per_item: int = 1
-    correct: float = 0.0  # answers graded correct, summed over samples
-    accuracy: float = float("nan")  # percent; avg@k over samples where samples_per_item > 1
-    judged_correct: int = 0  # answers the judge accepted after the rules rejected them
+    expected_items: int | None = None  # the full set's size; the paper's setting (see benchmarks.py)
+    samples_per_item: int = 1
+    correct: float = 0.0  # answers graded correct (the reported accuracy's), summed over samples
+    accuracy: float = float("nan")  # percent; the judged score when a judge ran on a math set, else rules
+    rule_accuracy: float = float("nan")  # percent, rules only (Math-Verify, exact match, letters)
+    judged_accuracy: float = float("nan")  # percent, the judge asked about every extracted math answer
+    judged_correct: int = 0  # answers the judge accepted
+    judge_flips: int = 0  # answers where the judge and the rules disagree
     no_answer: int = 0  # answers without a \boxed{}
     skipped_records: int = 0
+    template: str = ""
     seconds: float = 0.0
 
 
@@ -63,9 +71,11 @@ class EvalReport:
 
 def evaluate_benchmark(loaded: LoadedBenchmark, generate: Generate, verifier, tokenizer, settings: EvalSettings,
                        judge: Judge | None = None) -> tuple[BenchmarkResult, list[dict]]:
+    """Math answers go to the judge (when one is given) whatever the rules said, as the paper's
+    GPT-4o grading through simple-evals; the rules' verdict is reported next to it."""
     b, items = loaded.benchmark, loaded.items
     t0 = time.perf_counter()
-    prompts = [reasoner_prompt(it.task(), tokenizer, settings.use_chat_template) for it in items]
+    prompts = [reasoner_prompt(it.task(), settings.template, tokenizer, settings.prompt_dir) for it in items]
     if b.samples > 1:
         spec = SamplingSpec(n=b.samples, temperature=settings.sample_temperature, top_p=settings.sample_top_p,
                             max_tokens=settings.max_tokens, seed=settings.seed, logprobs=False)
@@ -74,21 +84,28 @@ def evaluate_benchmark(loaded: LoadedBenchmark, generate: Generate, verifier, to
     outputs = generate(prompts, spec)
     flat = [(it, c, extract_boxed(c.text)) for it, comps in zip(items, outputs) for c in comps]
     verdicts = verifier.verify_batch([(pred, it.answer, it.answer_type) for it, _, pred in flat])
-    records, judged = [], 0
+    use_judge = judge is not None and b.category == "math"
+    records = []
     for (it, c, pred), ok in zip(flat, verdicts):
-        by_judge = False
-        if not ok and judge is not None and pred:
-            by_judge = ok = bool(judge(it.question, pred, it.answer))
-            judged += by_judge
+        judged = bool(judge(it.question, pred, it.answer)) if use_judge and pred else (False if use_judge else None)
         records.append({"benchmark": b.name, "id": it.id, "answer_type": it.answer_type, "gold": it.answer,
-                        "extracted": pred, "correct": ok, "by_judge": by_judge, "finish_reason": c.finish_reason,
-                        "output": c.text})
+                        "extracted": pred, "rule_correct": ok, "judge_correct": judged,
+                        "correct": judged if use_judge else ok, "finish_reason": c.finish_reason,
+                        "template": settings.template, "output": c.text})
+    n = len(records)
+    pct = (lambda k: 100.0 * sum(bool(r[k]) for r in records) / n) if n else (lambda k: float("nan"))
     correct = float(sum(r["correct"] for r in records))
-    result = BenchmarkResult(b.name, b.category, "ok", source=loaded.source, items=len(items),
-                             samples_per_item=b.samples, correct=correct,
-                             accuracy=100.0 * correct / len(records) if records else float("nan"),
-                             judged_correct=judged, no_answer=sum(r["extracted"] is None for r in records),
-                             skipped_records=sum(loaded.skipped.values()), seconds=time.perf_counter() - t0)
+    result = BenchmarkResult(
+        b.name, b.category, "ok", source=loaded.source, items=len(items), expected_items=b.expected_items,
+        samples_per_item=b.samples, correct=correct, accuracy=100.0 * correct / n if n else float("nan"),
+        rule_accuracy=pct("rule_correct"), judged_accuracy=pct("judge_correct") if use_judge else float("nan"),
+        judged_correct=sum(bool(r["judge_correct"]) for r in records),
+        judge_flips=sum(bool(r["judge_correct"]) != r["rule_correct"] for r in records) if use_judge else 0,
+        no_answer=sum(r["extracted"] is None for r in records), skipped_records=sum(loaded.skipped.values()),
+        template=settings.template, seconds=time.perf_counter() - t0)
+    if b.expected_items is not None and loaded.limit is None and len(items) != b.expected_items:
+        log.warning("%s: %d items, the paper's setting has %d (source %s)", b.name, len(items), b.expected_items,
+                    loaded.source)
     return result, records
 
 
@@ -108,21 +125,26 @@ def _pct(x: float) -> str:
 
 
 def markdown_table(report: EvalReport) -> str:
-    lines = [f"# Evaluation of `{report.model}`", "",
-             "| benchmark | category | accuracy (%) | items | samples/item | correct | no \\boxed{} | source |",
-             "|---|---|---|---|---|---|---|---|"]
+    template = next((r.template for r in report.results if r.template), "")
+    lines = [f"# Evaluation of `{report.model}`", "", f"Prompt template: `{template}`.", "",
+             "| benchmark | category | accuracy (%) | rules (%) | judge (%) | items (paper) | samples/item | "
+             "no \\boxed{} | source |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report.results:
         if r.status == "ok":
-            lines.append(f"| {r.name} | {r.category} | {_pct(r.accuracy)} | {r.items} | {r.samples_per_item} | "
-                         f"{r.correct:g} | {r.no_answer} | {r.source} |")
+            expected = "?" if r.expected_items is None else str(r.expected_items)
+            lines.append(f"| {r.name} | {r.category} | {_pct(r.accuracy)} | {_pct(r.rule_accuracy)} | "
+                         f"{_pct(r.judged_accuracy)} | {r.items} ({expected}) | {r.samples_per_item} | "
+                         f"{r.no_answer} | {r.source} |")
         else:
-            lines.append(f"| {r.name} | {r.category} | unavailable | 0 | - | - | - | {r.reason} |")
+            lines.append(f"| {r.name} | {r.category} | unavailable | - | - | 0 | - | - | {r.reason} |")
     s = report.summary
     lines += ["", "| average | value (%) |", "|---|---|",
               f"| math | {_pct(s['math_average'])} |", f"| general | {_pct(s['general_average'])} |",
               f"| overall | {_pct(s['overall_average'])} |", "",
               f"{int(s['benchmarks_evaluated'])} benchmark(s) evaluated, {int(s['benchmarks_unavailable'])} unavailable. "
-              "Greedy decoding; avg@k benchmarks sample k answers per item."]
+              "Greedy decoding; avg@k benchmarks sample k answers per item. With a judge, math sets report the "
+              "judge's verdict on every answer (the paper's GPT-4o grading) and the rules' next to it."]
     return "\n".join(lines) + "\n"
 
 

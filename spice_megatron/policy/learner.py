@@ -178,9 +178,18 @@ class Learner:
             result[i] = values
         return result
 
+    def steps_for(self, num_sequences: int) -> int:
+        """Optimiser steps for a batch: ceil(n / trajectories_per_update) (the paper's updates of
+        128 trajectories), else train.steps_per_batch."""
+        per_update = self.train_cfg.trajectories_per_update
+        if per_update:
+            return max(1, -(-num_sequences // per_update))
+        return self.train_cfg.steps_per_batch
+
     def train_on_batch(self, seqs: list[TrainSequence]) -> list[StepMetrics]:
-        """train.steps_per_batch optimiser steps on one rollout batch (mini-batches seqs[j::k])."""
-        k = self.train_cfg.steps_per_batch
+        """Several optimiser steps on one rollout batch (mini-batches seqs[j::k], k = steps_for(n));
+        from the second on, the PPO ratio is clipped against the log-probs before the first."""
+        k = self.steps_for(len(seqs))
         old_all: list[list[float]] | None = None
         if k > 1 or self.train_cfg.old_logprobs == "rollout":
             if self.train_cfg.old_logprobs == "forward":
