@@ -67,6 +67,7 @@ class CorpusConfig:
 
 CHALLENGER_REWARDS = ("variance", "absolute_zero", "threshold", "r_zero")
 CHALLENGER_GROUPS = ("document", "single")
+CHALLENGERS = ("self", "model", "tasks")
 PROTOCOLS = ("paper", "compact")
 TEMPLATES = ("plain", "chat", "qwen3", "octothinker")
 
@@ -94,6 +95,12 @@ class SelfPlayConfig:
     selection_max_tokens: int = 512  # the paper protocol's selection step
     template: str = "plain"  # conversation format: plain, chat (the tokenizer's), qwen3, octothinker
     prompt_dir: str = ""  # files that replace the built-in prompts (protocol.py, templates.py)
+    # Who writes the tasks. self: the policy (SPICE). model: a fixed challenger model (the paper's
+    # "Strong Challenger" baseline) behind its own engines, never weight-synced. tasks: a JSONL task
+    # file (task_pool.py). In the fixed modes only reasoner trajectories are trained.
+    challenger: str = "self"
+    challenger_model: str = ""  # challenger=model: HF directory served by local engines (or rollout.challenger_engines)
+    tasks_file: str = ""  # challenger=tasks
 
     def validate(self, prefix: str = "selfplay") -> None:
         for name in ("batch_docs", "group_size", "max_attempts", "attempts_per_round",
@@ -105,12 +112,15 @@ class SelfPlayConfig:
         _require(0 < self.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1]")
         _require(self.challenger_reward in CHALLENGER_REWARDS, f"{prefix}.challenger_reward",
                  f"must be one of {CHALLENGER_REWARDS}, got {self.challenger_reward!r}")
-        for name, allowed in (("challenger_group", CHALLENGER_GROUPS), ("protocol", PROTOCOLS), ("template", TEMPLATES)):
+        for name, allowed in (("challenger_group", CHALLENGER_GROUPS), ("protocol", PROTOCOLS), ("template", TEMPLATES),
+                              ("challenger", CHALLENGERS)):
             _require(getattr(self, name) in allowed, f"{prefix}.{name}",
                      f"must be one of {allowed}, got {getattr(self, name)!r}")
         _require(self.selection_max_tokens > 0, f"{prefix}.selection_max_tokens", "must be > 0")
         _require(not self.prompt_dir or os.path.isdir(self.prompt_dir), f"{prefix}.prompt_dir",
                  f"{self.prompt_dir!r} is not a directory")
+        _require(self.challenger != "tasks" or os.path.isfile(self.tasks_file), f"{prefix}.tasks_file",
+                 f"challenger=tasks needs a JSONL task file; {self.tasks_file!r} is not a file")
 
 
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
@@ -178,7 +188,7 @@ class OptimConfig:
     use_distributed_optimizer: bool = False
 
     def validate(self, prefix: str = "optim") -> None:
-        _require(self.lr > 0, f"{prefix}.lr", f"must be > 0, got {self.lr}")
+        _require(self.lr >= 0, f"{prefix}.lr", f"must be >= 0 (0 freezes the weights: a negative control), got {self.lr}")
         _require(0 <= self.min_lr <= self.lr, f"{prefix}.min_lr", "must be in [0, lr]")
         _require(self.weight_decay >= 0, f"{prefix}.weight_decay", "must be >= 0")
         _require(self.clip_grad >= 0, f"{prefix}.clip_grad", "must be >= 0 (0 disables clipping)")
@@ -222,6 +232,7 @@ class PolicyTrainConfig:
 @dataclass
 class RolloutConfig:
     engines: list[str] = field(default_factory=list)  # attach to these URLs; empty: start local engines
+    challenger_engines: list[str] = field(default_factory=list)  # selfplay.challenger=model: the fixed challenger's
     local_engines: int = 1
     token: str = ""  # shared secret of the engines' control endpoints ("": $SPICE_ROLLOUT_TOKEN, else generated)
     max_model_len: int = 4096
@@ -314,3 +325,6 @@ class SpiceConfig:
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
+        _require(self.selfplay.challenger != "model" or bool(self.selfplay.challenger_model or
+                                                            self.rollout.challenger_engines),
+                 "selfplay.challenger_model", "challenger=model needs a model directory or rollout.challenger_engines")

@@ -31,16 +31,14 @@ import json
 import re
 from dataclasses import dataclass
 
-from spice_megatron.tasks import (INTEGER_ANSWER, MAX_OUTPUT_CHARS, MAX_QUESTION_CHARS, OPTION_LETTERS,
-                                  CHALLENGER_INSTRUCTIONS, ParseResult, Task, _leaks, _parse_options,
-                                  _strip_math_delims, parse_challenger_output, parse_letter)
+from spice_megatron.tasks import (CHALLENGER_INSTRUCTIONS, MAX_OUTPUT_CHARS, MAX_QUESTION_CHARS, OPTION_LETTERS,
+                                  ParseResult, Task, _parse_options, free_form_task, parse_challenger_output,
+                                  parse_letter)
 from spice_megatron.templates import conversation, read_prompt_file
 
 PROTOCOLS = ("paper", "compact")
 FREE_FORM_TYPES = {"integer": "integer", "expression": "expression", "string": "string"}
 MAX_STRING_WORDS = 3  # the paper's free-form string answers: at most three words
-MAX_EXPRESSION_CHARS = 200
-_MATH_CHARS = re.compile(r"[0-9\\^_=+\-*/()\[\]{}<>]")
 
 SELECTION_PROMPT = """\
 You will design an exam question from the document below. First decide which kind of question it supports.
@@ -343,20 +341,7 @@ def _parse_free_form(text: str, selected: str) -> ParseResult:
     stated = FREE_FORM_TYPES.get(stated.strip().lower()) if isinstance(stated, str) else None
     if stated != selected:
         return ParseResult(None, "answer_type_mismatch", {"selected": selected, "stated": str(obj.get("answer_type"))[:50]})
-    gold = _strip_math_delims(answer)
-    if gold.startswith("\\boxed{") and gold.endswith("}"):
-        gold = gold[len("\\boxed{"):-1].strip()
-    if not gold:
-        return ParseResult(None, "no_answer")
-    if selected == "integer" and not INTEGER_ANSWER.match(gold):
-        return ParseResult(None, "answer_type_mismatch", {"answer_type": selected, "answer": gold[:100]})
-    if selected == "expression" and (len(gold) > MAX_EXPRESSION_CHARS or not _MATH_CHARS.search(gold)):
-        return ParseResult(None, "answer_type_mismatch", {"answer_type": selected, "answer": gold[:100]})
-    if selected == "string" and len(gold.split()) > MAX_STRING_WORDS:
-        return ParseResult(None, "answer_too_long", {"answer": gold[:100]})
-    if _leaks(question, gold, selected):
-        return ParseResult(None, "answer_leak")
-    return ParseResult(Task(question, gold, selected))
+    return free_form_task(question, answer, selected, MAX_STRING_WORDS)
 
 
 __all__ = ["PROTOCOLS", "ChallengerPrompts", "Selection", "SelectionResult", "extract_json_object",

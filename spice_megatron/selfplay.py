@@ -112,9 +112,11 @@ def _round_seed(seed: int | None, attempt: int) -> int | None:
 
 def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier: AnswerVerifier,
                   cfg: SelfPlayConfig, rng: random.Random, tokenizer=None, weights_version: int = 0,
-                  iteration: int = 0, seed: int | None = None) -> IterationResult:
+                  iteration: int = 0, seed: int | None = None,
+                  challenger_generate: GenerateFn | None = None) -> IterationResult:
     """One iteration's data. `seed` (None: unseeded sampling) makes the engine's sampling
-    reproducible for exact resume."""
+    reproducible for exact resume. `challenger_generate`: a fixed challenger model's generate
+    function (selfplay.challenger=model); its attempts are recorded, never trained."""
     stats: dict[str, float] = {}
     records: list[dict] = []
     n_docs = len(documents)
@@ -136,8 +138,8 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
             by_n.setdefault(min(cfg.attempts_per_round, cfg.max_attempts - attempts[i]), []).append(i)
         for n, idx in by_n.items():
             round_seed = _round_seed(seed, attempts[idx[0]])
-            for i, att in zip(idx, _challenger_round([documents[i] for i in idx], n, generate, prompts, cfg,
-                                                     round_seed, counters)):
+            for i, att in zip(idx, _challenger_round([documents[i] for i in idx], n, challenger_generate or generate,
+                                                     prompts, cfg, round_seed, counters)):
                 for a in att:
                     attempts[i] += 1
                     records.append(_challenger_record(documents[i], attempts[i], a, weights_version, iteration))
@@ -160,29 +162,14 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
             groups.append(valid[i].items[:1] or invalid[i].items[:1])
 
     # --- Reasoner: G answers for every valid task in a group, without the document.
-    t0 = time.perf_counter()
     task_of: list[tuple[int, Attempt]] = [(i, a) for i, group in enumerate(groups) for a in group if a.parsed.valid]
     tasks: list[Task] = [a.parsed.task for _, a in task_of]
-    r_prompts = [reasoner_prompt(t, cfg.template, tokenizer, cfg.prompt_dir) for t in tasks]
-    answers = generate(r_prompts, SamplingSpec(
-        n=cfg.group_size, temperature=cfg.reasoner_temperature, top_p=cfg.top_p, max_tokens=cfg.reasoner_max_tokens,
-        seed=_round_seed(seed, -1), role=REASONER)) if tasks else []
-    stats["time/reasoner_rollout"] = time.perf_counter() - t0
-    stats["tokens/reasoner"] = sum(len(c.token_ids) for comps in answers for c in comps)
-
-    t0 = time.perf_counter()
-    flat = [(k, c, extract_boxed(c.text)) for k, comps in enumerate(answers) for c in comps]
-    correct = verifier.verify_batch([(pred, tasks[k].answer, tasks[k].answer_type) for k, _, pred in flat])
-    stats["time/verify"] = time.perf_counter() - t0
+    answered = _answer_tasks(tasks, generate, verifier, cfg, tokenizer, seed, stats)
+    r_prompts, flat, correct, outcomes = answered.prompts, answered.flat, answered.correct, answered.outcomes
 
     # --- Rewards: the variance of each task's G outcomes (its challenger reward).
-    outcomes: list[list[bool]] = [[] for _ in tasks]
-    keys: list[list[str | None]] = [[] for _ in tasks]
-    for (k, _, pred), ok in zip(flat, correct):
-        outcomes[k].append(ok)
-        keys[k].append(answer_key(pred, tasks[k].answer_type))
     task_reward = [challenger_reward(o, True, cfg.challenger_reward, answers=a, invalid_penalty=cfg.invalid_penalty)
-                   for o, a in zip(outcomes, keys)]
+                   for o, a in zip(outcomes, answered.keys)]
     reward_of = {id(a): r for (_, a), r in zip(task_of, task_reward)}
 
     # --- The reasoner group of each document: one of its valid tasks, drawn at random.
@@ -193,9 +180,11 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
 
     samples: list[Sample] = []
     sample_record: list[int] = []  # audit record index of each sample, to write its advantage back
+    # A fixed challenger (selfplay.challenger=model) writes the tasks but is not trained.
+    train_challenger = challenger_generate is None
     for i, group in enumerate(groups):
         centre = i if cfg.challenger_group == "document" else -1
-        for a in group:
+        for a in group if train_challenger else ():
             reward = reward_of[id(a)] if a.parsed.valid else cfg.invalid_penalty
             samples.append(Sample(CHALLENGER, a.prompt, a.completion, reward, 0.0, centre, documents[i].doc_id))
             sample_record.append(a.record)
@@ -222,6 +211,74 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
                                  reasoner_group=k in trained_keys)
 
     stats.update(_statistics(n_docs, attempts, groups, tasks, outcomes, task_reward, samples, reasons, counters, cfg))
+    stats["challenger_mode"] = "self" if train_challenger else "model"
+    for r in records:
+        r["challenger_mode"] = stats["challenger_mode"]
+    return IterationResult(samples, stats, records)
+
+
+@dataclass
+class Answered:
+    prompts: list[str]
+    flat: list[tuple[int, Completion, str | None]]  # (task index, answer, extracted \boxed{} content)
+    correct: list[bool]
+    outcomes: list[list[bool]]  # per task, its G outcomes
+    keys: list[list[str | None]]  # per task, its G normalised answers (R-Zero's reward)
+
+
+def _answer_tasks(tasks: list[Task], generate: GenerateFn, verifier: AnswerVerifier, cfg: SelfPlayConfig,
+                  tokenizer, seed: int | None, stats: dict[str, float]) -> Answered:
+    """G reasoner answers per task (the question only, never the document), verified."""
+    t0 = time.perf_counter()
+    prompts = [reasoner_prompt(t, cfg.template, tokenizer, cfg.prompt_dir) for t in tasks]
+    answers = generate(prompts, SamplingSpec(
+        n=cfg.group_size, temperature=cfg.reasoner_temperature, top_p=cfg.top_p, max_tokens=cfg.reasoner_max_tokens,
+        seed=_round_seed(seed, -1), role=REASONER)) if tasks else []
+    stats["time/reasoner_rollout"] = time.perf_counter() - t0
+    stats["tokens/reasoner"] = sum(len(c.token_ids) for comps in answers for c in comps)
+    t0 = time.perf_counter()
+    flat = [(k, c, extract_boxed(c.text)) for k, comps in enumerate(answers) for c in comps]
+    correct = verifier.verify_batch([(pred, tasks[k].answer, tasks[k].answer_type) for k, _, pred in flat])
+    stats["time/verify"] = time.perf_counter() - t0
+    outcomes: list[list[bool]] = [[] for _ in tasks]
+    keys: list[list[str | None]] = [[] for _ in tasks]
+    for (k, _, pred), ok in zip(flat, correct):
+        outcomes[k].append(ok)
+        keys[k].append(answer_key(pred, tasks[k].answer_type))
+    return Answered(prompts, flat, correct, outcomes, keys)
+
+
+def run_fixed_tasks(pool_tasks: Sequence, generate: GenerateFn, verifier: AnswerVerifier, cfg: SelfPlayConfig,
+                    tokenizer=None, weights_version: int = 0, iteration: int = 0,
+                    seed: int | None = None) -> IterationResult:
+    """selfplay.challenger=tasks: tasks from a file (task_pool.PoolTask) stand in for the challenger;
+    each gets G answers and only the reasoner is trained, centred per question."""
+    stats: dict[str, float] = {}
+    tasks = [pt.task for pt in pool_tasks]
+    answered = _answer_tasks(tasks, generate, verifier, cfg, tokenizer, seed, stats)
+    samples, records = [], []
+    for k, pt in enumerate(pool_tasks):
+        records.append({"kind": "task", "iteration": iteration, "doc_id": pt.doc_id, "task": asdict(pt.task),
+                        "weights_version": weights_version, "outcomes": answered.outcomes[k],
+                        "pass_rate": sum(answered.outcomes[k]) / max(1, len(answered.outcomes[k])), "trained": False})
+    task_record = list(range(len(records)))
+    for (k, c, pred), ok in zip(answered.flat, answered.correct):
+        records.append({"kind": "reasoner", "iteration": iteration, "doc_id": pool_tasks[k].doc_id, "task_index": k,
+                        "challenger_record": task_record[k], "weights_version": weights_version, "text": c.text,
+                        "extracted": pred, "correct": ok, "reward": reasoner_reward(ok), "trained": True})
+        samples.append(Sample(REASONER, answered.prompts[k], c, reasoner_reward(ok), 0.0, k, pool_tasks[k].doc_id))
+    if samples:
+        adv = role_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64),
+                              [s.role for s in samples], [s.group for s in samples])
+        for s, a, rec in zip(samples, adv.tolist(), records[len(pool_tasks):]):
+            s.advantage = a
+            rec["advantage"] = a
+    for r in records:
+        r["challenger_mode"] = "tasks"
+    stats.update(_statistics(len(tasks), [0] * len(tasks), [], tasks, answered.outcomes, [], samples, Counter(),
+                             Counter(), cfg))
+    stats["valid_task_rate"] = 1.0  # every file task is a task: the kill switch's valid-task rule does not apply
+    stats["challenger_mode"] = "tasks"
     return IterationResult(samples, stats, records)
 
 
@@ -290,9 +347,10 @@ def _statistics(n_docs: int, attempts: list[int], groups: list[list[Attempt]], t
     for reason, count in reasons.items():
         s[f"invalid/{reason}"] = count / total_attempts
     # challenger group composition (Algorithm 1: G per document, valid:invalid ratio kept)
-    s["challenger/group_valid"] = sum(a.parsed.valid for g in groups for a in g) / n_docs if n_docs else 0.0
-    s["challenger/group_invalid"] = sum(not a.parsed.valid for g in groups for a in g) / n_docs if n_docs else 0.0
-    s["challenger/groups_without_task"] = float(n_docs - with_task)
+    n_docs = n_docs or 1
+    s["challenger/group_valid"] = sum(a.parsed.valid for g in groups for a in g) / n_docs
+    s["challenger/group_invalid"] = sum(not a.parsed.valid for g in groups for a in g) / n_docs
+    s["challenger/groups_without_task"] = float(len(groups) - with_task)
     types = Counter(t.answer_type for t in tasks)
     for answer_type in ("multiple_choice", "integer", "expression", "string"):
         s[f"mix/{answer_type}"] = types[answer_type] / len(tasks) if tasks else 0.0

@@ -189,6 +189,12 @@ def _parse(text: str) -> ParseResult:
             letter = matches[0]
         return ParseResult(Task(question, letter, answer_type, tuple(texts)))
 
+    return free_form_task(question, answer, answer_type, MAX_STRING_ANSWER_WORDS)
+
+
+def free_form_task(question: str, answer: str, answer_type: str, max_string_words: int) -> ParseResult:
+    """A free-form task once its answer matches its type (both protocols' rule): an integer, an
+    expression with mathematics in it, or a short string; the answer must not be in the question."""
     gold = _strip_math_delims(answer)
     if gold.startswith("\\boxed{") and gold.endswith("}"):
         gold = gold[len("\\boxed{"):-1].strip()
@@ -198,8 +204,7 @@ def _parse(text: str) -> ParseResult:
         return ParseResult(None, "answer_type_mismatch", {"answer_type": answer_type, "answer": gold[:100]})
     if answer_type == "expression" and (len(gold) > MAX_EXPRESSION_CHARS or not _MATH_CHARS.search(gold)):
         return ParseResult(None, "answer_type_mismatch", {"answer_type": answer_type, "answer": gold[:100]})
-    if answer_type == "string" and (len(gold) > MAX_STRING_ANSWER_CHARS
-                                    or len(gold.split()) > MAX_STRING_ANSWER_WORDS):
+    if answer_type == "string" and (len(gold) > MAX_STRING_ANSWER_CHARS or len(gold.split()) > max_string_words):
         return ParseResult(None, "answer_too_long", {"answer": gold[:100]})
     if _leaks(question, gold, answer_type):
         return ParseResult(None, "answer_leak")

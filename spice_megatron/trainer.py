@@ -98,15 +98,27 @@ class Driver:
 
         self.cfg, self.tokenizer = cfg, tokenizer
         out = cfg.run.output_dir
-        self.corpus = Corpus.build(cfg.corpus, tokenizer, cfg.run.name)
+        if cfg.selfplay.challenger == "tasks":  # a task file stands in for the challenger
+            from spice_megatron.task_pool import TaskPool
+
+            self.corpus = TaskPool(cfg.selfplay.tasks_file)
+        else:
+            self.corpus = Corpus.build(cfg.corpus, tokenizer, cfg.run.name)
         self.sampler = DocumentSampler(self.corpus, cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
         self.engines: list = []
         token = cfg.rollout.token or os.environ.get("SPICE_ROLLOUT_TOKEN") or secrets.token_hex(16)
-        urls = list(cfg.rollout.engines) or self._start_local_engines(token)
         self.token = token
+        urls = list(cfg.rollout.engines) or self._start_local_engines(cfg.run.model, cfg.rollout.local_engines)
         self.fleet = RolloutFleet(urls, token, cfg.rollout.request_timeout, chunk_size=cfg.rollout.chunk_size)
         self.fleet.wait_until_healthy(cfg.rollout.health_timeout)
+        # selfplay.challenger=model: a fixed challenger behind its own engines, never weight-synced
+        self.challenger_fleet = None
+        if cfg.selfplay.challenger == "model":
+            curls = list(cfg.rollout.challenger_engines) or self._start_local_engines(cfg.selfplay.challenger_model, 1)
+            self.challenger_fleet = RolloutFleet(curls, token, cfg.rollout.request_timeout,
+                                                 chunk_size=cfg.rollout.chunk_size)
+            self.challenger_fleet.wait_until_healthy(cfg.rollout.health_timeout)
         self.verifier = AnswerVerifier()
         state = resume_state or {}
         if resume_state:
@@ -119,19 +131,19 @@ class Driver:
         self.low_reward_streak = state.get("low_reward_streak", 0)
         self._ids: dict[str, list[int]] = {}
 
-    def _start_local_engines(self, token: str) -> list[str]:
+    def _start_local_engines(self, model: str, count: int) -> list[str]:
         from spice_megatron.rollout.local import engine_args, engine_devices, start_engine, wait_healthy
 
         ro = self.cfg.rollout
         extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=ro.engine_tensor_parallel,
                             gpu_memory_utilization=ro.gpu_memory_utilization)
-        # on a GPU machine the engines take the GPUs after the learner's local ranks
-        learner_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        devices = engine_devices(ro.local_engines, ro.engine_tensor_parallel, reserved=learner_gpus)
-        self.engines = [start_engine(self.cfg.run.model, token, os.path.join(self.cfg.run.output_dir, "logs"), extra=extra,
-                                     env=env) for env in devices]
-        wait_healthy(self.engines)
-        return [e.url for e in self.engines]
+        # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier engines
+        reserved = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + len(self.engines) * ro.engine_tensor_parallel
+        started = [start_engine(model, self.token, os.path.join(self.cfg.run.output_dir, "logs"), extra=extra, env=env)
+                   for env in engine_devices(count, ro.engine_tensor_parallel, reserved=reserved)]
+        self.engines += started
+        wait_healthy(started)
+        return [e.url for e in started]
 
     def restart_dead_engines(self) -> bool:
         """Restart local engines that died (the fleet served their requests elsewhere meanwhile).
@@ -159,13 +171,20 @@ class Driver:
         return self.fleet.generate([self.prompt_ids(p) for p in prompts], spec)
 
     def selfplay(self, iteration: int, version: int):
-        from spice_megatron.selfplay import run_iteration
+        from spice_megatron.selfplay import run_fixed_tasks, run_iteration
 
         docs = self.sampler.next_batch(self.cfg.selfplay.batch_docs)
         self._ids.clear()  # prompts hold this iteration's documents: do not keep them for the whole run
         seed = self.cfg.run.seed * 100_003 + iteration
-        result = run_iteration(docs, self.generate, self.verifier, self.cfg.selfplay, self.rng, self.tokenizer,
-                               weights_version=version, iteration=iteration, seed=seed)
+        sp = self.cfg.selfplay
+        if sp.challenger == "tasks":
+            result = run_fixed_tasks(docs, self.generate, self.verifier, sp, self.tokenizer, weights_version=version,
+                                     iteration=iteration, seed=seed)
+        else:
+            # the fixed challenger reads text prompts: its tokenizer may differ from the policy's
+            fixed = self.challenger_fleet.generate if self.challenger_fleet else None
+            result = run_iteration(docs, self.generate, self.verifier, sp, self.rng, self.tokenizer,
+                                   weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed)
         seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
                               s.completion.logprobs or None) for s in result.samples if s.completion.token_ids]
         return result, seqs
@@ -191,6 +210,8 @@ class Driver:
         self.metrics.close()
         self.audit.close()
         self.fleet.close()
+        if self.challenger_fleet:
+            self.challenger_fleet.close()
         self.verifier.close()
         for e in self.engines:
             e.stop()

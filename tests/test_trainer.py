@@ -197,3 +197,26 @@ def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup):
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
     assert [m["weight_sync/retries"] for m in metrics] == [0, 0, 1, 0]
     assert all(m["train/logprob_gap"] < 1e-3 for m in metrics)  # the restarted engines got the current weights
+
+
+def test_paper_protocol_run_trains_eight_challenger_trajectories_per_document(setup, tmp_path):
+    """The paper's protocol and groups through the real engine and learner: every document gives
+    G = 8 challenger trajectories, invalid ones included (a random model writes no valid JSON), in
+    updates of 8 trajectories."""
+    model, corpus, _ = setup
+    out = str(tmp_path / "paper")
+    rc, text = spice_train(model, corpus, out, "run.iterations=1", "selfplay.protocol=paper",
+                           "selfplay.challenger_group=document", "selfplay.template=plain", "selfplay.batch_docs=2",
+                           "selfplay.group_size=8", "selfplay.attempts_per_round=8", "selfplay.max_attempts=8",
+                           "selfplay.selection_max_tokens=16", "train.trajectories_per_update=8",
+                           "train.old_logprobs=forward")
+    assert rc == 0, text[-3000:]
+    (m,) = records(os.path.join(out, "metrics.jsonl"))
+    assert m["challenger/samples"] == 16 and m["challenger/group_valid"] + m["challenger/group_invalid"] == 8
+    assert "selection_valid_rate" in m and "train/loss_1" in m  # 16 trajectories in 2 updates of 8
+    audit = [r for r in records(os.path.join(out, "audit.jsonl")) if r["kind"] == "challenger"]
+    trained = [r for r in audit if r["trained"]]
+    assert len(audit) == 16 and len(trained) == 16
+    assert {r["doc_id"] for r in trained} and all(sum(t["doc_id"] == d for t in trained) == 8
+                                                  for d in {r["doc_id"] for r in trained})
+    assert all("advantage" in r and r["reward"] in (-0.1,) or r["valid"] for r in trained)

