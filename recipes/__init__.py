@@ -12,7 +12,9 @@ def _registry() -> dict[str, Callable[[], SpiceConfig]]:
 
     return {"tiny_cpu": tiny_cpu, "qwen3_4b": paper.qwen3_4b, "qwen3_8b": paper.qwen3_8b,
             "octothinker_3b": paper.octothinker_3b, "octothinker_8b": paper.octothinker_8b,
-            "qwen3_14b": paper.qwen3_14b, "qwen3_32b": paper.qwen3_32b, "llama3_70b": paper.llama3_70b}
+            "qwen3_14b": paper.qwen3_14b, "qwen3_32b": paper.qwen3_32b, "llama3_70b": paper.llama3_70b,
+            "qwen3_4b_strong_challenger": paper.qwen3_4b_strong_challenger,
+            "qwen3_8b_strong_challenger": paper.qwen3_8b_strong_challenger}
 
 
 def get_recipe(name: str) -> SpiceConfig:
@@ -29,3 +31,4 @@ def recipe_names() -> list[str]:
 # Recipes meant for GPU clusters (the ones launchers and Slurm scripts take).
 PAPER_RECIPES = ("qwen3_4b", "qwen3_8b", "octothinker_3b", "octothinker_8b")
 LARGE_RECIPES = ("qwen3_14b", "qwen3_32b", "llama3_70b")
+BASELINE_RECIPES = ("qwen3_4b_strong_challenger", "qwen3_8b_strong_challenger")  # fixed challenger, reasoner only

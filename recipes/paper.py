@@ -102,3 +102,27 @@ def qwen3_32b() -> SpiceConfig:
 def llama3_70b() -> SpiceConfig:
     return paper_config("llama3_70b", "meta-llama/Llama-3.3-70B-Instruct", nodes=16, learner_nodes=8, tp=8, pp=4,
                         engine_tp=4, micro_batch_tokens=8192, template="chat")
+
+
+# The paper's "Strong Challenger" baseline (and its figure 4a ablation): a fixed Qwen3-32B writes the
+# tasks from the same corpus and only the reasoner trains. The challenger is served by its own vLLM
+# engines, never weight-synced: pass rollout.challenger_engines=http://host:8200,... (for example
+# slurm/rollout_node.sh with SPICE_MODEL=/models/Qwen3-32B and SPICE_ENGINE_TP=2 on extra nodes), or
+# let the driver start a local engine on challenger_model on the learner node's spare GPUs.
+STRONG_CHALLENGER = "Qwen/Qwen3-32B"
+
+
+def strong_challenger(cfg: SpiceConfig, challenger_model: str = STRONG_CHALLENGER) -> SpiceConfig:
+    cfg.run.name += "_strong_challenger"
+    cfg.run.output_dir = f"runs/{cfg.run.name}"
+    cfg.selfplay.challenger = "model"
+    cfg.selfplay.challenger_model = challenger_model
+    return cfg
+
+
+def qwen3_4b_strong_challenger() -> SpiceConfig:
+    return strong_challenger(qwen3_4b())
+
+
+def qwen3_8b_strong_challenger() -> SpiceConfig:
+    return strong_challenger(qwen3_8b())

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from recipes import LARGE_RECIPES, PAPER_RECIPES, get_recipe, recipe_names
+from recipes import BASELINE_RECIPES, LARGE_RECIPES, PAPER_RECIPES, get_recipe, recipe_names
 from spice_megatron.config import ConfigError, apply_overrides
 from spice_megatron.planner import PlanError, Throughput, estimate_step_time, learner_memory, model_spec, plan_layout
 
@@ -21,6 +21,13 @@ def test_paper_recipes_carry_the_paper_settings(name):
     assert sp.challenger_temperature == sp.reasoner_temperature == 1.0 and sp.invalid_penalty == -0.1
     assert sp.challenger_reward == "variance"
     assert cfg.run.iterations == 640 and cfg.corpus.max_doc_tokens == 5992 and cfg.corpus.max_docs == 20000
+    # Algorithm 1 as published (SPICE.md, corrected)
+    assert (sp.protocol, sp.challenger_group, sp.challenger) == ("paper", "document", "self")
+    assert cfg.train.trajectories_per_update == 128 and cfg.optim.lr == 1e-6 and cfg.train.dtype == "bf16"
+    assert sp.template == ("octothinker" if name.startswith("octothinker") else "qwen3")
+    assert [(s.path, s.text_field, s.weight) for s in cfg.corpus.sources] == [
+        ("nvidia/Nemotron-CC-Math-v1", "text", 1.0), ("mlfoundations/dclm-baseline-1.0", "text", 1.0)]
+    assert cfg.corpus.stage_dir.endswith(f"staged/{name}")
     cfg.validate()
 
 
@@ -181,3 +188,12 @@ def test_nemo_run_local_runs_the_tiny_recipe(tmp_path, monkeypatch):
                "run.export_hf=false"])
     assert rc == 0
     assert len(open(out / "metrics.jsonl").readlines()) == 1
+
+
+@pytest.mark.parametrize("name", BASELINE_RECIPES)
+def test_strong_challenger_baselines_train_only_the_reasoner(name):
+    cfg = get_recipe(name)
+    base = get_recipe(name.replace("_strong_challenger", ""))
+    assert cfg.selfplay.challenger == "model" and cfg.selfplay.challenger_model == "Qwen/Qwen3-32B"
+    assert cfg.run.output_dir != base.run.output_dir and cfg.selfplay.template == base.selfplay.template
+    cfg.validate()

@@ -59,7 +59,10 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:  # a bare process (a world of one): any free port, so runs can coexist
+            from spice_megatron.launch import free_port
+
+            os.environ["MASTER_PORT"] = str(free_port() if world == 1 else 29500)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes))
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
