@@ -1,0 +1,30 @@
+"""tools/learning_check.py's pieces (the check itself runs for ~25 minutes: README, "Learning")."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+import learning_check  # noqa: E402
+
+
+def test_train_and_heldout_tasks_are_disjoint_and_valid(tmp_path):
+    from spice_megatron.task_pool import TaskPool
+
+    train, held = learning_check.make_tasks(7, 200)
+    assert len(held) == 200 and len(train) > 250
+    assert not {t["question"] for t in train} & {t["question"] for t in held}
+    assert not {"What is 2 + 5?", "What is 3 times 4?"} & {t["question"] for t in train + held}  # the prompt's
+    assert learning_check.make_tasks(7, 200) == (train, held)  # seeded
+    path = learning_check._write_jsonl(str(tmp_path / "t.jsonl"), train)
+    pool = TaskPool(path)
+    assert len(pool.documents) == len(train) and not pool.skipped
+    assert all(str(eval(t.task.question[8:-1].replace("times", "*"))) == t.task.answer for t in pool.documents)
+
+
+def test_wilson_interval():
+    lo, hi = learning_check.wilson(27, 200)
+    assert lo == pytest.approx(9.46, abs=0.05) and hi == pytest.approx(18.94, abs=0.05)
+    lo, hi = learning_check.wilson(0, 50)
+    assert lo == pytest.approx(0.0, abs=1e-9) and 0 < hi < 10
