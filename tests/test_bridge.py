@@ -152,7 +152,7 @@ def test_bad_checkpoints_name_the_tensor(tiny_models, tmp_path):
 
 # ----------------------------------------------------------------------------- streaming
 
-def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes):
+def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes, concurrent=False):
     """Ranks < n_learners form the learner (PP stages); the last rank is the receiver."""
     rank = int(os.environ["RANK"])
     from spice_megatron.bridge.weight_sync import (ReceivedManifest, WeightSyncGroup, receive_all,
@@ -161,7 +161,7 @@ def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes):
     if rank == n_learners:  # the receiver: not part of the learner's world
         group = WeightSyncGroup("127.0.0.1", port, pp, pp, 1)
         received, manifest = {}, ReceivedManifest()
-        for bucket in receive_all(group, manifest):
+        for bucket in receive_all(group, manifest, concurrent=concurrent):
             received.update({name: t.clone() for name, t in bucket})
         checked = verify_checksums(received.items(), manifest)
         tampered = dict(received)
@@ -200,8 +200,9 @@ def test_streaming_to_a_receiver_gives_identical_weights(tmp_path):
                             num_kv_heads=4, head_dim=64, intermediate_size=1536)
     d = make_tiny_hf_model(str(tmp_path / "medium"), config, seed=5)
     bucket = 4 * 2**20
-    # TP=2 x PP=2: each stage's TP rank 0 gathers its peer's shards straight into its buckets
-    results = run_ranks(_stream_rank, 5, d, free_port(), 4, 2, bucket, tmp_path=tmp_path)
+    # TP=2 x PP=2: each stage's TP rank 0 gathers its peer's shards straight into its buckets; the
+    # receiver takes both stages at once (one thread per stage, as engines do over NCCL)
+    results = run_ranks(_stream_rank, 5, d, free_port(), 4, 2, bucket, True, tmp_path=tmp_path)
     (received, checked, version, tamper_error), senders = results[4], [results[0], results[2]]
     assert results[1] is None and results[3] is None  # the TP peers only send their shards
     original = hf_weights(d)

@@ -324,11 +324,46 @@ def receive_stage(group: WeightSyncGroup, stage: int, manifest: ReceivedManifest
         yield list(zip((e[0] for e in meta["tensors"]), _views(payload, meta["tensors"])))
 
 
-def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None, reuse_buffer: bool = False
-                ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every stage's buckets, stage by stage (what an engine worker consumes)."""
-    for stage in range(group.num_stages):
-        yield from receive_stage(group, stage, manifest, reuse_buffer)
+def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None, reuse_buffer: bool = False,
+                concurrent: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Every stage's buckets (what an engine worker consumes): stage by stage, or with `concurrent`
+    all stages at once, one receiving thread per stage (each stage has its own process group),
+    yielded as they arrive. Concurrent is for NCCL across nodes, where the stages' senders sit on
+    different machines; on one CPU (gloo) it measured slower, so the engines use it only with NCCL."""
+    if not concurrent or group.num_stages == 1:
+        for stage in range(group.num_stages):
+            yield from receive_stage(group, stage, manifest, reuse_buffer)
+        return
+    import queue
+    import threading
+
+    done = object()
+    arrived: queue.Queue = queue.Queue(maxsize=group.num_stages)  # at most one waiting bucket per stage
+
+    def receive(stage: int) -> None:
+        try:
+            # reuse_buffer would let the next bucket overwrite one not consumed yet: fresh buffers here
+            for bucket in receive_stage(group, stage, manifest, reuse_buffer=False):
+                arrived.put(bucket)
+            arrived.put(done)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            arrived.put(e)
+
+    threads = [threading.Thread(target=receive, args=(stage,), daemon=True, name=f"spice-recv-stage{stage}")
+               for stage in range(group.num_stages)]
+    for t in threads:
+        t.start()
+    finished = 0
+    while finished < group.num_stages:
+        item = arrived.get()
+        if item is done:
+            finished += 1
+        elif isinstance(item, BaseException):
+            raise item
+        else:
+            yield item
+    for t in threads:
+        t.join()
 
 
 def verify_checksums(held: Iterable[tuple[str, torch.Tensor]], manifest: ReceivedManifest) -> int:

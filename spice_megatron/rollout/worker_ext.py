@@ -53,7 +53,8 @@ class SpiceWorkerExtension:
         def stream():
             nonlocal nbytes
             # a fresh buffer per bucket: the layerwise reload may hold tensors until a layer is complete
-            for bucket in receive_all(self._spice_sync, manifest):
+            # pipeline stages at once over NCCL (senders on different nodes); one after another on gloo
+            for bucket in receive_all(self._spice_sync, manifest, concurrent=self._spice_sync.backend == "nccl"):
                 if die_at:
                     os._exit(17)  # the test hook: this engine dies after its first bucket
                 for name, tensor in bucket:
