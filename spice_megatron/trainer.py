@@ -132,17 +132,16 @@ class Driver:
         self._ids: dict[str, list[int]] = {}
 
     def _start_local_engines(self, model: str, count: int) -> list[str]:
-        from spice_megatron.rollout.local import engine_args, engine_devices, start_engine, wait_healthy
+        from spice_megatron.rollout.local import engine_args, engine_devices, start_engines
 
         ro = self.cfg.rollout
         extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=ro.engine_tensor_parallel,
                             gpu_memory_utilization=ro.gpu_memory_utilization)
         # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier engines
         reserved = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + len(self.engines) * ro.engine_tensor_parallel
-        started = [start_engine(model, self.token, os.path.join(self.cfg.run.output_dir, "logs"), extra=extra, env=env)
-                   for env in engine_devices(count, ro.engine_tensor_parallel, reserved=reserved)]
+        started = start_engines(model, self.token, os.path.join(self.cfg.run.output_dir, "logs"), extra,
+                                engine_devices(count, ro.engine_tensor_parallel, reserved=reserved))
         self.engines += started
-        wait_healthy(started)
         return [e.url for e in started]
 
     def restart_dead_engines(self) -> bool:

@@ -43,7 +43,7 @@ def test_cluster_recipes_fit_their_cluster(name):
 def test_large_recipes_use_tensor_and_pipeline_parallelism():
     layouts = {n: (get_recipe(n).parallel.tensor_parallel, get_recipe(n).parallel.pipeline_parallel) for n in LARGE_RECIPES}
     assert all(tp > 1 for tp, _ in layouts.values()) and any(pp > 1 for _, pp in layouts.values())
-    assert set(PAPER_RECIPES + LARGE_RECIPES + ("tiny_cpu",)) == set(recipe_names())
+    assert set(PAPER_RECIPES + LARGE_RECIPES + BASELINE_RECIPES + ("tiny_cpu",)) == set(recipe_names())
 
 
 def test_overrides_are_validated_and_name_the_key():

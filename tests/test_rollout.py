@@ -251,3 +251,25 @@ def test_local_engines_on_a_gpu_machine_get_free_gpus_and_vllm_sized_kv_cache():
     with pytest.raises(RuntimeError, match=r"rollout.local_engines=2 x rollout.engine_tensor_parallel=1 need 2 GPU.*"
                                            r"has 2 and the learner uses 1"):
         engine_devices(2, 1, reserved=1, visible=["0", "1"])
+
+
+def test_an_engine_whose_port_was_taken_starts_again_on_another(models, tmp_path, monkeypatch):
+    import socket
+
+    import spice_megatron.rollout.local as local
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)  # another process holds the port that free_port() handed out
+    ports = iter([taken.getsockname()[1], free_port()])
+    monkeypatch.setattr(local, "free_port", lambda: next(ports))
+    try:
+        (engine,) = local.start_engines(models["llama"], TOKEN, str(tmp_path), ENGINE_ARGS, [{}], timeout=600)
+        try:
+            assert not engine.url.endswith(f":{taken.getsockname()[1]}")
+            assert requests.get(engine.url + "/health", timeout=10).ok
+        finally:
+            engine.stop()
+    finally:
+        taken.close()
+    assert "address already in use" in "".join(open(p).read() for p in tmp_path.glob("rollout_*.log"))

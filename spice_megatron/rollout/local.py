@@ -58,14 +58,19 @@ def start_engine(model_dir: str, token: str, log_dir: str, port: int | None = No
     return LocalEngine(f"http://127.0.0.1:{port}", proc, log_path, args, env)
 
 
+class EngineExited(RuntimeError):
+    def __init__(self, engine: LocalEngine, tail: str):
+        super().__init__(f"rollout engine {engine.url} exited with code {engine.process.returncode}; log tail:\n{tail}")
+        self.engine, self.tail = engine, tail
+
+
 def wait_healthy(engines: list[LocalEngine], timeout: float = 600.0) -> None:
     deadline = time.monotonic() + timeout
     pending = list(engines)
     while pending:
         for e in list(pending):
             if not e.alive():
-                tail = open(e.log_path, errors="replace").read()[-3000:]
-                raise RuntimeError(f"rollout engine {e.url} exited with code {e.process.returncode}; log tail:\n{tail}")
+                raise EngineExited(e, open(e.log_path, errors="replace").read()[-3000:])
             try:
                 if requests.get(e.url + "/health", timeout=2).ok:
                     pending.remove(e)
@@ -75,6 +80,26 @@ def wait_healthy(engines: list[LocalEngine], timeout: float = 600.0) -> None:
             raise RuntimeError(f"rollout engines not healthy after {timeout:.0f}s: {[e.url for e in pending]}")
         if pending:
             time.sleep(0.5)
+
+
+def start_engines(model_dir: str, token: str, log_dir: str, extra: list[str], envs: list[dict],
+                  timeout: float = 600.0, attempts: int = 3) -> list[LocalEngine]:
+    """Start one engine per entry of `envs` and wait until all are healthy. A free port can be taken
+    by another process between free_port() and the engine's bind (parallel test workers, other
+    runs): such an engine is started again on another port."""
+    engines = [start_engine(model_dir, token, log_dir, extra=extra, env=env) for env in envs]
+    for attempt in range(attempts):
+        try:
+            wait_healthy(engines, timeout)
+            return engines
+        except EngineExited as e:
+            if "address already in use" not in e.tail or attempt == attempts - 1:
+                for other in engines:
+                    other.stop()
+                raise
+            i = engines.index(e.engine)
+            engines[i] = start_engine(model_dir, token, log_dir, extra=extra, env=e.engine.env)
+    raise AssertionError("unreachable")
 
 
 def restart(engine: LocalEngine, token: str) -> LocalEngine:
@@ -131,11 +156,9 @@ def local_fleet(model_dir: str, log_dir: str, max_model_len: int = 4096, kv_cach
 
     token = secrets.token_hex(16)
     extra = engine_args(max_model_len, kv_cache_gib, seed, tensor_parallel=tensor_parallel)
-    devices = engine_devices(engines, tensor_parallel, reserved=0)
-    started = [start_engine(model_dir, token, log_dir, extra=extra, env=env) for env in devices]
+    started = start_engines(model_dir, token, log_dir, extra, engine_devices(engines, tensor_parallel, reserved=0))
     fleet = None
     try:
-        wait_healthy(started)
         fleet = RolloutFleet([e.url for e in started], token)
         yield fleet
     finally:
