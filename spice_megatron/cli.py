@@ -309,6 +309,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from spice_megatron.config import TEMPLATES
     from spice_megatron.offline_data import DEFAULT_CACHE, DEFAULT_OUT
 
     p = argparse.ArgumentParser(prog="spice", description="SPICE self-play RL on Megatron-Core with vLLM rollouts")
@@ -378,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--sample-temperature", type=float, default=0.6, help="for avg@k benchmarks (AIME: 32 samples)")
     se.add_argument("--seed", type=int, default=1234)
     se.add_argument("--recipe", default="", help="use this recipe's reasoner prompts (its selfplay.template)")
-    se.add_argument("--template", default="", choices=["", "plain", "chat", "qwen3", "octothinker"],
+    se.add_argument("--template", default="", choices=["", *TEMPLATES],
                     help="the prompt template (default: the recipe's, else plain); results record it")
     se.add_argument("--engines", default="", help="comma-separated rollout engine URLs (default: start one here)")
     se.add_argument("--judge-engines", default="", help="rollout engine URLs serving a judge model, asked about "

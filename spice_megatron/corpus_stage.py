@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import replace
 
 from spice_megatron.config import CorpusConfig, SourceConfig
+from spice_megatron.corpus import _is_local, _source_name, iter_source_records, record_text
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +28,10 @@ class StagingError(RuntimeError):
 
 
 def is_hub_source(src: SourceConfig) -> bool:
-    from spice_megatron.corpus import _is_local
-
     return not _is_local(src.path)
 
 
 def staged_path(src: SourceConfig, stage_dir: str) -> str:
-    from spice_megatron.corpus import _source_name
-
     return os.path.join(stage_dir, f"{_source_name(src)}.jsonl")
 
 
@@ -59,7 +56,7 @@ def resolve_sources(cfg: CorpusConfig, recipe: str = "") -> list[SourceConfig]:
                 raise StagingError(f"corpus.sources[{i}] ({src.path}): not staged at {path}; run `{how}` once on a "
                                    "node with hub access (jobs run with HF_HUB_OFFLINE=1)")
             out.append(replace(src, path=path, text_field="text", hub_config=None, streaming=False,
-                               max_records=None, name=src.name or os.path.basename(path)[:-len(".jsonl")]))
+                               max_records=None, name=_source_name(src)))
         elif hub_offline():
             raise StagingError(f"corpus.sources[{i}] ({src.path}) is a hub dataset but HF_HUB_OFFLINE is set; set "
                                f"corpus.stage_dir and run `{how}` on a node with hub access")
@@ -72,8 +69,6 @@ def stage_corpus(cfg: CorpusConfig, force: bool = False) -> dict:
     """Write each hub source's first max_records texts to stage_dir. Idempotent: a source whose
     staged file matches the manifest is skipped unless `force`. Returns the manifest."""
     from tqdm.auto import tqdm
-
-    from spice_megatron.corpus import iter_source_records, record_text
 
     if not cfg.stage_dir:
         raise StagingError("corpus.stage_dir: empty; the recipe names no directory to stage its corpus in")

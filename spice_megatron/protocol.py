@@ -36,7 +36,6 @@ from spice_megatron.tasks import (CHALLENGER_INSTRUCTIONS, MAX_OUTPUT_CHARS, MAX
                                   parse_letter)
 from spice_megatron.templates import conversation, read_prompt_file
 
-PROTOCOLS = ("paper", "compact")
 FREE_FORM_TYPES = {"integer": "integer", "expression": "expression", "string": "string"}
 MAX_STRING_WORDS = 3  # the paper's free-form string answers: at most three words
 
@@ -344,5 +343,5 @@ def _parse_free_form(text: str, selected: str) -> ParseResult:
     return free_form_task(question, answer, selected, MAX_STRING_WORDS)
 
 
-__all__ = ["PROTOCOLS", "ChallengerPrompts", "Selection", "SelectionResult", "extract_json_object",
+__all__ = ["ChallengerPrompts", "Selection", "SelectionResult", "extract_json_object",
            "parse_selection", "parse_generation", "parse_challenger_output"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -261,10 +261,9 @@ def run_fixed_tasks(pool_tasks: Sequence, generate: GenerateFn, verifier: Answer
         records.append({"kind": "task", "iteration": iteration, "doc_id": pt.doc_id, "task": asdict(pt.task),
                         "weights_version": weights_version, "outcomes": answered.outcomes[k],
                         "pass_rate": sum(answered.outcomes[k]) / max(1, len(answered.outcomes[k])), "trained": False})
-    task_record = list(range(len(records)))
-    for (k, c, pred), ok in zip(answered.flat, answered.correct):
+    for (k, c, pred), ok in zip(answered.flat, answered.correct):  # record k is task k's
         records.append({"kind": "reasoner", "iteration": iteration, "doc_id": pool_tasks[k].doc_id, "task_index": k,
-                        "challenger_record": task_record[k], "weights_version": weights_version, "text": c.text,
+                        "challenger_record": k, "weights_version": weights_version, "text": c.text,
                         "extracted": pred, "correct": ok, "reward": reasoner_reward(ok), "trained": True})
         samples.append(Sample(REASONER, answered.prompts[k], c, reasoner_reward(ok), 0.0, k, pool_tasks[k].doc_id))
     if samples:
@@ -295,9 +294,7 @@ def _challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompt
 
     # paper: selection (n per document), then one generation per valid selection
     sel_prompts = [prompts.selection_prompt(d.text) for d in docs]
-    selections = generate(sel_prompts, SamplingSpec(
-        n=n, temperature=cfg.challenger_temperature, top_p=cfg.top_p, max_tokens=cfg.selection_max_tokens,
-        seed=seed, role=CHALLENGER))
+    selections = generate(sel_prompts, replace(spec, max_tokens=cfg.selection_max_tokens))
     counters["tokens/challenger_selection"] += sum(len(c.token_ids) for comps in selections for c in comps)
     result: list[list[Attempt | None]] = [[None] * n for _ in docs]
     gen_prompts, slots = [], []
@@ -313,9 +310,7 @@ def _challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompt
                 slots.append((d, j, c, sel.selection))
     if gen_prompts:
         gen_seed = None if seed is None else (seed + 7919) % 2**31
-        outs = generate(gen_prompts, SamplingSpec(
-            n=1, temperature=cfg.challenger_temperature, top_p=cfg.top_p, max_tokens=cfg.challenger_max_tokens,
-            seed=gen_seed, role=CHALLENGER))
+        outs = generate(gen_prompts, replace(spec, n=1, seed=gen_seed))
         for p, (d, j, sel_completion, selection), (c,) in zip(gen_prompts, slots, outs):
             counters["tokens/challenger"] += len(c.token_ids)
             result[d][j] = Attempt(p, c, parse_generation(c.text, selection), -1, sel_completion)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 
+from spice_megatron.config import TEMPLATES
 from spice_megatron.tasks import Task
 
-TEMPLATES = ("plain", "chat", "qwen3", "octothinker")
 QWEN3_SYSTEM = "You are a helpful assistant."
 QWEN3_REASONER_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 OCTOTHINKER_PREAMBLE = (

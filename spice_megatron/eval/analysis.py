@@ -89,7 +89,8 @@ def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int) -> tuple[list, flo
     from spice_megatron.tasks import parse_challenger_output
 
     # the compact protocol: one generation per document is all this analysis needs
-    prompts = [ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir).compact_prompt(d.text) for d in docs]
+    challenger = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
+    prompts = [challenger.compact_prompt(d.text) for d in docs]
     spec = SamplingSpec(n=1, temperature=cfg.challenger_temperature, max_tokens=cfg.challenger_max_tokens,
                         seed=seed, logprobs=False)
     parsed = [parse_challenger_output(c[0].text) for c in fleet.generate(prompts, spec)]

@@ -172,7 +172,7 @@ def benchmark_names(spec: str) -> list[str]:
     names = {"paper": list(PAPER_BENCHMARKS), "offline": list(OFFLINE_BENCHMARKS)}.get(spec)
     names = names or [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARKS and not (n.startswith("file:") and
-                                                                os.path.isfile(n[5:].partition(":")[0]))]
+                                                                os.path.isfile(file_benchmark(n).offline_file))]
     if unknown:
         raise ValueError(f"--benchmarks: unknown {unknown}; known: {', '.join(BENCHMARKS)} (or 'paper', 'offline')")
     return names

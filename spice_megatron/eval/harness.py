@@ -87,13 +87,18 @@ def evaluate_benchmark(loaded: LoadedBenchmark, generate: Generate, verifier, to
     use_judge = judge is not None and b.category == "math"
     records = []
     for (it, c, pred), ok in zip(flat, verdicts):
-        judged = bool(judge(it.question, pred, it.answer)) if use_judge and pred else (False if use_judge else None)
+        judged = None  # not asked
+        if use_judge:
+            judged = bool(pred) and bool(judge(it.question, pred, it.answer))
         records.append({"benchmark": b.name, "id": it.id, "answer_type": it.answer_type, "gold": it.answer,
                         "extracted": pred, "rule_correct": ok, "judge_correct": judged,
                         "correct": judged if use_judge else ok, "finish_reason": c.finish_reason,
                         "template": settings.template, "output": c.text})
     n = len(records)
-    pct = (lambda k: 100.0 * sum(bool(r[k]) for r in records) / n) if n else (lambda k: float("nan"))
+
+    def pct(key: str) -> float:
+        return 100.0 * sum(bool(r[key]) for r in records) / n if n else float("nan")
+
     correct = float(sum(r["correct"] for r in records))
     result = BenchmarkResult(
         b.name, b.category, "ok", source=loaded.source, items=len(items), expected_items=b.expected_items,
