@@ -39,5 +39,8 @@ setup(
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["spice=spice_megatron.cli:main"]},
+    entry_points={"console_scripts": ["spice=spice_megatron.cli:main"],
+                  # vLLM loads general plugins in every process it starts: its workers get the spice
+                  # weight-transfer backend registered before the engine factory looks it up
+                  "vllm.general_plugins": ["spice_weight_transfer=spice_megatron.rollout.transfer:register_spice_backend"]},
 )

@@ -28,6 +28,7 @@ for (( i = 0; i < gpus / engine_tp; i++ )); do
     --tensor-parallel-size "$engine_tp" \
     --max-model-len "${SPICE_MAX_MODEL_LEN:-8192}" \
     --gpu-memory-utilization "${SPICE_GPU_MEMORY_UTILIZATION:-0.85}" \
+    --weight-transfer "${SPICE_WEIGHT_TRANSFER:-spice}" \
     --seed $(( ${SPICE_SEED:-1234} + 1000 * node_index + i )) \
     > "$log_dir/rollout_${node}_$(( port + i )).log" 2>&1 &
   pids+=("$!")

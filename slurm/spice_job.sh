@@ -17,6 +17,8 @@
 #   SPICE_HOME        the repository, mounted at the same path (default: the submit directory)
 #   OUTPUT_DIR        run directory (default: $SPICE_HOME/runs/$RECIPE)
 #   GPUS_PER_NODE     (default: $SLURM_GPUS_ON_NODE or 8)
+#   WEIGHT_TRANSFER   vLLM weight-transfer backend of engines and learner alike (default: spice; nccl
+#                     needs pipeline parallelism 1 and vLLM in the learner's image; see the README)
 #   ROLLOUT_PORT      first engine port on each rollout node (default: 8100)
 #   RDZV_PORT         torchrun rendezvous port on the first learner node (default: 29500)
 #   HEALTH_TIMEOUT    seconds to wait for the engines (default: 1800)
@@ -72,6 +74,7 @@ export SPICE_ROLLOUT_NODES=$rollout_list
 export SPICE_ENGINES_PER_NODE=$(( GPUS_PER_NODE / ENGINE_TP ))
 export SPICE_ROLLOUT_PORT=$ROLLOUT_PORT SPICE_ENGINE_TP=$ENGINE_TP SPICE_MAX_MODEL_LEN=$MAX_MODEL_LEN
 export SPICE_MODEL=$MODEL_DIR SPICE_LOG_DIR=$LOG_DIR SPICE_GPUS_PER_NODE=$GPUS_PER_NODE
+export SPICE_WEIGHT_TRANSFER=${WEIGHT_TRANSFER:-spice}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 
 # NCCL. The weight-sync group is its own communicator between the learner's stage senders and
@@ -157,7 +160,7 @@ srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "
   python -m torch.distributed.run --nnodes="$LEARNER_NODES" --nproc-per-node="$GPUS_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$head_ip:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
   -m spice_megatron.cli train --recipe "$RECIPE" --model "$MODEL_DIR" --output-dir "$OUTPUT_DIR" --resume \
-  cluster.nodes=${#NODES[@]} cluster.learner_nodes="$LEARNER_NODES" "$@" &
+  cluster.nodes=${#NODES[@]} cluster.learner_nodes="$LEARNER_NODES" rollout.weight_transfer="$SPICE_WEIGHT_TRANSFER" "$@" &
 learner_pid=$!
 set +e
 wait "$learner_pid"

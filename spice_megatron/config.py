@@ -248,14 +248,32 @@ class RolloutConfig:
     sync_timeout: float = 300.0
     engine_tensor_parallel: int = 1  # GPUs per vLLM engine (cluster launchers start engines with it)
     gpu_memory_utilization: float = 0.85  # vLLM's share of each engine GPU (weights + KV cache)
+    # vLLM weight-transfer backend the engines receive through (see WEIGHT_TRANSFER_REFUSED and the README):
+    # spice: ours, every pipeline stage sends at once, gloo or NCCL; nccl: vLLM's, one sender (PP=1, GPU)
+    weight_transfer: str = "spice"
 
     def validate(self, prefix: str = "rollout") -> None:
+        _require(self.weight_transfer not in WEIGHT_TRANSFER_REFUSED, f"{prefix}.weight_transfer",
+                 WEIGHT_TRANSFER_REFUSED.get(self.weight_transfer, ""))
+        _require(self.weight_transfer in ("spice", "nccl"), f"{prefix}.weight_transfer",
+                 f"unknown backend {self.weight_transfer!r} (spice, nccl)")
         _require(bool(self.engines) or self.local_engines >= 1, f"{prefix}.local_engines",
                  "needs >= 1 when no rollout.engines are given")
         _require(self.bucket_mb > 0, f"{prefix}.bucket_mb", "must be > 0")
         _require(self.sync_timeout > 0, f"{prefix}.sync_timeout", "must be > 0")
         _require(self.engine_tensor_parallel >= 1, f"{prefix}.engine_tensor_parallel", "must be >= 1")
         _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization", "must be in (0, 1]")
+
+
+# vLLM 0.32's other built-in backends, and why a Megatron learner behind this service cannot use them
+WEIGHT_TRANSFER_REFUSED = {
+    "ipc": "vLLM's IPC update carries pickled CUDA IPC handles, and the engines' control plane takes no pickle; "
+           "for engines on the learner's nodes use spice (NCCL between local GPUs)",
+    "nccl_m2n": "needs a resharding plan from the trainer's own layout (FSDP/DTensor); a Megatron TP x PP learner "
+                "sends HF tensors already gathered: use spice",
+    "sparse_nccl": "sends changed weights only, from a trainer that tracks them; full updates: use spice",
+    "sharded_rdt": "needs Ray and a sharded trainer source; use spice",
+}
 
 
 @dataclass
@@ -328,3 +346,6 @@ class SpiceConfig:
         _require(self.selfplay.challenger != "model" or bool(self.selfplay.challenger_model or
                                                             self.rollout.challenger_engines),
                  "selfplay.challenger_model", "challenger=model needs a model directory or rollout.challenger_engines")
+        _require(self.rollout.weight_transfer != "nccl" or self.parallel.pipeline_parallel == 1,
+                 "rollout.weight_transfer", f"nccl (vLLM's) sends from trainer rank 0 alone, which holds only "
+                 f"pipeline stage 0 of {self.parallel.pipeline_parallel}: use spice, which sends every stage at once")

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from spice_megatron.config import SpiceConfig
@@ -112,6 +113,11 @@ class Driver:
         urls = list(cfg.rollout.engines) or self._start_local_engines(cfg.run.model, cfg.rollout.local_engines)
         self.fleet = RolloutFleet(urls, token, cfg.rollout.request_timeout, chunk_size=cfg.rollout.chunk_size)
         self.fleet.wait_until_healthy(cfg.rollout.health_timeout)
+        for url, health in self.fleet.health().items():
+            if health and health.get("weight_transfer", cfg.rollout.weight_transfer) != cfg.rollout.weight_transfer:
+                raise RuntimeError(f"engine {url} receives weights through {health['weight_transfer']!r}, the learner "
+                                   f"sends through rollout.weight_transfer={cfg.rollout.weight_transfer!r}: start both "
+                                   "with the same backend (slurm: WEIGHT_TRANSFER)")
         # selfplay.challenger=model: a fixed challenger behind its own engines, never weight-synced
         self.challenger_fleet = None
         if cfg.selfplay.challenger == "model":
@@ -136,7 +142,7 @@ class Driver:
 
         ro = self.cfg.rollout
         extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=ro.engine_tensor_parallel,
-                            gpu_memory_utilization=ro.gpu_memory_utilization)
+                            gpu_memory_utilization=ro.gpu_memory_utilization, weight_transfer=ro.weight_transfer)
         # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier engines
         reserved = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + len(self.engines) * ro.engine_tensor_parallel
         started = start_engines(model, self.token, os.path.join(self.cfg.run.output_dir, "logs"), extra,
@@ -243,30 +249,25 @@ def _sync_host(cfg: SpiceConfig) -> str:
 
 
 class WeightSync:
-    """The learner side of the engines' weight updates (stage senders + the driver's requests)."""
+    """The learner side of the engines' weight updates, through vLLM's weight-transfer interface:
+    a `WeightSource` over the learner (bridge/transfer.py), the trainer engine of the backend
+    `rollout.weight_transfer`, and the fleet's HTTP client for vLLM's control plane (driver only)."""
 
     def __init__(self, cfg: SpiceConfig, learner, driver: Driver | None, control):
-        from spice_megatron.launch import free_port
+        from spice_megatron.bridge.transfer import MegatronStageSource
 
         self.cfg, self.learner, self.driver, self.control = cfg, learner, driver, control
-        port = cfg.rollout.sync_port or (free_port() if dist.get_rank() == 0 else 0)
-        self.port = _broadcast(port, control)
+        self.source = MegatronStageSource(learner, control)
         self.host = _broadcast(_sync_host(cfg) if driver else "", control)
-        self.num_receivers = _broadcast(driver.fleet.num_receivers if driver else 0, control)
-        self.group = None
-        self.joined = False
+        self.transfer = None  # the trainer engine, until the group must be formed again
+        self.client = None  # the fleet's control-plane client (driver only)
         self.bytes = 0.0
 
     def reform(self) -> None:
         """After an engine restart every member joins a fresh group on a new port."""
-        from spice_megatron.launch import free_port
-
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        self.port = _broadcast(free_port() if dist.get_rank() == 0 else 0, self.control)
-        self.num_receivers = _broadcast(self.driver.fleet.num_receivers if self.driver else 0, self.control)
-        self.joined = False
+        if self.transfer is not None:
+            self.transfer.shutdown()
+            self.transfer = None
 
     def sync(self, version: int) -> dict:
         """Stream the learner's weights to every engine. If an engine dies during the sync, the
@@ -287,45 +288,59 @@ class WeightSync:
             self.reform()
         raise AssertionError("unreachable")
 
+    def _init_transfer(self):
+        from spice_megatron.bridge.transfer import SpiceTrainerInitInfo, SpiceTrainerTransfer
+        from spice_megatron.launch import free_port
+
+        ro = self.cfg.rollout
+        port = _broadcast((ro.sync_port or free_port()) if self.driver else 0, self.control)
+        receivers = _broadcast(self.driver.fleet.num_receivers if self.driver else 0, self.control)
+        self.client = self.driver.fleet.sync_client() if self.driver else None
+        if ro.weight_transfer == "nccl":
+            return _nccl_transfer(self.host, port, receivers, self.client, self.source)
+        info = SpiceTrainerInitInfo(self.host, port, self.learner.layout.pp, receivers, timeout_s=ro.sync_timeout,
+                                    bucket_bytes=ro.bucket_mb * 2**20, rank=dist.get_rank())
+        return SpiceTrainerTransfer.trainer_init(info, client=self.client, source=self.source)
+
     def _attempt(self, version: int) -> str:
         """One sync; returns this rank's error message ("" when it went through)."""
-        from spice_megatron.bridge.weight_sync import WeightSyncGroup, send_learner_weights
-
-        lay = self.learner.layout
-        is_sender = lay.tp_rank == 0 and lay.dp_rank == 0
-        receives, error = [], ""
         try:
-            if not self.joined:
-                timeout = self.cfg.rollout.sync_timeout
-                futures = (self.driver.fleet.join_weight_sync(self.host, self.port, lay.pp, timeout_s=timeout)
-                           if self.driver else [])
-                if is_sender:
-                    self.group = WeightSyncGroup(self.host, self.port, lay.pp_rank, lay.pp, self.num_receivers,
-                                                 timeout_s=timeout)
-                for f in futures:
-                    f.result()
-                self.joined = True
-            receives = self.driver.fleet.receive_weights(version) if self.driver else []
-            report = send_learner_weights(self.learner, self.group, version, self.cfg.rollout.bucket_mb * 2**20)
-            self.bytes = float(report.bytes) if report else 0.0
+            if self.transfer is None:
+                self.transfer = self._init_transfer()
+            if self.cfg.rollout.weight_transfer == "spice":
+                sent = self.transfer.send_weights(version)["bytes"]
+            else:  # vLLM's engine finishes without a version: the client stamps it
+                if self.client:
+                    self.client.version = str(version)
+                self.transfer.send_weights()
+                sent = self.source.nbytes if dist.get_rank() == 0 else 0
+            # the driver reports one copy of the model: what every stage sent, together
+            t = torch.tensor([float(sent)], dtype=torch.float64)
+            dist.all_reduce(t, group=self.control)
+            self.bytes = float(t.item())
+            return ""
         except Exception as e:  # noqa: BLE001 - a dead peer surfaces as gloo/NCCL, HTTP or protocol errors
-            error = f"{type(e).__name__}: {e}"
-            if self.group is not None:
-                self.group.close()  # unblocks the engines still waiting for buckets
-        received = 0.0
-        for f in receives:  # every engine's answer, so none is left mid-request
-            try:
-                received += f.result()["bytes"]
-            except Exception as e:  # noqa: BLE001
-                error = error or f"{type(e).__name__}: {e}"
-        if receives:
-            self.bytes = received  # on the driver: what the engines took in, all together
-        return error
+            if self.transfer is not None:
+                self.transfer.shutdown()
+            self.transfer = None
+            return f"{type(e).__name__}: {e}"
+
+
+def _nccl_transfer(host: str, port: int, receivers: int, client, source):
+    """vLLM's built-in `nccl` trainer engine over the Megatron source (one sender: trainer rank 0,
+    so pipeline parallelism 1; config.validate refuses the rest). GPU only, and vLLM must be
+    importable on the learner; never run here (no GPU)."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+    except ImportError as e:
+        raise RuntimeError("rollout.weight_transfer=nccl: its trainer engine is vLLM's, and vLLM is not importable "
+                           "in the learner's environment (the learner image has none); use spice") from e
+    info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=1 + receivers, rank=dist.get_rank())
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
 def _any_rank(flag: bool, group) -> bool:
-    import torch
-
     t = torch.tensor([int(flag)])  # a CPU tensor: the control group is gloo
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())

