@@ -215,8 +215,25 @@ class PolicyTrainConfig:
     temperature: float = 1.0  # logits are divided by the sampling temperature before log-softmax
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     seed: int = 1234
+    # 0: on-policy (rollouts, step, sync one after another); 1: one step off: the rollouts of
+    # iteration t+1 run while the learner takes step t, and are trained one version later
+    max_staleness: int = 0
+    # token-level truncated importance sampling against the engine's sampled-token log-probs:
+    # auto: on when max_staleness > 0; on; off
+    importance_sampling: str = "auto"
+    tis_cap: float = 2.0  # the weights min(pi_learner / mu_engine, tis_cap)
+
+    @property
+    def use_tis(self) -> bool:
+        return self.importance_sampling == "on" or (self.importance_sampling == "auto" and self.max_staleness > 0)
 
     def validate(self, prefix: str = "train") -> None:
+        _require(self.max_staleness in (0, 1), f"{prefix}.max_staleness", "must be 0 (on-policy) or 1 (one step off)")
+        _require(self.importance_sampling in ("auto", "on", "off"), f"{prefix}.importance_sampling",
+                 "must be auto, on or off")
+        _require(self.tis_cap >= 1.0, f"{prefix}.tis_cap", "must be >= 1 (a cap below 1 down-weights on-policy tokens)")
+        _require(not (self.use_tis and self.old_logprobs == "rollout"), f"{prefix}.importance_sampling",
+                 "with train.old_logprobs=rollout the learner's old policy is the engine's: the weights would all be 1")
         _require(self.max_gen_len > 0, f"{prefix}.max_gen_len", "must be > 0")
         _require(self.micro_batch_tokens > 0, f"{prefix}.micro_batch_tokens", "must be > 0")
         _require(self.steps_per_batch >= 1, f"{prefix}.steps_per_batch", "must be >= 1")

@@ -40,15 +40,27 @@ def role_advantages(rewards: torch.Tensor, roles: Sequence[str], groups: Sequenc
     return center_by_group(rewards, ids)
 
 
+def tis_weights(learner_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Token-level truncated importance sampling: min(pi_learner / mu_engine, cap) per sampled token,
+    from the learner's log-probs before the update and the engine's own sampled-token log-probs.
+    It corrects for the policy that sampled (the engine: other numerics, and at staleness 1 the
+    weights of one step earlier) not being the one the gradient is taken under."""
+    return torch.exp(learner_logprobs - engine_logprobs).clamp(max=cap)
+
+
 def drgrpo_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, max_gen_len: int,
                       old_logprobs: torch.Tensor | None = None, num_sequences: int | None = None,
-                      clip_low: float = 0.2, clip_high: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      clip_low: float = 0.2, clip_high: float | None = None,
+                      engine_logprobs: torch.Tensor | None = None, tis_cap: float | None = None,
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DrGRPO loss for a (micro-)batch.
 
     logprobs, old_logprobs, mask: [batch, tokens] over the completion positions; advantages: [batch].
     With old_logprobs None the update is on-policy (ratio 1, the plain policy gradient). The sum is
     divided by max_gen_len * num_sequences, where num_sequences is the size of the whole global batch
-    so that micro-batches and data-parallel ranks add up to the same objective.
+    so that micro-batches and data-parallel ranks add up to the same objective. With tis_cap, each
+    token's term is weighted by tis_weights(old, engine_logprobs, tis_cap) (where engine_logprobs
+    is 0 the caller's mask should say whether the engine gave any; see the learner).
     """
     if logprobs.shape != mask.shape:
         raise ValueError(f"mask: shape {tuple(mask.shape)} differs from logprobs {tuple(logprobs.shape)}")
@@ -56,6 +68,8 @@ def drgrpo_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: to
         raise ValueError(f"advantages: shape {tuple(advantages.shape)}, expected ({logprobs.shape[0]},)")
     if max_gen_len <= 0:
         raise ValueError(f"max_gen_len: must be > 0, got {max_gen_len}")
+    if tis_cap is not None and engine_logprobs is None:
+        raise ValueError("tis_cap: truncated importance sampling needs the engine's log-probs")
     mask = mask.to(logprobs.dtype)
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
     log_ratio = logprobs - old
@@ -65,6 +79,10 @@ def drgrpo_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: to
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    weights = None
+    if tis_cap is not None:
+        weights = tis_weights(old, engine_logprobs.to(logprobs.dtype), tis_cap).detach()
+        per_token = per_token * weights
     denom = max_gen_len * (num_sequences if num_sequences is not None else logprobs.shape[0])
     loss = (per_token * mask).sum() / denom
     with torch.no_grad():
@@ -75,4 +93,6 @@ def drgrpo_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: to
             "approx_kl": (((ratio - 1) - log_ratio) * mask).sum() / n_tokens,  # k3 estimator
             "tokens": mask.sum(),
         }
+        if weights is not None:
+            metrics["tis_weight_mean"] = (weights * mask).sum() / n_tokens
     return loss, metrics

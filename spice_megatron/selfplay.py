@@ -193,8 +193,8 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
         i = task_of[k][0]
         records.append({"kind": "reasoner", "iteration": iteration, "doc_id": documents[i].doc_id,
                         "task_index": k, "challenger_record": task_of[k][1].record,
-                        "weights_version": weights_version, "text": c.text, "extracted": pred, "correct": ok,
-                        "reward": reasoner_reward(ok), "trained": False})
+                        "weights_version": weights_version, "versions": c.versions, "text": c.text,
+                        "extracted": pred, "correct": ok, "reward": reasoner_reward(ok), "trained": False})
         if k in trained_keys:
             samples.append(Sample(REASONER, r_prompts[k], c, reasoner_reward(ok), 0.0, k, documents[i].doc_id))
             sample_record.append(len(records) - 1)
@@ -206,9 +206,13 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
         for s, a, rec in zip(samples, adv.tolist(), sample_record):
             s.advantage = a
             records[rec].update(advantage=a, trained=True, reward=s.reward)
+    answer_versions: dict[int, set] = {}  # the weights that sampled the answers a task's reward came from
+    for k, c, _ in flat:
+        answer_versions.setdefault(k, set()).update(v for v, _, _ in c.versions)
     for k, (i, a) in enumerate(task_of):
         records[a.record].update(outcomes=outcomes[k], pass_rate=sum(outcomes[k]) / len(outcomes[k]),
-                                 reasoner_group=k in trained_keys)
+                                 reasoner_group=k in trained_keys,
+                                 answer_versions=sorted(answer_versions.get(k, ()), key=str))
 
     stats.update(_statistics(n_docs, attempts, groups, tasks, outcomes, task_reward, samples, reasons, counters, cfg))
     stats["challenger_mode"] = "self" if train_challenger else "model"
@@ -263,7 +267,8 @@ def run_fixed_tasks(pool_tasks: Sequence, generate: GenerateFn, verifier: Answer
                         "pass_rate": sum(answered.outcomes[k]) / max(1, len(answered.outcomes[k])), "trained": False})
     for (k, c, pred), ok in zip(answered.flat, answered.correct):  # record k is task k's
         records.append({"kind": "reasoner", "iteration": iteration, "doc_id": pool_tasks[k].doc_id, "task_index": k,
-                        "challenger_record": k, "weights_version": weights_version, "text": c.text,
+                        "challenger_record": k, "weights_version": weights_version, "versions": c.versions,
+                        "text": c.text,
                         "extracted": pred, "correct": ok, "reward": reasoner_reward(ok), "trained": True})
         samples.append(Sample(REASONER, answered.prompts[k], c, reasoner_reward(ok), 0.0, k, pool_tasks[k].doc_id))
     if samples:
@@ -319,7 +324,8 @@ def _challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompt
 
 def _challenger_record(doc: Document, attempt: int, a: Attempt, weights_version: int, iteration: int) -> dict:
     rec = {"kind": "challenger", "iteration": iteration, "doc_id": doc.doc_id, "doc_sha256": doc.sha256,
-           "attempt": attempt, "weights_version": weights_version, "text": a.completion.text, "valid": a.parsed.valid,
+           "attempt": attempt, "weights_version": weights_version, "versions": a.completion.versions,
+           "text": a.completion.text, "valid": a.parsed.valid,
            "reason": a.parsed.reason, "task": asdict(a.parsed.task) if a.parsed.task else None, "trained": False}
     if a.selection is not None:
         rec["selection"] = a.selection.text

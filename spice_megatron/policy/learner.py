@@ -8,6 +8,7 @@ full-vocabulary logits).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,9 +53,12 @@ class StepMetrics:
     approx_kl: float
     logprob_gap: float | None  # mean |train - rollout| log-prob on sampled tokens
     seconds: float
+    # per role: learner vs engine on the sampled tokens (logprob_gap_mean / _max, k3_kl, tis_capped)
+    mismatch: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, float]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        out = {k: v for k, v in self.__dict__.items() if v is not None and k != "mismatch"}
+        return {**out, **(self.mismatch or {})}
 
 
 class Learner:
@@ -186,9 +190,22 @@ class Learner:
             return max(1, -(-num_sequences // per_update))
         return self.train_cfg.steps_per_batch
 
-    def train_on_batch(self, seqs: list[TrainSequence]) -> list[StepMetrics]:
+    def check_staleness(self, seqs: list[TrainSequence], version: int) -> None:
+        """Refuses a sequence any of whose tokens was sampled more than train.max_staleness weight
+        versions before `version` (the learner's, before this step)."""
+        bound = self.train_cfg.max_staleness
+        for i, x in enumerate(seqs):
+            oldest = min((v for v, _, _ in x.versions or ()), default=version)
+            if version - oldest > bound:
+                raise ValueError(f"sequence {i} ({x.role or 'no role'}): sampled by weights version {oldest}, the "
+                                 f"learner is at {version}; train.max_staleness={bound}")
+
+    def train_on_batch(self, seqs: list[TrainSequence], version: int | None = None) -> list[StepMetrics]:
         """Several optimiser steps on one rollout batch (mini-batches seqs[j::k], k = steps_for(n));
-        from the second on, the PPO ratio is clipped against the log-probs before the first."""
+        from the second on, the PPO ratio is clipped against the log-probs before the first.
+        `version`: the learner's weights version, checked against the sequences' (check_staleness)."""
+        if version is not None:
+            self.check_staleness(seqs, version)
         k = self.steps_for(len(seqs))
         old_all: list[list[float]] | None = None
         if k > 1 or self.train_cfg.old_logprobs == "rollout":
@@ -216,18 +233,26 @@ class Learner:
         # gradients over DP; undo both so that gradients are those of the global DrGRPO objective.
         scale = len(mbs) * self.layout.dp
 
+        tis_cap = cfg.tis_cap if cfg.use_tis else None
+
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             dev = logits.device
             lp = token_logprobs(logits, mb.labels.to(dev), cfg.temperature)
             mask = mb.loss_mask.to(dev)
             old_lp = mb.old_logprobs.to(dev) if mb.old_logprobs is not None else None
-            loss, m = drgrpo_token_loss(lp, mb.advantages.to(dev), mask, cfg.max_gen_len, old_logprobs=old_lp,
-                                        num_sequences=n_global, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+            engine_lp = mb.rollout_logprobs.to(dev)
             rollout_mask = mask * mb.has_rollout.to(dev).unsqueeze(-1).to(mask.dtype)
+            if tis_cap is not None:  # a sequence without engine log-probs keeps weight 1
+                engine_lp = torch.where(rollout_mask > 0, engine_lp, (lp if old_lp is None else old_lp).detach())
+            loss, m = drgrpo_token_loss(lp, mb.advantages.to(dev), mask, cfg.max_gen_len, old_logprobs=old_lp,
+                                        num_sequences=n_global, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                        engine_logprobs=engine_lp if tis_cap is not None else None, tis_cap=tis_cap)
             gap = ((lp.detach() - mb.rollout_logprobs.to(dev)).abs() * rollout_mask).sum()
             stats = {"loss": loss.detach().item(), "tokens": m["tokens"].item(),
                      "clipped": (m["clip_fraction"] * m["tokens"]).item(), "kl": (m["approx_kl"] * m["tokens"]).item(),
-                     "gap": gap.item(), "gap_tokens": rollout_mask.sum().item()}
+                     "gap": gap.item(), "gap_tokens": rollout_mask.sum().item(),
+                     "mismatch": _mismatch_sums(lp.detach(), old_lp, mb.rollout_logprobs.to(dev), rollout_mask,
+                                                mb.roles, cfg.tis_cap)}
             return loss * scale, stats
 
         self.ddp.zero_grad_buffer()
@@ -248,4 +273,41 @@ class Learner:
             clip_fraction=sum(p["clipped"] for p in parts) / max(tokens, 1),
             approx_kl=sum(p["kl"] for p in parts) / max(tokens, 1),
             logprob_gap=sum(p["gap"] for p in parts) / gap_tokens if gap_tokens else None,
-            seconds=time.perf_counter() - t0)
+            seconds=time.perf_counter() - t0, mismatch=_mismatch_metrics([p["mismatch"] for p in parts]))
+
+
+def _mismatch_sums(lp: torch.Tensor, old_lp: torch.Tensor | None, engine_lp: torch.Tensor, mask: torch.Tensor,
+                   roles: list[str], cap: float) -> dict[str, list[float]]:
+    """Per role: [sum |lp - engine|, max |lp - engine|, sum of k3, tokens over the TIS cap, tokens],
+    over the sampled tokens the engine gave log-probs for. k3 = r - 1 - log r with r = pi / mu
+    estimates KL(engine || learner) from the engine's samples."""
+    diff = (lp - engine_lp) * mask
+    k3 = (torch.exp(diff) - 1 - diff) * mask
+    over = ((((lp if old_lp is None else old_lp) - engine_lp) > math.log(cap)).to(mask.dtype) * mask)
+    out: dict[str, list[float]] = {}
+    for r, role in enumerate(roles):
+        n = mask[r].sum().item()
+        if not n:
+            continue
+        acc = out.setdefault(role or "all", [0.0, 0.0, 0.0, 0.0, 0.0])
+        acc[0] += diff[r].abs().sum().item()
+        acc[1] = max(acc[1], diff[r].abs().max().item())
+        acc[2] += k3[r].sum().item()
+        acc[3] += over[r].sum().item()
+        acc[4] += n
+    return out
+
+
+def _mismatch_metrics(parts: list[dict[str, list[float]]]) -> dict[str, float]:
+    total: dict[str, list[float]] = {}
+    for part in parts:
+        for role, (abs_sum, abs_max, k3, over, n) in part.items():
+            acc = total.setdefault(role, [0.0, 0.0, 0.0, 0.0, 0.0])
+            acc[0] += abs_sum
+            acc[1] = max(acc[1], abs_max)
+            acc[2] += k3
+            acc[3] += over
+            acc[4] += n
+    return {f"{role}/{key}": value for role, (abs_sum, abs_max, k3, over, n) in total.items()
+            for key, value in (("logprob_gap_mean", abs_sum / n), ("logprob_gap_max", abs_max),
+                               ("k3_kl", k3 / n), ("tis_capped", over / n))}

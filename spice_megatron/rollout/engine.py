@@ -19,7 +19,6 @@ import itertools
 import logging
 import os
 import queue
-import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable
