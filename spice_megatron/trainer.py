@@ -200,6 +200,7 @@ class Driver:
     def selfplay(self, iteration: int, version: int) -> "RolloutBatch":
         from spice_megatron.selfplay import run_fixed_tasks, run_iteration
 
+        t0 = time.perf_counter()
         docs = self.sampler.next_batch(self.cfg.selfplay.batch_docs)
         self._ids.clear()  # prompts hold this iteration's documents: do not keep them for the whole run
         seed = self.cfg.run.seed * 100_003 + iteration
@@ -215,7 +216,8 @@ class Driver:
         seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
                               s.completion.logprobs or None, s.role, s.completion.versions or None)
                 for s in result.samples if s.completion.token_ids]
-        return RolloutBatch(iteration, version, dict(result.stats), result.records, seqs)
+        stats = {**result.stats, "time/rollouts": time.perf_counter() - t0}  # self-play wall time, all phases
+        return RolloutBatch(iteration, version, stats, result.records, seqs)
 
     def start_selfplay(self, iteration: int, version: int) -> tuple[Future, dict]:
         """The rollouts of `iteration` in the background (staleness 1), and the sampler and RNG state
@@ -471,6 +473,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     iteration, version = state["iteration"], state["version"]
     progress = tqdm(total=cfg.run.iterations, initial=iteration, desc="SPICE", disable=not is_driver)
     stop_request = StopRequest(stop_file)
+    t_start = time.perf_counter()
     try:
         while iteration < cfg.run.iterations:
             t_iter = time.perf_counter()
@@ -502,6 +505,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
                 stats = _iteration_stats(batch, steps, sync, version - 1)
                 stats["time/wait_for_rollouts"] = t_wait
                 stats["time/iteration"] = time.perf_counter() - t_iter
+                stats["time/elapsed"] = time.perf_counter() - t_start  # since this process started training
                 if eval_hook and cfg.run.eval_every and iteration % cfg.run.eval_every == 0:
                     t_eval = time.perf_counter()
                     stats.update({f"eval/{k}": v for k, v in eval_hook(iteration, driver.fleet).items()})

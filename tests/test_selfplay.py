@@ -288,3 +288,30 @@ def test_paper_protocol_prompts_come_from_files(tmp_path):
                             "PUBLISHED SELECTION PLAN[8/8] suitable_for_mcq {\"json\": true}") for p in seen)
     assert any("PUBLISHED FREE Integer: PLAN[8/8]" in p for p in seen)
     assert any("PUBLISHED REASONER How many items" in p for p in seen)
+
+
+def test_weight_versions_are_recorded_per_output_and_per_role():
+    """Each attempt and answer keeps the weight-version spans of its tokens; a challenger task
+    records the versions of the answers its reward came from (newer at staleness 1, or mid-rollout)."""
+    model = ScriptedModel()
+
+    def stamped(prompts, sampling):  # the challenger sampled by version 3, the answers by 3 and 4
+        out = model(prompts, sampling)
+        for comps in out:
+            for j, c in enumerate(comps):
+                n = len(c.token_ids)
+                c.versions = ([[3, 0, n]] if sampling.role == "challenger" or j % 2 == 0
+                              else [[3, 0, n // 2], [4, n // 2, n]])
+        return out
+
+    cfg = SelfPlayConfig(batch_docs=1, group_size=4, attempts_per_round=2, protocol="compact",
+                         challenger_group="single")
+    result = run_iteration([doc(0, "SPEC[k2]")], stamped, _verifier(), cfg, random.Random(0), weights_version=3)
+    ch = [r for r in result.records if r["kind"] == "challenger"]
+    rs = [r for r in result.records if r["kind"] == "reasoner"]
+    assert all(r["versions"] == [[3, 0, 4]] for r in ch)
+    assert [r["versions"] for r in rs] == [[[3, 0, 6]], [[3, 0, 3], [4, 3, 6]]] * 2
+    answered = [r for r in ch if "answer_versions" in r]  # the attempts whose tasks were answered
+    assert answered and all(r["answer_versions"] == [3, 4] for r in answered)
+    trained = [s for s in result.samples if s.role == "reasoner"]
+    assert {tuple(map(tuple, s.completion.versions)) for s in trained} == {((3, 0, 6),), ((3, 0, 3), (4, 3, 6))}

@@ -269,3 +269,20 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
     assert records(os.path.join(killed, "audit.jsonl")) == audit
     a, b = weights(straight), weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rollout_batch_survives_json_and_its_lag_is_per_role():
+    from spice_megatron.policy.batching import TrainSequence
+    from spice_megatron.trainer import RolloutBatch, _iteration_stats
+
+    seqs = [TrainSequence([1, 2], [3], 0.5, [-0.1], "challenger", [[4, 0, 1]]),
+            TrainSequence([1], [3, 4], -0.5, [-0.2, -0.3], "reasoner", [[4, 0, 1], [5, 1, 2]]),
+            TrainSequence([1], [3], 0.0, None, "reasoner", None)]
+    batch = RolloutBatch(6, 4, {"tokens/challenger": 1.0, "tokens/reasoner": 3.0}, [{"kind": "task"}], seqs)
+    again = RolloutBatch.from_json(json.loads(json.dumps(batch.to_json())))
+    assert again == batch
+    stats = _iteration_stats(again, [], {"weight_sync/seconds": 0.1}, learner_version=5)
+    assert stats["staleness/challenger_lag_max"] == 1.0 and stats["staleness/challenger_lag_mean"] == 1.0
+    # a sequence without spans counts as sampled by the batch's version
+    assert stats["staleness/reasoner_lag_max"] == 1.0 and stats["staleness/reasoner_lag_mean"] == 1.0
+    assert stats["rollout_version"] == 4 and stats["weights_version"] == 6

@@ -214,6 +214,11 @@ class VLLMEngine:
 
     def start_weight_update(self) -> None:
         self.pause()
+        if self.updating:  # an earlier update failed part-way: close vLLM's session, then a full retry
+            try:
+                self.llm.finish_weight_update()
+            except Exception as e:  # noqa: BLE001 - the worker may have closed it already
+                log.info("closing the failed weight update: %s", e)
         self.updating = True
         self.llm.start_weight_update()
 
