@@ -312,3 +312,41 @@ def test_checksums_are_exact_and_position_sensitive():
     f = e.clone()
     f[2**20 + 17] += 1
     assert tensor_checksum(e) == tensor_checksum(e.clone()) != tensor_checksum(f)
+
+
+def _source_rank(hf_dir, tp, pp):
+    """vLLM's WeightSource contract on a TP x PP learner: metadata() describes the whole model on
+    every rank; iteration yields exactly this rank's held names, in metadata order."""
+    from spice_megatron.bridge.transfer import MegatronStageSource
+    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy.learner import Learner
+
+    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
+    source = MegatronStageSource(learner)
+    meta = [(m.name, str(m.dtype), m.shape) for m in source.metadata()]
+    yielded = [(name, t.clone()) for name, t in source]
+    return meta, sorted(source.held_names()), yielded, learner.layout.pp_rank, source.nbytes
+
+
+@pytest.mark.multiprocess
+def test_the_megatron_weight_source_meets_vllms_contract(tiny_models, tmp_path):
+    from spice_megatron.bridge.mapping import expected_hf_shapes
+    from spice_megatron.policy.model import model_spec_from_hf
+
+    d = tiny_models["qwen3_tied"]  # the last stage skips its copy of the tied embedding
+    results = run_ranks(_source_rank, 4, d, 2, 2, tmp_path=tmp_path)
+    original = hf_weights(d)
+    shapes = expected_hf_shapes(model_spec_from_hf(d))
+    metas = [r[0] for r in results]
+    assert all(m == metas[0] for m in metas)  # the same whole-model metadata on every rank
+    assert {n for n, _, _ in metas[0]} == set(shapes) and all(shapes[n] == s for n, _, s in metas[0])
+    order = [n for n, _, _ in metas[0]]
+    stage0 = order.index("model.layers.0.input_layernorm.weight")
+    assert order.index("model.embed_tokens.weight") < stage0 < order.index("model.norm.weight")
+    for meta, held, yielded, pp_rank, nbytes in results:
+        names = [n for n, _ in yielded]
+        assert sorted(names) == held  # TP rank 0 of each stage yields its stage; TP peers hold nothing
+        assert names == [n for n in order if n in set(names)]  # in metadata order
+        assert all(torch.equal(t, original[n]) for n, t in yielded)
+        assert nbytes == sum(t.numel() * t.element_size() for t in original.values())
+    assert sorted(n for r in results for n in r[1]) == sorted(shapes)  # every tensor held exactly once

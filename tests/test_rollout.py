@@ -167,7 +167,10 @@ def _learner_sends(model_dir, port, version, receivers, urls, go_file, joined_fi
     info = SpiceTrainerInitInfo("127.0.0.1", port, 1, receivers, bucket_bytes=8 * 2**20, rank=0)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=fleet.sync_client(),
                                                        source=MegatronStageSource(learner))
-    assert isinstance(engine, SpiceTrainerTransfer)
+    from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
+
+    assert isinstance(engine, SpiceTrainerTransfer) and isinstance(engine, TrainerWeightTransferEngine)
+    assert isinstance(engine.source, WeightSource) and isinstance(fleet.sync_client(), VLLMWeightSyncClient)
     open(joined_file, "w").close()
     while not os.path.exists(go_file):
         time.sleep(0.05)
@@ -323,3 +326,16 @@ def test_an_engine_whose_port_was_taken_starts_again_on_another(models, tmp_path
     finally:
         taken.close()
     assert "address already in use" in "".join(open(p).read() for p in tmp_path.glob("rollout_*.log"))
+
+
+def test_vllm_loads_the_spice_backend_as_a_general_plugin():
+    """vLLM's worker processes (tensor-parallel engines) register it through the entry point."""
+    import subprocess
+    import sys
+
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+            "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F, "
+            "WeightTransferTrainerFactory as T\n"
+            "print(F._registry['spice']().__name__, T._registry['spice']().__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["SpiceWeightTransferEngine", "SpiceTrainerTransfer"], out.stderr[-2000:]

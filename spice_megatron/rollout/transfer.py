@@ -133,6 +133,11 @@ def register_spice_backend() -> None:
     if SPICE_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(SPICE_BACKEND, SpiceWeightTransferEngine)
     if SPICE_BACKEND not in WeightTransferTrainerFactory._registry:
-        from spice_megatron.bridge.transfer import SpiceTrainerTransfer
+        from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
 
+        from spice_megatron.bridge.transfer import MegatronStageSource, SpiceTrainerTransfer
+
+        # the learner's classes implement vLLM's interfaces without importing vLLM: declare them
+        TrainerWeightTransferEngine.register(SpiceTrainerTransfer)
+        WeightSource.register(MegatronStageSource)
         WeightTransferTrainerFactory.register_engine(SPICE_BACKEND, SpiceTrainerTransfer)
