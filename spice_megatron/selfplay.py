@@ -212,7 +212,8 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     for k, (i, a) in enumerate(task_of):
         records[a.record].update(outcomes=outcomes[k], pass_rate=sum(outcomes[k]) / len(outcomes[k]),
                                  reasoner_group=k in trained_keys,
-                                 answer_versions=sorted(answer_versions.get(k, ()), key=str))
+                                 answer_versions=sorted(answer_versions.get(k, ()),
+                                                        key=lambda v: (isinstance(v, str), v)))
 
     stats.update(_statistics(n_docs, attempts, groups, tasks, outcomes, task_reward, samples, reasons, counters, cfg))
     stats["challenger_mode"] = "self" if train_challenger else "model"

