@@ -29,6 +29,7 @@ import os
 import random
 import secrets
 import signal
+import subprocess
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -183,7 +184,14 @@ class Driver:
         from spice_megatron.rollout.local import restart, wait_healthy
 
         restarted = False
+        health = self.fleet.health() if self.engines else {}
         for i, e in enumerate(self.engines):
+            if e.alive() and health.get(e.url) is None:  # exiting (its sockets closed first) or hung
+                try:
+                    e.process.wait(10)
+                except subprocess.TimeoutExpired:
+                    log.warning("rollout engine %s does not answer; killing it", e.url)
+                    e.kill()
             if not e.alive():
                 log.warning("rollout engine %s died; restarting it", e.url)
                 self.engines[i] = restart(e, self.token)

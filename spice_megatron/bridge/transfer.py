@@ -155,6 +155,11 @@ class SpiceTrainerTransfer:
                 self.client.finish_weight_update(str(version))
         except BaseException:
             self.close_group()  # unblocks the engines still waiting for buckets
+            if receiving is not None:  # every engine's answer first, so that none is left mid-request
+                try:
+                    receiving.result(timeout=self.info.timeout_s)
+                except Exception:  # noqa: BLE001 - the send's own error is the one to report
+                    pass
             raise
         finally:
             if exe is not None:
