@@ -172,14 +172,17 @@ def test_the_smollm2_demo_run(tmp_path):
     assert os.path.exists(os.path.join(out, "hf_final", "tokenizer.json"))
 
 
-def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup, staleness):
+    """At staleness 1 the kill lands while the next iteration's rollouts run beside a learner step."""
     model, corpus, root = setup
-    out = str(root / "engine_death")
+    out = str(root / f"engine_death_{staleness}")
+    marker = root / f"sync_fault_marker_{staleness}"
     # besides the kill below, the first engine to receive weights version 3 exits in the middle of it
-    os.environ["SPICE_FAULT_DIE_IN_SYNC"] = f"3:{root / 'sync_fault_marker'}"
+    os.environ["SPICE_FAULT_DIE_IN_SYNC"] = f"3:{marker}"
     try:
         proc = spice_train(model, corpus, out, "run.iterations=4", "rollout.local_engines=2", "rollout.sync_timeout=20",
-                           wait=False)
+                           f"train.max_staleness={staleness}", wait=False)
     finally:
         del os.environ["SPICE_FAULT_DIE_IN_SYNC"]
     metrics_path = os.path.join(out, "metrics.jsonl")
@@ -196,11 +199,14 @@ def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup):
     text, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, text[-3000:]
     assert "died; restarting it" in text
-    assert "weight sync of version 3 failed" in text and (root / "sync_fault_marker").exists()
+    assert "weight sync of version 3 failed" in text and marker.exists()
     metrics = records(metrics_path)
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
     assert [m["weight_sync/retries"] for m in metrics] == [0, 0, 1, 0]
-    assert all(m["train/logprob_gap"] < 1e-3 for m in metrics)  # the restarted engines got the current weights
+    if staleness == 0:  # the restarted engines got the current weights
+        assert all(m["train/logprob_gap"] < 1e-3 for m in metrics)
+    else:  # ... and at staleness 1 every batch from iteration 2 on is exactly one version old
+        assert [m["rollout_version"] for m in metrics] == [0, 0, 1, 2]
 
 
 def test_paper_protocol_run_trains_eight_challenger_trajectories_per_document(setup, tmp_path):
