@@ -149,7 +149,10 @@ class VLLMEngine:
 
     def _admit(self, requests: list, params: list, done: Future) -> None:
         slots: list = [[None] * len(prompts) for prompts, _ in requests]
-        submission = [slots, sum(len(p) for p, _ in requests), done]
+        submission = [slots, sum(len(p) for p, _ in requests), done]  # slots, prompts left, its future
+        if not submission[1]:
+            done.set_result(slots)
+            return
         added = []
         try:
             for r, ((prompts, _), request_params) in enumerate(zip(requests, params)):
