@@ -21,6 +21,17 @@ def global_param_name(name: str, offset: int) -> str:
 Allocate = Callable[[list[tuple[str, tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
 
 
+def stage_hf_outputs(learner) -> Iterator[tuple[str, torch.Tensor, list[tuple[str, tuple[int, ...]]]]]:
+    """Each of this stage's parameters with the HF tensors (name, full shape) it becomes; no
+    communication (shapes are the TP-gathered ones)."""
+    from spice_megatron.bridge.hf_io import layer_offset
+
+    offset, tp = layer_offset(learner.model), learner.layout.tp
+    for name, param in learner.model.named_parameters():
+        yield name, param, hf_outputs(global_param_name(name, offset), full_shape(name, tuple(param.shape), tp),
+                                      learner.spec)
+
+
 def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for this pipeline stage's parameters, one parameter at a time.
 
@@ -32,17 +43,13 @@ def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[
     """
     from megatron.core import parallel_state as ps
 
-    from spice_megatron.bridge.hf_io import layer_offset
-
-    offset = layer_offset(learner.model)
     tp, tp_rank, group = learner.layout.tp, learner.layout.tp_rank, ps.get_tensor_model_parallel_group()
     root = dist.get_global_rank(group, 0) if tp > 1 else dist.get_rank()
     device = next(learner.model.parameters()).device
     allocate = allocate or (lambda specs: [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in specs])
     spare = torch.empty(0)  # receive buffer for shards that cannot land in place, reused
-    for name, param in learner.model.named_parameters():
+    for name, param, outputs in stage_hf_outputs(learner):
         local = param.detach()
-        outputs = hf_outputs(global_param_name(name, offset), full_shape(name, tuple(local.shape), tp), learner.spec)
         if not outputs:
             continue
         sharded = tp > 1 and gather_layout(name)[0] is not None

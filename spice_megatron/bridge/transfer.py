@@ -9,7 +9,6 @@ importable they are registered with its factories (rollout/transfer.py).
 """
 from __future__ import annotations
 
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Collection, Iterator
@@ -17,11 +16,7 @@ from typing import Any, ClassVar, Collection, Iterator
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
-
 SPICE_BACKEND = "spice"
-# rollout.weight_transfer: ours, and vLLM's built-in backends that fit a Megatron learner
-BACKENDS = (SPICE_BACKEND, "nccl", "ipc", "nccl_m2n")
 
 
 @dataclass(frozen=True)
@@ -46,25 +41,20 @@ class MegatronStageSource:
     """
 
     def __init__(self, learner, group=None):
-        from spice_megatron.bridge.export import global_param_name
-        from spice_megatron.bridge.hf_io import layer_offset
-        from spice_megatron.bridge.mapping import full_shape, hf_outputs
+        from spice_megatron.bridge.export import stage_hf_outputs
+        from spice_megatron.bridge.weight_sync import DTYPES
 
         self.learner = learner
         lay = learner.layout
         self.is_stage_sender = lay.tp_rank == 0 and lay.dp_rank == 0
         mine: list[tuple[str, str, tuple[int, ...]]] = []
         if self.is_stage_sender:
-            offset = layer_offset(learner.model)
-            for name, param in learner.model.named_parameters():
-                shape = full_shape(name, tuple(param.shape), lay.tp)
-                mine += [(hf, str(param.dtype), s)
-                         for hf, s in hf_outputs(global_param_name(name, offset), shape, learner.spec)]
+            mine = [(hf, str(param.dtype), shape) for _, param, outputs in stage_hf_outputs(learner)
+                    for hf, shape in outputs]
         parts: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, (lay.pp_rank, mine) if self.is_stage_sender else None, group=group)
         stages = dict(p for p in parts if p is not None)
-        dtypes = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
-        self._meta = [ParamMeta(n, dtypes[d], tuple(s)) for stage in sorted(stages) for n, d, s in stages[stage]]
+        self._meta = [ParamMeta(n, DTYPES[d], tuple(s)) for stage in sorted(stages) for n, d, s in stages[stage]]
         self._held = {n for n, _, _ in mine}
 
     def metadata(self) -> list[ParamMeta]:

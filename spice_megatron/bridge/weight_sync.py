@@ -36,7 +36,8 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)}
+# the dtypes a bucket entry may name (wire name -> dtype)
+DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)}
 _MOD = 2**31 - 1
 _CHUNK = 1 << 12  # 32-bit words per dot product
 _BLOCK = 1 << 20  # words per float64 block: 8 MiB of temporaries
@@ -193,9 +194,9 @@ def _layout(start: int, specs: list[TensorSpec]) -> tuple[list, int]:
 def _views(payload: torch.Tensor, entries: list) -> list[torch.Tensor]:
     views = []
     for name, dtype, shape, offset, nbytes in entries:
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise WeightSyncError(f"tensor {name!r}: unsupported dtype {dtype}")
-        views.append(payload[offset:offset + nbytes].view(_DTYPES[dtype]).view(shape))
+        views.append(payload[offset:offset + nbytes].view(DTYPES[dtype]).view(shape))
     return views
 
 

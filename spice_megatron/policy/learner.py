@@ -280,34 +280,32 @@ def _mismatch_sums(lp: torch.Tensor, old_lp: torch.Tensor | None, engine_lp: tor
                    roles: list[str], cap: float) -> dict[str, list[float]]:
     """Per role: [sum |lp - engine|, max |lp - engine|, sum of k3, tokens over the TIS cap, tokens],
     over the sampled tokens the engine gave log-probs for. k3 = r - 1 - log r with r = pi / mu
-    estimates KL(engine || learner) from the engine's samples."""
+    estimates KL(engine || learner) from the engine's samples. One device-to-host copy."""
     diff = (lp - engine_lp) * mask
     k3 = (torch.exp(diff) - 1 - diff) * mask
     over = ((((lp if old_lp is None else old_lp) - engine_lp) > math.log(cap)).to(mask.dtype) * mask)
+    rows = torch.stack([diff.abs().sum(-1), diff.abs().amax(-1), k3.sum(-1), over.sum(-1), mask.sum(-1)], -1)
     out: dict[str, list[float]] = {}
-    for r, role in enumerate(roles):
-        n = mask[r].sum().item()
-        if not n:
-            continue
-        acc = out.setdefault(role or "all", [0.0, 0.0, 0.0, 0.0, 0.0])
-        acc[0] += diff[r].abs().sum().item()
-        acc[1] = max(acc[1], diff[r].abs().max().item())
-        acc[2] += k3[r].sum().item()
-        acc[3] += over[r].sum().item()
-        acc[4] += n
+    for role, row in zip(roles, rows.tolist()):
+        if row[4]:
+            _add_mismatch(out, role or "all", row)
     return out
+
+
+def _add_mismatch(total: dict[str, list[float]], role: str, row: list[float]) -> None:
+    acc = total.setdefault(role, [0.0, 0.0, 0.0, 0.0, 0.0])
+    acc[0] += row[0]
+    acc[1] = max(acc[1], row[1])
+    acc[2] += row[2]
+    acc[3] += row[3]
+    acc[4] += row[4]
 
 
 def _mismatch_metrics(parts: list[dict[str, list[float]]]) -> dict[str, float]:
     total: dict[str, list[float]] = {}
     for part in parts:
-        for role, (abs_sum, abs_max, k3, over, n) in part.items():
-            acc = total.setdefault(role, [0.0, 0.0, 0.0, 0.0, 0.0])
-            acc[0] += abs_sum
-            acc[1] = max(acc[1], abs_max)
-            acc[2] += k3
-            acc[3] += over
-            acc[4] += n
+        for role, row in part.items():
+            _add_mismatch(total, role, row)
     return {f"{role}/{key}": value for role, (abs_sum, abs_max, k3, over, n) in total.items()
             for key, value in (("logprob_gap_mean", abs_sum / n), ("logprob_gap_max", abs_max),
                                ("k3_kl", k3 / n), ("tis_capped", over / n))}

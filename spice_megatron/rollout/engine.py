@@ -21,6 +21,7 @@ import os
 import queue
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -28,6 +29,20 @@ import torch
 from spice_megatron.rollout.types import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
+
+
+def version_label(version: str) -> int | str:
+    """vLLM's weight version is a string; ours are step counts, reported as integers."""
+    return int(version) if version.isdigit() else version
+
+
+@dataclass
+class _Submission:
+    """One `submit` call: its completions by request and prompt, filled in as requests finish."""
+
+    slots: list[list]
+    left: int  # prompts not finished yet
+    done: Future
 
 
 class VLLMEngine:
@@ -70,11 +85,10 @@ class VLLMEngine:
                        weight_transfer_config={"backend": weight_transfer}, **extra)
         self.engine = self.llm.llm_engine
         self.engine.set_weight_version("0")
-        self.tokenizer = self.llm.get_tokenizer()
         self.start_seconds = time.perf_counter() - t0
         self._inbox: queue.Queue = queue.Queue()
         self._ids = itertools.count()
-        self._waiting: dict[str, tuple[list, int]] = {}  # request id -> (its submission's slots, index)
+        self._waiting: dict[str, tuple[_Submission, tuple[int, int]]] = {}  # request id -> (submission, (r, i))
         self.paused = False  # by a weight update (or /pause): no decoding step runs
         self.updating = False  # between start_weight_update and a successful finish
         self.steps = 0
@@ -148,10 +162,10 @@ class VLLMEngine:
                 self._step()
 
     def _admit(self, requests: list, params: list, done: Future) -> None:
-        slots: list = [[None] * len(prompts) for prompts, _ in requests]
-        submission = [slots, sum(len(p) for p, _ in requests), done]  # slots, prompts left, its future
-        if not submission[1]:
-            done.set_result(slots)
+        submission = _Submission([[None] * len(prompts) for prompts, _ in requests], sum(len(p) for p, _ in requests),
+                                 done)
+        if not submission.left:
+            done.set_result(submission.slots)
             return
         added = []
         try:
@@ -175,20 +189,19 @@ class VLLMEngine:
         except Exception as e:  # noqa: BLE001 - the engine is broken: fail every waiting request
             failed = {id(sub): sub for sub, _ in self._waiting.values()}
             self._waiting.clear()
-            for _, _, done in failed.values():
-                if not done.done():
-                    done.set_exception(e)
+            for sub in failed.values():
+                if not sub.done.done():
+                    sub.done.set_exception(e)
             raise
         self.steps += 1
         for out in outputs:
             if not out.finished or out.request_id not in self._waiting:
                 continue
             submission, (r, i) = self._waiting.pop(out.request_id)
-            slots = submission[0]
-            slots[r][i] = [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
-            submission[1] -= 1
-            if submission[1] == 0:
-                submission[2].set_result(slots)
+            submission.slots[r][i] = [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            submission.left -= 1
+            if submission.left == 0:
+                submission.done.set_result(submission.slots)
 
     # ------------------------------------------------------------------------- weight updates (engine thread)
 
@@ -250,8 +263,7 @@ class VLLMEngine:
 
 
 def _completion(c) -> Completion:
-    spans = [[int(s.version) if s.version.isdigit() else s.version, s.start, s.end]
-             for s in (c.weight_versions or [])]
+    spans = [[version_label(s.version), s.start, s.end] for s in (c.weight_versions or [])]
     return Completion(c.text, list(c.token_ids),
                       [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else [],
                       c.finish_reason or "", spans)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from fastapi import Body, FastAPI, HTTPException, Request
 from pydantic import BaseModel, Field
 
+from spice_megatron.rollout.engine import version_label
 from spice_megatron.rollout.types import SamplingSpec
 
 log = logging.getLogger("spice.rollout.serve")
@@ -43,16 +44,9 @@ class GenerateBody(BaseModel):
     sampling: dict = Field(default_factory=dict)
 
 
-def _version(v: str) -> int | str:
-    return int(v) if v.isdigit() else v
-
-
 def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
     """`engine`: a VLLMEngine whose `serve_forever` runs on the thread that built it; every call
     here goes through its inbox and runs between two decoding steps."""
-
-    def on_engine(fn, *args):
-        return engine.call(fn, *args).result()
 
     app = FastAPI(title="spice rollout engine")
     state: dict[str, Any] = {"requests": 0, "tokens": 0, "busy_seconds": 0.0}
@@ -65,7 +59,7 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
     def control(request: Request, fn, *args):
         check_token(request)
         try:
-            return on_engine(fn, *args)
+            return engine.call(fn, *args).result()
         except VALIDATION_ERRORS as e:
             raise HTTPException(status_code=400, detail=f"{type(e).__name__}: {e}") from e
         except Exception as e:  # noqa: BLE001 - named for the trainer, which retries or fails the run
@@ -74,7 +68,7 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
 
     @app.get("/health")
     def health():
-        return {"status": "ok", "version": _version(engine.version), "model": engine.model_dir,
+        return {"status": "ok", "version": version_label(engine.version), "model": engine.model_dir,
                 "workers": engine.workers, "weight_transfer": engine.weight_transfer, "paused": engine.paused,
                 "updating": engine.updating, "steps": engine.steps, "admissions": engine.admissions, **state}
 
@@ -98,7 +92,7 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
         state["requests"] += 1
         state["tokens"] += sum(len(c.token_ids) for comps in out for c in comps)
         state["busy_seconds"] += time.perf_counter() - t0
-        return {"version": _version(engine.version), "completions": [[c.to_json() for c in comps] for comps in out]}
+        return {"version": version_label(engine.version), "completions": [[c.to_json() for c in comps] for comps in out]}
 
     # vLLM's RL control plane, under its own route names and bodies
     @app.post("/init_weight_transfer_engine")
@@ -116,7 +110,7 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
     @app.post("/finish_weight_update")
     def finish_weight_update(request: Request, weight_version: str | None = Body(default=None, embed=True)):
         control(request, engine.finish_weight_update, weight_version)
-        return {"status": "ok", "version": _version(engine.version)}
+        return {"status": "ok", "version": version_label(engine.version)}
 
     @app.post("/shutdown_weight_transfer_engine")
     def shutdown_weight_transfer_engine(request: Request):
@@ -132,7 +126,7 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
 
     @app.get("/weight_checksums")
     def weight_checksums(request: Request):
-        return {"version": _version(engine.version), "checksums": control(request, engine.weight_checksums)}
+        return {"version": version_label(engine.version), "checksums": control(request, engine.weight_checksums)}
 
     @app.post("/shutdown")
     def shutdown(request: Request):

