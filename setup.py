@@ -36,6 +36,7 @@ setup(
     version="0.1.0",
     description="SPICE (Self-Play In Corpus Environments) on Megatron-Core with vLLM rollouts",
     packages=find_packages(include=["spice_megatron", "spice_megatron.*", "recipes", "recipes.*"]),
+    package_data={"spice_megatron": ["prompts/*/*.txt"]},  # few-shot prompt folders for selfplay.prompt_dir
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require=EXTRAS,

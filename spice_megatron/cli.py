@@ -105,6 +105,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
             from spice_megatron.offline_assets import smollm2_dir
 
             cfg.run.model = smollm2_dir()
+        try:  # a bad value is one line here, before torchrun, Megatron and the engines start
+            cfg.validate()
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         offline_data.prepare_for(cfg.corpus.sources)
         argv = list(sys.argv[1:])
         if "--model" not in argv:
@@ -122,7 +127,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from spice_megatron.eval.run import training_eval_hook
 
         settings = EvalSettings(max_tokens=cfg.selfplay.reasoner_max_tokens, seed=cfg.run.seed,
-                                template=cfg.selfplay.template, prompt_dir=cfg.selfplay.prompt_dir)
+                                template=cfg.selfplay.template, prompt_dir=cfg.selfplay.prompt_dir,
+                                stop=tuple(cfg.selfplay.reasoner_stop))
         eval_hook = training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data,
                                        AutoTokenizer.from_pretrained(cfg.run.model), settings, args.eval_limit or None)
     try:
@@ -194,14 +200,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    template, prompt_dir = args.template, ""
+    template, prompt_dir, stop = args.template, "", ()
     if args.recipe:  # the recipe's training prompts, unless --template names another
         from recipes import get_recipe
 
         recipe = get_recipe(args.recipe).selfplay
         template, prompt_dir = args.template or recipe.template, recipe.prompt_dir
+        stop = tuple(recipe.reasoner_stop)
     settings = EvalSettings(max_tokens=args.max_tokens, sample_temperature=args.sample_temperature, seed=args.seed,
-                            template=template or "plain", prompt_dir=prompt_dir)
+                            template=template or "plain", prompt_dir=prompt_dir, stop=stop)
     judge = None
     if args.judge_engines:  # off by default: the paper's table uses a judge model, the rules are the baseline
         from spice_megatron.eval.harness import LLMJudge
@@ -424,11 +431,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quiet_libraries() -> None:
+    """Megatron's start-up dump (every parameter of each gradient bucket, the optimizer's config, the
+    Transformer Engine / Apex fallbacks on CPU) is for -v; its warnings and errors still show."""
+    import warnings
+
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    for message in (r".*(Transformer Engine|Apex).* not installed", r"full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        quiet_libraries()
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

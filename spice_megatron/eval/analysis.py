@@ -86,13 +86,13 @@ class PassRate:
 def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int) -> tuple[list, float]:
     from spice_megatron.protocol import ChallengerPrompts
     from spice_megatron.rollout.types import SamplingSpec
-    from spice_megatron.tasks import parse_challenger_output
+    from spice_megatron.tasks import COMPACT_END, parse_challenger_output
 
     # the compact protocol: one generation per document is all this analysis needs
     challenger = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
     prompts = [challenger.compact_prompt(d.text) for d in docs]
     spec = SamplingSpec(n=1, temperature=cfg.challenger_temperature, max_tokens=cfg.challenger_max_tokens,
-                        seed=seed, logprobs=False)
+                        stop=(COMPACT_END,), seed=seed, logprobs=False)
     parsed = [parse_challenger_output(c[0].text) for c in fleet.generate(prompts, spec)]
     tasks = [p.task for p in parsed if p.valid]
     return tasks, len(tasks) / len(docs) if docs else float("nan")
@@ -107,7 +107,7 @@ def _answer(fleet, tasks, tokenizer, cfg, verifier, seed: int) -> tuple[int, int
         return 0, 0
     prompts = [reasoner_prompt(t, cfg.template, tokenizer, cfg.prompt_dir) for t in tasks]
     spec = SamplingSpec(n=cfg.group_size, temperature=cfg.reasoner_temperature, max_tokens=cfg.reasoner_max_tokens,
-                        seed=seed, logprobs=False)
+                        stop=tuple(cfg.reasoner_stop), seed=seed, logprobs=False)
     outs = fleet.generate(prompts, spec)
     items = [(extract_boxed(c.text), t.answer, t.answer_type) for t, comps in zip(tasks, outs) for c in comps]
     ok = verifier.verify_batch(items)

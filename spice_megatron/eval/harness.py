@@ -37,6 +37,7 @@ class EvalSettings:
     seed: int = 1234
     template: str = "plain"  # the recipe's conversation template (templates.py): the training prompts
     prompt_dir: str = ""
+    stop: tuple[str, ...] = ()  # the training reasoner's stop strings (selfplay.reasoner_stop)
 
 
 @dataclass
@@ -78,9 +79,9 @@ def evaluate_benchmark(loaded: LoadedBenchmark, generate: Generate, verifier, to
     prompts = [reasoner_prompt(it.task(), settings.template, tokenizer, settings.prompt_dir) for it in items]
     if b.samples > 1:
         spec = SamplingSpec(n=b.samples, temperature=settings.sample_temperature, top_p=settings.sample_top_p,
-                            max_tokens=settings.max_tokens, seed=settings.seed, logprobs=False)
+                            max_tokens=settings.max_tokens, stop=settings.stop, seed=settings.seed, logprobs=False)
     else:
-        spec = SamplingSpec(n=1, temperature=0.0, max_tokens=settings.max_tokens, logprobs=False)
+        spec = SamplingSpec(n=1, temperature=0.0, max_tokens=settings.max_tokens, stop=settings.stop, logprobs=False)
     outputs = generate(prompts, spec)
     flat = [(it, c, extract_boxed(c.text)) for it, comps in zip(items, outputs) for c in comps]
     verdicts = verifier.verify_batch([(pred, it.answer, it.answer_type) for it, _, pred in flat])

@@ -78,7 +78,9 @@ class VLLMEngine:
         self.model_dir = model_dir
         self.workers = tensor_parallel_size  # one weight-sync receiver per worker
         self.weight_transfer = weight_transfer
-        self.llm = LLM(model=model_dir, dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
+        # processed_logprobs: the log-probs of the distribution sampled from (after temperature), which is
+        # what the learner computes with train.temperature; vLLM's default (raw) ignores the temperature.
+        self.llm = LLM(model=model_dir, logprobs_mode="processed_logprobs", dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
@@ -108,6 +110,7 @@ class VLLMEngine:
             spec.validate()
             params.append([SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                                           max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
+                                          include_stop_str_in_output=True,  # the tokens trained are the text parsed
                                           seed=None if spec.seed is None else spec.seed + i,
                                           logprobs=0 if spec.logprobs else None,
                                           output_kind=RequestOutputKind.FINAL_ONLY)
