@@ -5,7 +5,10 @@
     # a paper recipe on a Slurm cluster: print the sbatch script, or submit it
     python -m recipes.launch --recipe qwen3_8b --executor slurm --account ACCT --partition batch \
         --container-image /images/spice-megatron.sqsh --mount /lustre/models:/models \
-        --model-dir /models/Qwen3-8B-Base --dryrun
+        --mount /lustre/results:/results --mount /lustre/spice_data:/data --model-dir /models/Qwen3-8B-Base \
+        --data-dir /data --output-dir /results/qwen3_8b --dryrun
+(output, data and model directories must lie under a --mount destination: the container's own
+filesystem is private to its node and discarded with the job)
 
 On Slurm one job holds both roles: the rollout services on the last nodes (slurm/rollout_node.sh,
 one srun task per node) and the learner on the first ones (one srun task per GPU; Megatron reads
@@ -76,7 +79,12 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     if rollout_nodes < 1:
         raise ValueError(f"cluster.nodes={cfg.cluster.nodes}: a Slurm run needs at least one rollout node")
     gpus = cfg.cluster.gpus_per_node
-    output_dir = output_dir or f"/results/{cfg.run.name}"
+    if not output_dir:
+        raise ValueError("--output-dir: a Slurm run needs an output directory under one of the --mount destinations "
+                         "(shared storage): checkpoints, metrics and hf_final are lost in the container otherwise")
+    mounts = list(mounts or [])
+    for flag, path in (("--output-dir", output_dir), ("--data-dir", data_dir), ("--model-dir", model_dir)):
+        require_mounted(flag, path, mounts)
     shared = {"PYTHONPATH": CODE_DIR, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
               # one communicator spans learner senders and vLLM workers: the settings must agree
               "NCCL_CUMEM_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", **(env or {})}
@@ -93,7 +101,7 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     def executor(srun_args: list[str], extra_env: dict[str, str], image: str):
         return run.SlurmExecutor(
             account=account, partition=partition, nodes=cfg.cluster.nodes, ntasks_per_node=1, gpus_per_node=gpus,
-            time=time, container_image=image, container_mounts=list(mounts or []),
+            time=time, container_image=image, container_mounts=mounts,
             env_vars={**shared, **extra_env}, exclusive=True, mem="0", srun_args=srun_args, setup_lines=setup,
             retries=retries, tunnel=tunnel or run.LocalTunnel(job_dir=job_dir or _default_job_dir()),
             packager=packager or run.GitArchivePackager())
@@ -119,6 +127,19 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
                             entrypoint="python")],
                 executor=[rollout, learner], name="spice")
     return exp
+
+
+def require_mounted(flag: str, path: str, mounts: list[str]) -> None:
+    """A pyxis container's own filesystem is private to its node and discarded with the job: what a
+    run reads on every node or must keep (checkpoints, the staged corpus, the model) has to lie under
+    a mount destination (src:dst[:flags])."""
+    destinations = [m.split(":")[1] if ":" in m else m for m in mounts]
+    inside = [d for d in destinations if os.path.normpath(path) == os.path.normpath(d)
+              or os.path.normpath(path).startswith(os.path.normpath(d).rstrip("/") + "/")]
+    if not os.path.isabs(path) or not inside:
+        raise ValueError(f"{flag} {path!r} is not under a --mount destination ({', '.join(destinations) or 'none'}): "
+                         "on Slurm it must be on shared storage mounted into the container, "
+                         "e.g. --mount /lustre/results:/results with --output-dir /results/NAME")
 
 
 def completed_iterations(output_dir: str) -> int:
@@ -169,13 +190,17 @@ def main(argv: list[str] | None = None) -> int:
         done = completed_iterations(os.path.abspath(args.output_dir or cfg.run.output_dir))
         print(f"spice run through NeMo-Run: {done} of {cfg.run.iterations} iterations completed")
         return 0 if done >= cfg.run.iterations else 1
-    missing = [n for n in ("account", "container_image", "model_dir", "data_dir") if not getattr(args, n)]
+    missing = [n for n in ("account", "container_image", "model_dir", "data_dir", "output_dir") if not getattr(args, n)]
     if missing:
         ap.error("--executor slurm needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
-    exp = slurm_experiment(args.recipe, account=args.account, partition=args.partition,
-                           container_image=args.container_image, model_dir=args.model_dir, data_dir=args.data_dir,
-                           rollout_container_image=args.rollout_container_image, mounts=args.mount,
-                           time=args.time, output_dir=args.output_dir, overrides=args.overrides, retries=args.retries)
+    try:
+        exp = slurm_experiment(args.recipe, account=args.account, partition=args.partition,
+                               container_image=args.container_image, model_dir=args.model_dir, data_dir=args.data_dir,
+                               rollout_container_image=args.rollout_container_image, mounts=args.mount, time=args.time,
+                               output_dir=args.output_dir, overrides=args.overrides, retries=args.retries)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.dryrun:
         print(dryrun_sbatch(exp))
         return 0

@@ -150,7 +150,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"  metrics: {cfg.run.output_dir}/metrics.jsonl, TensorBoard: {cfg.run.output_dir}/tensorboard, "
               f"audit: {cfg.run.output_dir}/audit.jsonl, HF checkpoint: {cfg.run.output_dir}/hf_final")
         print(f"  plots: spice curves {cfg.run.output_dir}; evaluation: spice eval --model {cfg.run.output_dir}")
+        print(_moved_line(os.path.join(cfg.run.output_dir, "metrics.jsonl")))
+        print("  evidence of learning: tools/learning_check.py --selfplay (both roles against a frozen control) and "
+              "tools/learning_check.py (the reasoner on fixed tasks); README \"Does it learn?\"")
     return 0
+
+
+MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasoner_pass_rate"),
+         ("challenger reward", "challenger_reward_mean"), ("frontier share", "challenger/frontier_share"))
+
+
+def _moved_line(metrics_path: str) -> str:
+    """One line: what moved from the run's first iteration to its last."""
+    from spice_megatron.audit import read_records
+
+    metrics = list(read_records(metrics_path)) if os.path.exists(metrics_path) else []
+    if len(metrics) < 2:
+        return "  moved: one iteration only"
+    first, last = metrics[0], metrics[-1]
+    parts = [f"{label} {first[key]:.2f} -> {last[key]:.2f}" for label, key in MOVED if key in first and key in last]
+    return f"  moved (iteration {first['iteration']} -> {last['iteration']}): " + ", ".join(parts)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -286,18 +305,16 @@ def _cmd_coevolution(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    """Print audit records of a run, filtered; each traces to its document and weights version."""
+    """Print audit records of a run, filtered; each traces to its document and weights version. A
+    valid challenger task is shown with its document and the reasoner's answers (--full: raw JSON)."""
+    from spice_megatron.audit import iterations, one_line, read_records, task_block
+
     path = _run_file(args.run, "audit.jsonl")
     if path is None:
         return 1
     shown = 0
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                print(f"warning: {path}:{line_no} is not valid JSON (a torn write?); skipped", file=sys.stderr)
-                continue
+    for group in iterations(read_records(path)):
+        for r in group:
             if ((args.kind and r.get("kind") != args.kind) or (args.doc and r.get("doc_id") != args.doc)
                     or (args.iteration is not None and r.get("iteration") != args.iteration)
                     or (args.version is not None and r.get("weights_version") != args.version)
@@ -305,14 +322,25 @@ def _cmd_audit(args: argparse.Namespace) -> int:
                 continue
             if args.full:
                 print(json.dumps(r, ensure_ascii=False))
+            elif r.get("kind") == "reasoner" and _shown_in_task_block(r, group, args):
+                continue
+            elif r.get("kind") == "challenger" and r.get("valid"):
+                print(task_block(r, group))
             else:
-                what = (r.get("task") or {}).get("question") or r.get("reason") or r.get("extracted")
-                print(f"it={r.get('iteration')} v={r.get('weights_version')} {r.get('kind'):10s} doc={r.get('doc_id')} "
-                      f"reward={r.get('reward', '-')} adv={r.get('advantage', '-')} :: {str(what)[:100]!r}")
+                print(one_line(r))
             shown += 1
             if args.limit and shown >= args.limit:
-                break
+                return 0
     return 0
+
+
+def _shown_in_task_block(answer: dict, group: list[dict], args: argparse.Namespace) -> bool:
+    """A reasoner answer already printed inside its task's block (same filters, --kind not set)."""
+    k = answer.get("challenger_record")
+    if args.kind or not isinstance(k, int) or not 0 <= k < len(group):
+        return False
+    task = group[k]
+    return task.get("kind") == "challenger" and bool(task.get("valid")) and (task.get("trained") or not args.trained)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -419,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sa = sub.add_parser("audit", help="print or filter a run's audit trail")
     sa.add_argument("run", help="run output directory (or its audit.jsonl)")
-    sa.add_argument("--kind", choices=["challenger", "reasoner"])
+    sa.add_argument("--kind", choices=["document", "challenger", "reasoner", "task"])
     sa.add_argument("--doc", help="document provenance id, e.g. math/123/0")
     sa.add_argument("--iteration", type=int)
     sa.add_argument("--version", type=int, help="weights version that wrote the record")

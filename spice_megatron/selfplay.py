@@ -119,7 +119,9 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     reproducible for exact resume. `challenger_generate`: a fixed challenger model's generate
     function (selfplay.challenger=model); its attempts are recorded, never trained."""
     stats: dict[str, float] = {}
-    records: list[dict] = []
+    # the documents the challenger read, first: `spice audit` shows each task beside its document
+    records: list[dict] = [{"kind": "document", "iteration": iteration, "doc_id": d.doc_id, "doc_sha256": d.sha256,
+                            "weights_version": weights_version, "text": d.text} for d in documents]
     n_docs = len(documents)
     prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
     per_doc = cfg.group_size if cfg.challenger_group == "document" else 1

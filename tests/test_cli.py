@@ -37,3 +37,49 @@ def test_audit_filters_records(tmp_path, capsys):
     assert "How many?" in out.out and "wiki/2/0" not in out.out and "not valid JSON" in out.err
     assert main(["audit", str(tmp_path), "--version", "1", "--full"]) == 0
     assert json.loads(capsys.readouterr().out)["reason"] == "no_question"
+
+
+def test_a_bad_value_is_one_line_before_anything_starts():
+    out = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", ".",
+                          "train.max_staleness=3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: train.max_staleness: must be 0 (on-policy) or 1 (one step off)", out.stderr
+    assert out.stdout == ""
+
+
+def test_megatron_start_up_dump_is_for_verbose_only():
+    import logging
+
+    from spice_megatron.cli import quiet_libraries
+
+    quiet_libraries()
+    assert logging.getLogger("megatron.core.distributed.param_and_grad_buffer").getEffectiveLevel() == logging.WARNING
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        quiet_libraries()
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert [str(w.message) for w in caught] == ["something else"]
+
+
+def test_audit_shows_a_task_with_its_document_and_answers(tmp_path, capsys):
+    import json
+
+    rows = [{"kind": "document", "iteration": 1, "doc_id": "stories/3/0", "weights_version": 0,
+             "text": "Gus had 5 cards. A friend gave Gus 8 more cards. Now Gus has 13 cards."},
+            {"kind": "challenger", "iteration": 1, "doc_id": "stories/3/0", "weights_version": 0, "valid": True,
+             "trained": True, "reward": 0.5, "advantage": 0.25,
+             "task": {"question": "Gus had 5 cards and got 8 more. How many now?", "answer": "13",
+                      "answer_type": "integer"}},
+            *[{"kind": "reasoner", "iteration": 1, "doc_id": "stories/3/0", "weights_version": 0, "challenger_record": 1,
+               "extracted": x, "correct": x == "13", "trained": True, "reward": float(x == "13"),
+               "advantage": float(x == "13") - 0.5} for x in ("13", "12")]]
+    (tmp_path / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["audit", str(tmp_path), "--trained"]) == 0
+    out = capsys.readouterr().out
+    assert "document: Gus had 5 cards." in out and "question: Gus had 5 cards and got 8 more" in out
+    assert "gold:     13 (integer)" in out and "answers:  13+ 12-" in out and "pass=1/2" in out
+    assert "reasoner (trained): 1/+0.50 0/-0.50" in out
+    assert out.count("it=1") == 1  # the answers are inside the task's block, not repeated as lines

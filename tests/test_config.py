@@ -61,3 +61,16 @@ def test_staleness_and_weight_transfer_choices_are_validated():
     cfg.parallel, cfg.rollout.weight_transfer = ParallelConfig(pipeline_parallel=2), "nccl"
     with pytest.raises(ConfigError, match="holds only pipeline stage 0 of 2: use spice"):
         cfg.validate()
+
+
+def test_learner_temperature_must_match_the_trained_roles():
+    from recipes.tiny_cpu import tiny_cpu
+
+    cfg = tiny_cpu(model="m")
+    cfg.validate()
+    cfg.selfplay.challenger_temperature = 1.0
+    with pytest.raises(ConfigError, match=r"train.temperature: must equal selfplay.challenger_temperature \(1.0\)"):
+        cfg.validate()
+    cfg.selfplay.challenger = "tasks"  # a fixed challenger is not trained: its temperature is free
+    cfg.selfplay.tasks_file = __file__
+    cfg.validate()

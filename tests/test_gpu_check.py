@@ -27,6 +27,22 @@ def test_gpu_check_smoke_on_cpu():
                         "vocab_parallel_logprob_peak": "SKIP"}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_gpu_check_script_installs_into_a_target_folder_not_a_venv(tmp_path):
+    """The lent machine's python3 is itself a venv holding torch: the script runs that interpreter
+    (no nested venv, which would lose torch) and installs only what it lacks with pip --target onto
+    PYTHONPATH. Here this venv lacks nothing, so the target folder stays empty and the smoke run goes
+    through the script the way the lent machine runs it."""
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_SITE": str(tmp_path / "site"), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh"), "--allow-cpu", str(tmp_path / "wheels")],
+                       capture_output=True, text=True, timeout=540, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "gpu_check env: torch" in r.stdout and "megatron-core 0.16.1" in r.stdout
+    assert not (tmp_path / "site").exists()  # nothing was missing: nothing installed, no venv made
+    assert "gpu_check done: all passed" in r.stdout
+
+
 @pytest.mark.gpu
 def test_gpu_check_on_gpu():
     r = _run()

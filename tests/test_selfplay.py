@@ -315,3 +315,33 @@ def test_weight_versions_are_recorded_per_output_and_per_role():
     assert answered and all(r["answer_versions"] == [3, 4] for r in answered)
     trained = [s for s in result.samples if s.role == "reasoner"]
     assert {tuple(map(tuple, s.completion.versions)) for s in trained} == {((3, 0, 6),), ((3, 0, 3), (4, 3, 6))}
+
+
+def test_documents_stops_and_frontier_and_leak_statistics():
+    """Each document the challenger read is in the audit trail; compact tasks stop at </answer> and
+    the reasoner at selfplay.reasoner_stop; the frontier share counts tasks with 0 < pass rate < 1 and
+    the leak rate tasks whose answer stands in the question."""
+    specs = []
+
+    class Recording(ScriptedModel):
+        def __call__(self, prompts, sampling):
+            specs.append(sampling)
+            return super().__call__(prompts, sampling)
+
+        def _one(self, prompt, sampling, j):
+            if sampling.role == "challenger" and "SPEC[leak]" in prompt:
+                return Completion(task_text("There are 42 here. How many? K=8", "integer", "42"), [1, 2])
+            return super()._one(prompt, sampling, j)
+
+    docs = [doc(0, "SPEC[k4]"), doc(1, "SPEC[leak]"), doc(2, "SPEC[k0]")]
+    cfg = SelfPlayConfig(batch_docs=3, group_size=8, attempts_per_round=1, protocol="compact",
+                         challenger_group="single", reasoner_stop=["\nQ:"])
+    result = run_iteration(docs, Recording(), _verifier(), cfg, random.Random(0), weights_version=2, iteration=4)
+    documents = [r for r in result.records if r["kind"] == "document"]
+    assert [(r["doc_id"], r["text"], r["iteration"], r["weights_version"]) for r in documents] == \
+        [(d.doc_id, d.text, 4, 2) for d in docs]
+    assert {s.stop for s in specs if s.role == "challenger"} == {("</answer>",)}
+    assert {s.stop for s in specs if s.role == "reasoner"} == {("\nQ:",)}
+    s = result.stats
+    assert s["challenger/frontier_share"] == pytest.approx(1 / 3)  # k4: 4 of 8; leak: 8 of 8; k0: 0 of 8
+    assert s["challenger/leak_rate"] == pytest.approx(1 / 3)

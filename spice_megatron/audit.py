@@ -1,0 +1,61 @@
+"""Reading a run's audit trail (audit.jsonl): every document the challenger read, every challenger
+attempt and every reasoner answer, each with its iteration and weights version.
+
+A challenger record's `challenger_record` cross-references (on reasoner records) are indices into
+its iteration's records, which the trainer writes contiguously; `iterations` yields them as such
+groups so that a task can be shown beside its document and its G answers.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Iterator
+
+
+def read_records(path: str) -> Iterator[dict]:
+    """Records in file order; a line that is not JSON (a torn write) is skipped with a warning."""
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                print(f"warning: {path}:{line_no} is not valid JSON (a torn write?); skipped", file=sys.stderr)
+
+
+def iterations(records: Iterator[dict]) -> Iterator[list[dict]]:
+    """The records grouped by iteration, in the order written (one iteration's records at a time)."""
+    group: list[dict] = []
+    for r in records:
+        if group and r.get("iteration") != group[0].get("iteration"):
+            yield group
+            group = []
+        group.append(r)
+    if group:
+        yield group
+
+
+def one_line(r: dict) -> str:
+    what = (r.get("task") or {}).get("question") or r.get("reason") or r.get("extracted") or r.get("text")
+    return (f"it={r.get('iteration')} v={r.get('weights_version')} {r.get('kind'):10s} doc={r.get('doc_id')} "
+            f"reward={r.get('reward', '-')} adv={r.get('advantage', '-')} :: {str(what)[:100]!r}")
+
+
+def task_block(r: dict, group: list[dict]) -> str:
+    """A valid challenger task with the document it came from and the reasoner's answers to it."""
+    index = group.index(r)
+    doc = next((d for d in group if d.get("kind") == "document" and d.get("doc_id") == r.get("doc_id")), None)
+    answers = [a for a in group if a.get("kind") == "reasoner" and a.get("challenger_record") == index]
+    task = r["task"]
+    marks = " ".join(f"{a.get('extracted')}{'+' if a.get('correct') else '-'}" for a in answers)
+    lines = [f"it={r.get('iteration')} v={r.get('weights_version')} doc={r.get('doc_id')} "
+             f"reward={r.get('reward', 0.0):.3f} adv={r.get('advantage', 0.0):+.3f} "
+             f"pass={sum(bool(a.get('correct')) for a in answers)}/{len(answers)}",
+             f"  document: {doc['text'] if doc else '(not recorded)'}",
+             f"  question: {task.get('question')}",
+             f"  gold:     {task.get('answer')} ({task.get('answer_type')})",
+             f"  answers:  {marks or '(none)'}"]
+    trained = [a for a in answers if a.get("trained")]
+    if trained:
+        lines.append("  reasoner (trained): " + " ".join(f"{a.get('reward', 0):.0f}/{a.get('advantage', 0):+.2f}"
+                                                       for a in trained))
+    return "\n".join(lines)
