@@ -116,7 +116,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             argv += ["--model", cfg.run.model]
         relaunch_with_torchrun(cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel,
                                [sys.argv[0], *argv])
-    from spice_megatron.trainer import Interrupted, KillSwitch, train
+    from spice_megatron.trainer import EnginesLost, Interrupted, KillSwitch, train
 
     eval_hook = None
     if args.eval_benchmarks and cfg.run.eval_every and global_rank() == 0:
@@ -140,6 +140,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except Interrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 130
+    except EnginesLost as e:
+        print(f"error: rollout engines lost: {e}", file=sys.stderr)
+        return 1
     if summary and global_rank() == 0:
         keys = ["weights_version", "valid_task_rate", "attempts_per_doc", "reasoner_pass_rate", "challenger_reward_mean",
                 "train/loss", "train/grad_norm", "train/logprob_gap", "weight_sync/seconds", "time/iteration"]

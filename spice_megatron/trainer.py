@@ -22,31 +22,22 @@ the new weights once both are done, and iteration t+1 trains on a batch one vers
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import os
-import random
-import secrets
 import signal
-import subprocess
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from spice_megatron.config import SpiceConfig
-from spice_megatron.policy.batching import TrainSequence
+from spice_megatron.driver import Driver, EnginesLost, KillSwitch, RolloutBatch
+from spice_megatron.rollout.fleet import NoEngineLeft
 
 log = logging.getLogger("spice.trainer")
-
-
-class KillSwitch(RuntimeError):
-    """The run stopped itself (non-finite loss, no valid tasks, reward collapse)."""
 
 
 class Interrupted(RuntimeError):
@@ -89,25 +80,6 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-@dataclass
-class RolloutBatch:
-    """One iteration's rollouts: what the learner trains on and what is logged for it. At
-    staleness 1 a finished batch waits one iteration, so a checkpoint holds it (JSON)."""
-
-    iteration: int
-    version: int  # the engines' weights when its rollouts started
-    stats: dict[str, float]
-    records: list[dict]
-    seqs: list[TrainSequence]
-
-    def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "seqs": [dataclasses.asdict(x) for x in self.seqs]}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "RolloutBatch":
-        return cls(d["iteration"], d["version"], d["stats"], d["records"], [TrainSequence(**x) for x in d["seqs"]])
-
-
 def _broadcast(obj: Any, group) -> Any:
     """Rank 0's object on every rank, over the gloo control group (see policy.parallel.control_group)."""
     box = [obj]
@@ -115,169 +87,11 @@ def _broadcast(obj: Any, group) -> Any:
     return box[0]
 
 
-class Driver:
-    """Rank 0's side of the loop: corpus, rollout fleet, verifier, logs."""
-
-    def __init__(self, cfg: SpiceConfig, tokenizer, resume_state: dict | None):
-        from spice_megatron.corpus import Corpus, DocumentSampler
-        from spice_megatron.rollout.fleet import RolloutFleet
-        from spice_megatron.run_log import JsonlLog, MetricsLogger
-        from spice_megatron.verify import AnswerVerifier
-
-        self.cfg, self.tokenizer = cfg, tokenizer
-        out = cfg.run.output_dir
-        if cfg.selfplay.challenger == "tasks":  # a task file stands in for the challenger
-            from spice_megatron.task_pool import TaskPool
-
-            self.corpus = TaskPool(cfg.selfplay.tasks_file)
-        else:
-            self.corpus = Corpus.build(cfg.corpus, tokenizer, cfg.run.name)
-        self.sampler = DocumentSampler(self.corpus, cfg.run.seed)
-        self.rng = random.Random(cfg.run.seed)
-        self.engines: list = []
-        token = cfg.rollout.token or os.environ.get("SPICE_ROLLOUT_TOKEN") or secrets.token_hex(16)
-        self.token = token
-        urls = list(cfg.rollout.engines) or self._start_local_engines(cfg.run.model, cfg.rollout.local_engines)
-        self.fleet = RolloutFleet(urls, token, cfg.rollout.request_timeout, chunk_size=cfg.rollout.chunk_size)
-        self.fleet.wait_until_healthy(cfg.rollout.health_timeout)
-        for url, health in self.fleet.health().items():
-            if health and health.get("weight_transfer", cfg.rollout.weight_transfer) != cfg.rollout.weight_transfer:
-                raise RuntimeError(f"engine {url} receives weights through {health['weight_transfer']!r}, the learner "
-                                   f"sends through rollout.weight_transfer={cfg.rollout.weight_transfer!r}: start both "
-                                   "with the same backend (slurm: WEIGHT_TRANSFER)")
-        # selfplay.challenger=model: a fixed challenger behind its own engines, never weight-synced
-        self.challenger_fleet = None
-        if cfg.selfplay.challenger == "model":
-            curls = list(cfg.rollout.challenger_engines) or self._start_local_engines(cfg.selfplay.challenger_model, 1)
-            self.challenger_fleet = RolloutFleet(curls, token, cfg.rollout.request_timeout,
-                                                 chunk_size=cfg.rollout.chunk_size)
-            self.challenger_fleet.wait_until_healthy(cfg.rollout.health_timeout)
-        self.verifier = AnswerVerifier()
-        state = resume_state or {}
-        if resume_state:
-            self.sampler.load_state_dict(state["sampler"])
-            self.rng.setstate(_tuple_state(state["rng"]))
-        self.metrics = MetricsLogger(out, state.get("metrics_offset"), cfg.run.wandb_project, cfg.run.name,
-                                     dataclasses.asdict(cfg))
-        self.audit = JsonlLog(os.path.join(out, "audit.jsonl"), state.get("audit_offset"))
-        self.low_valid_streak = state.get("low_valid_streak", 0)
-        self.low_reward_streak = state.get("low_reward_streak", 0)
-        self._ids: dict[str, list[int]] = {}
-        self._rollouts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spice-rollouts")  # staleness 1
-
-    def _start_local_engines(self, model: str, count: int) -> list[str]:
-        from spice_megatron.rollout.local import engine_args, engine_devices, start_engines
-
-        ro = self.cfg.rollout
-        extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=ro.engine_tensor_parallel,
-                            gpu_memory_utilization=ro.gpu_memory_utilization, weight_transfer=ro.weight_transfer)
-        # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier engines
-        reserved = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + len(self.engines) * ro.engine_tensor_parallel
-        started = start_engines(model, self.token, os.path.join(self.cfg.run.output_dir, "logs"), extra,
-                                engine_devices(count, ro.engine_tensor_parallel, reserved=reserved))
-        self.engines += started
-        return [e.url for e in started]
-
-    def restart_dead_engines(self) -> bool:
-        """Restart local engines that died (the fleet served their requests elsewhere meanwhile).
-        Returns whether the weight-sync group must be formed again."""
-        from spice_megatron.rollout.local import restart, wait_healthy
-
-        restarted = False
-        health = self.fleet.health() if self.engines else {}
-        for i, e in enumerate(self.engines):
-            if e.alive() and health.get(e.url) is None:  # exiting (its sockets closed first) or hung
-                try:
-                    e.process.wait(10)
-                except subprocess.TimeoutExpired:
-                    log.warning("rollout engine %s does not answer; killing it", e.url)
-                    e.kill()
-            if not e.alive():
-                log.warning("rollout engine %s died; restarting it", e.url)
-                self.engines[i] = restart(e, self.token)
-                wait_healthy([self.engines[i]])
-                restarted = True
-        if restarted:
-            self.fleet.wait_until_healthy()
-        return restarted
-
-    def prompt_ids(self, prompt: str) -> list[int]:
-        if prompt not in self._ids:
-            self._ids[prompt] = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return self._ids[prompt]
-
-    def generate(self, prompts, spec):
-        # Token ids go to the engines so that the learner trains on exactly the sampled sequence.
-        return self.fleet.generate([self.prompt_ids(p) for p in prompts], spec)
-
-    def selfplay(self, iteration: int, version: int) -> "RolloutBatch":
-        from spice_megatron.selfplay import run_fixed_tasks, run_iteration
-
-        t0 = time.perf_counter()
-        docs = self.sampler.next_batch(self.cfg.selfplay.batch_docs)
-        self._ids.clear()  # prompts hold this iteration's documents: do not keep them for the whole run
-        seed = self.cfg.run.seed * 100_003 + iteration
-        sp = self.cfg.selfplay
-        if sp.challenger == "tasks":
-            result = run_fixed_tasks(docs, self.generate, self.verifier, sp, self.tokenizer, weights_version=version,
-                                     iteration=iteration, seed=seed)
-        else:
-            # the fixed challenger reads text prompts: its tokenizer may differ from the policy's
-            fixed = self.challenger_fleet.generate if self.challenger_fleet else None
-            result = run_iteration(docs, self.generate, self.verifier, sp, self.rng, self.tokenizer,
-                                   weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed)
-        seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
-                              s.completion.logprobs or None, s.role, s.completion.versions or None)
-                for s in result.samples if s.completion.token_ids]
-        stats = {**result.stats, "time/rollouts": time.perf_counter() - t0}  # self-play wall time, all phases
-        return RolloutBatch(iteration, version, stats, result.records, seqs)
-
-    def start_selfplay(self, iteration: int, version: int) -> tuple[Future, dict]:
-        """The rollouts of `iteration` in the background (staleness 1), and the sampler and RNG state
-        from before they started: what a checkpoint taken while they run must hold, so that a
-        resumed run starts them again from the same place."""
-        snapshot = {"sampler": self.sampler.state_dict(), "rng": self.rng.getstate()}
-        return self._rollouts.submit(self.selfplay, iteration, version), snapshot
-
-    def check_kill_switch(self, stats: dict[str, float], loss: float, grad_norm: float) -> None:
-        run = self.cfg.run
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise KillSwitch(f"non-finite loss ({loss}) or gradient norm ({grad_norm})")
-        self.low_valid_streak = self.low_valid_streak + 1 if stats["valid_task_rate"] < run.min_valid_task_rate else 0
-        if self.low_valid_streak >= run.patience:
-            raise KillSwitch(f"valid-task rate below {run.min_valid_task_rate} for {run.patience} iterations")
-        self.low_reward_streak = (self.low_reward_streak + 1
-                                  if stats["challenger/reward_mean"] < run.min_challenger_reward else 0)
-        if self.low_reward_streak >= run.patience:
-            raise KillSwitch(f"challenger reward below {run.min_challenger_reward} for {run.patience} iterations")
-
-    def state(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "rng": self.rng.getstate(),
-                "metrics_offset": self.metrics.jsonl.offset(), "audit_offset": self.audit.offset(),
-                "low_valid_streak": self.low_valid_streak, "low_reward_streak": self.low_reward_streak}
-
-    def close(self) -> None:
-        self._rollouts.shutdown(wait=False, cancel_futures=True)
-        self.metrics.close()
-        self.audit.close()
-        self.fleet.close()
-        if self.challenger_fleet:
-            self.challenger_fleet.close()
-        self.verifier.close()
-        for e in self.engines:
-            e.stop()
-
-
 def _write_marker(path: str, reason: str, is_driver: bool) -> None:
     if is_driver:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             f.write(reason + "\n")
-
-
-def _tuple_state(state):
-    """random.Random state after a JSON round trip (lists back to tuples)."""
-    return tuple(_tuple_state(x) for x in state) if isinstance(state, list) else state
 
 
 def _sync_host(cfg: SpiceConfig) -> str:
@@ -479,6 +293,19 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
             trainer_state["kill_switch"] = kill_switch
         save_checkpoint(learner, ckpt_root, iteration, trainer_state, cfg.run.keep_last)  # rank 0 writes it
 
+    def recover(why: str, done: int | None) -> None:
+        """No rollout engine is left: the driver restarts those it started (or waits for a cluster's)
+        and the sync group is formed anew. If none comes back, the run stops; with `done`, after a
+        checkpoint of the `done` iterations finished (the learner holds their weights), else from
+        the last checkpoint. --resume continues either."""
+        reason = _broadcast(driver.recover_engines(why) if driver else "", control)
+        if reason:
+            if done is not None:
+                checkpoint(done, version)
+            at = f"a checkpoint after iteration {done}" if done is not None else "the last checkpoint"
+            raise EnginesLost(f"{reason}; the run stopped: continue from {at} with --resume")
+        weights.reform()
+
     stop_file = os.path.join(cfg.run.output_dir, STOP_FILE)
     if is_driver and os.path.exists(kill_marker):  # from an earlier attempt, resumed past it on purpose
         os.remove(kill_marker)
@@ -492,23 +319,38 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
             t_iter = time.perf_counter()
             # 1-4. documents -> tasks -> answers -> rewards -> advantages (driver only). One step off:
             # the batch finished during the last step, and the next one starts now, on these weights.
-            batch = None
+            batch, lost = None, ""
             if driver:
-                batch = ready if off_policy and ready else driver.selfplay(iteration, version)
+                try:
+                    batch = ready if off_policy and ready else driver.selfplay(iteration, version)
+                except NoEngineLeft as e:
+                    lost = str(e)
                 ready = None
-                if off_policy and pending is None and iteration + 1 < cfg.run.iterations:
+                if not lost and off_policy and pending is None and iteration + 1 < cfg.run.iterations:
                     pending, snapshot = driver.start_selfplay(iteration + 1, version)
-            seqs = _broadcast(batch.seqs if batch else None, control)
+            seqs, lost = _broadcast((batch.seqs if batch else None, lost), control)
+            if lost:  # every engine died: bring them back with the current weights, then roll out again
+                recover(lost, iteration)
+                weights.sync(version)
+                continue
             # 5. DrGRPO on the learner (refusing samples older than train.max_staleness)
             steps = learner.train_on_batch(seqs, version=version) if seqs else []
             version += 1
             t_wait = time.perf_counter()
+            lost = ""
             if pending is not None:  # the engines keep the old weights until these rollouts are done
-                ready, pending, snapshot = pending.result(), None, {}
+                try:
+                    ready = pending.result()
+                except NoEngineLeft as e:  # the next iteration rolls out again, on-policy
+                    ready, lost = None, str(e)
+                pending, snapshot = None, {}
             t_wait = time.perf_counter() - t_wait
             # 6. new weights to the engines; an engine that died during the rollouts (the fleet
             # served its requests elsewhere) is restarted first and the sync group formed anew
-            if _broadcast(driver.restart_dead_engines() if driver else False, control):
+            lost = _broadcast(lost, control)
+            if lost:  # they get the new weights just below
+                recover(lost, None)
+            elif _broadcast(driver.restart_dead_engines() if driver else False, control):
                 weights.reform()
             sync = weights.sync(version)
             iteration += 1

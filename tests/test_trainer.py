@@ -156,3 +156,32 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
     assert records(os.path.join(killed, "audit.jsonl")) == audit
     a, b = weights(straight), weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_losing_the_only_engine_mid_rollouts_restarts_it_and_the_run_ends_as_if_nothing_happened(setup, straight):
+    """kill -9 of the run's one engine during iteration 2: the fleet has no engine left, the driver
+    restarts the engine it started, every rank sends it the current weights, and the iteration's
+    rollouts run again from the same documents and seeds: audit trail and final weights equal the
+    uninterrupted run's."""
+    import subprocess
+
+    model, corpus, root = setup
+    out = str(root / "only_engine_killed")
+    proc = spice_train(model, corpus, out, "run.iterations=4", wait=False)
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 600
+    while not (os.path.exists(metrics_path) and open(metrics_path).read().count("\n") >= 1):
+        if proc.poll() is not None:
+            raise AssertionError("the run ended before its first iteration:\n" + proc.stdout.read()[-4000:])
+        assert time.monotonic() < deadline, "no first iteration after 600 s"
+        time.sleep(0.05)
+    (engine,) = subprocess.run(["pgrep", "-f", f"spice_megatron.rollout.serve.*--exit-with-parent {proc.pid}"],
+                               capture_output=True, text=True).stdout.split()
+    os.kill(int(engine), signal.SIGKILL)
+    text, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, text[-3000:]
+    assert "no healthy rollout engine left; restarting the rollout engines" in text and "died; restarting it" in text
+    assert [m["iteration"] for m in records(metrics_path)] == [1, 2, 3, 4]
+    assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
+    a, b = weights(straight), weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -101,7 +101,8 @@ def test_paper_protocol_run_trains_eight_challenger_trajectories_per_document(se
 
 def test_a_rollout_batch_survives_json_and_its_lag_is_per_role():
     from spice_megatron.policy.batching import TrainSequence
-    from spice_megatron.trainer import RolloutBatch, _iteration_stats
+    from spice_megatron.driver import RolloutBatch
+    from spice_megatron.trainer import _iteration_stats
 
     seqs = [TrainSequence([1, 2], [3], 0.5, [-0.1], "challenger", [[4, 0, 1]]),
             TrainSequence([1], [3, 4], -0.5, [-0.2, -0.3], "reasoner", [[4, 0, 1], [5, 1, 2]]),

@@ -25,6 +25,11 @@ class FleetError(RuntimeError):
     pass
 
 
+class NoEngineLeft(FleetError):
+    """Every engine of the fleet failed: the trainer restarts the engines it started, or waits for
+    a cluster's, and does the rollouts again."""
+
+
 @dataclass
 class EngineStats:
     url: str
@@ -137,7 +142,7 @@ class RolloutFleet:
         def submit(start: int, chunk: list) -> None:
             engine = self._pick(tried[start])
             if engine is None:
-                raise FleetError("no healthy rollout engine left")
+                raise NoEngineLeft("no healthy rollout engine left")
             attempts[start] += 1
             tried[start].add(engine.url)
             chunk_spec = replace(spec, seed=None if spec.seed is None else spec.seed + start)

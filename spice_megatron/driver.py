@@ -1,0 +1,232 @@
+"""Rank 0's side of the SPICE loop (the driver): the corpus, the rollout fleet and the engines it
+started, verification, rewards and the logs. `Driver.selfplay` is steps 1-4 of one iteration
+(documents -> tasks -> answers -> advantages) and returns a `RolloutBatch` that the trainer
+broadcasts to every learner rank."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import random
+import secrets
+import subprocess
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from spice_megatron.config import SpiceConfig
+from spice_megatron.policy.batching import TrainSequence
+from spice_megatron.rollout.fleet import FleetError, NoEngineLeft, RolloutFleet
+
+log = logging.getLogger("spice.trainer")
+
+
+class EnginesLost(RuntimeError):
+    """No rollout engine is left and none came back: the run stopped with a checkpoint."""
+
+
+class KillSwitch(RuntimeError):
+    """The run stopped itself (non-finite loss, no valid tasks, reward collapse)."""
+
+
+@dataclass
+class RolloutBatch:
+    """One iteration's rollouts: what the learner trains on and what is logged for it. At
+    staleness 1 a finished batch waits one iteration, so a checkpoint holds it (JSON)."""
+
+    iteration: int
+    version: int  # the engines' weights when its rollouts started
+    stats: dict[str, float]
+    records: list[dict]
+    seqs: list[TrainSequence]
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "seqs": [dataclasses.asdict(x) for x in self.seqs]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RolloutBatch":
+        return cls(d["iteration"], d["version"], d["stats"], d["records"], [TrainSequence(**x) for x in d["seqs"]])
+
+
+class Driver:
+    """Rank 0's side of the loop: corpus, rollout fleet, verifier, logs."""
+
+    def __init__(self, cfg: SpiceConfig, tokenizer, resume_state: dict | None):
+        from spice_megatron.corpus import Corpus, DocumentSampler
+        from spice_megatron.run_log import JsonlLog, MetricsLogger
+        from spice_megatron.verify import AnswerVerifier
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        out = cfg.run.output_dir
+        if cfg.selfplay.challenger == "tasks":  # a task file stands in for the challenger
+            from spice_megatron.task_pool import TaskPool
+
+            self.corpus = TaskPool(cfg.selfplay.tasks_file)
+        else:
+            self.corpus = Corpus.build(cfg.corpus, tokenizer, cfg.run.name)
+        self.sampler = DocumentSampler(self.corpus, cfg.run.seed)
+        self.rng = random.Random(cfg.run.seed)
+        self.engines: list = []
+        token = cfg.rollout.token or os.environ.get("SPICE_ROLLOUT_TOKEN") or secrets.token_hex(16)
+        self.token = token
+        urls = list(cfg.rollout.engines) or self._start_local_engines(cfg.run.model, cfg.rollout.local_engines)
+        self.fleet = RolloutFleet(urls, token, cfg.rollout.request_timeout, chunk_size=cfg.rollout.chunk_size)
+        self.fleet.wait_until_healthy(cfg.rollout.health_timeout)
+        for url, health in self.fleet.health().items():
+            if health and health.get("weight_transfer", cfg.rollout.weight_transfer) != cfg.rollout.weight_transfer:
+                raise RuntimeError(f"engine {url} receives weights through {health['weight_transfer']!r}, the learner "
+                                   f"sends through rollout.weight_transfer={cfg.rollout.weight_transfer!r}: start both "
+                                   "with the same backend (slurm: WEIGHT_TRANSFER)")
+        # selfplay.challenger=model: a fixed challenger behind its own engines, never weight-synced
+        self.challenger_fleet = None
+        if cfg.selfplay.challenger == "model":
+            curls = list(cfg.rollout.challenger_engines) or self._start_local_engines(cfg.selfplay.challenger_model, 1)
+            self.challenger_fleet = RolloutFleet(curls, token, cfg.rollout.request_timeout,
+                                                 chunk_size=cfg.rollout.chunk_size)
+            self.challenger_fleet.wait_until_healthy(cfg.rollout.health_timeout)
+        self.verifier = AnswerVerifier()
+        state = resume_state or {}
+        if resume_state:
+            self.sampler.load_state_dict(state["sampler"])
+            self.rng.setstate(_tuple_state(state["rng"]))
+        self.metrics = MetricsLogger(out, state.get("metrics_offset"), cfg.run.wandb_project, cfg.run.name,
+                                     dataclasses.asdict(cfg))
+        self.audit = JsonlLog(os.path.join(out, "audit.jsonl"), state.get("audit_offset"))
+        self.low_valid_streak = state.get("low_valid_streak", 0)
+        self.low_reward_streak = state.get("low_reward_streak", 0)
+        self._ids: dict[str, list[int]] = {}
+        self._rollouts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spice-rollouts")  # staleness 1
+
+    def _start_local_engines(self, model: str, count: int) -> list[str]:
+        from spice_megatron.rollout.local import engine_args, engine_devices, start_engines
+
+        ro = self.cfg.rollout
+        extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=ro.engine_tensor_parallel,
+                            gpu_memory_utilization=ro.gpu_memory_utilization, weight_transfer=ro.weight_transfer)
+        # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier engines
+        reserved = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + len(self.engines) * ro.engine_tensor_parallel
+        started = start_engines(model, self.token, os.path.join(self.cfg.run.output_dir, "logs"), extra,
+                                engine_devices(count, ro.engine_tensor_parallel, reserved=reserved))
+        self.engines += started
+        return [e.url for e in started]
+
+    def restart_dead_engines(self) -> bool:
+        """Restart local engines that died (the fleet served their requests elsewhere meanwhile).
+        Returns whether the weight-sync group must be formed again."""
+        from spice_megatron.rollout.local import restart, wait_healthy
+
+        restarted = False
+        health = self.fleet.health() if self.engines else {}
+        for i, e in enumerate(self.engines):
+            if e.alive() and health.get(e.url) is None:  # exiting (its sockets closed first) or hung
+                try:
+                    e.process.wait(10)
+                except subprocess.TimeoutExpired:
+                    log.warning("rollout engine %s does not answer; killing it", e.url)
+                    e.kill()
+            if not e.alive():
+                log.warning("rollout engine %s died; restarting it", e.url)
+                self.engines[i] = restart(e, self.token)
+                wait_healthy([self.engines[i]])
+                restarted = True
+        if restarted:
+            self.fleet.wait_until_healthy()
+        return restarted
+
+    def recover_engines(self, why: str) -> str:
+        """No healthy engine is left (`why`). The engines this driver started are restarted (with the
+        base model: the trainer then sends them the current weights); a cluster's are waited for up
+        to rollout.health_timeout. Returns "" when the fleet serves again, else why not."""
+        log.warning("%s; %s", why, "restarting the rollout engines" if self.engines else
+                    f"waiting up to {self.cfg.rollout.health_timeout:.0f}s for the rollout engines")
+        if self.engines:
+            self.restart_dead_engines()
+        try:
+            self.fleet.wait_until_healthy(self.cfg.rollout.health_timeout)
+        except FleetError as e:
+            return str(e)
+        return ""
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        if prompt not in self._ids:
+            self._ids[prompt] = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return self._ids[prompt]
+
+    def generate(self, prompts, spec):
+        # Token ids go to the engines so that the learner trains on exactly the sampled sequence.
+        return self.fleet.generate([self.prompt_ids(p) for p in prompts], spec)
+
+    def selfplay(self, iteration: int, version: int) -> "RolloutBatch":
+        """Steps 1-4 of `iteration` on the engines, which hold weights `version`. When no engine is
+        left (NoEngineLeft), the sampler and RNG are put back as they were."""
+        before = (self.sampler.state_dict(), self.rng.getstate())
+        try:
+            return self._selfplay(iteration, version)
+        except NoEngineLeft:
+            # the rollouts will be done again, from the same documents and RNG state (exact resume)
+            self.sampler.load_state_dict(before[0])
+            self.rng.setstate(before[1])
+            raise
+
+    def _selfplay(self, iteration: int, version: int) -> "RolloutBatch":
+        from spice_megatron.selfplay import run_fixed_tasks, run_iteration
+
+        t0 = time.perf_counter()
+        docs = self.sampler.next_batch(self.cfg.selfplay.batch_docs)
+        self._ids.clear()  # prompts hold this iteration's documents: do not keep them for the whole run
+        seed = self.cfg.run.seed * 100_003 + iteration
+        sp = self.cfg.selfplay
+        if sp.challenger == "tasks":
+            result = run_fixed_tasks(docs, self.generate, self.verifier, sp, self.tokenizer, weights_version=version,
+                                     iteration=iteration, seed=seed)
+        else:
+            # the fixed challenger reads text prompts: its tokenizer may differ from the policy's
+            fixed = self.challenger_fleet.generate if self.challenger_fleet else None
+            result = run_iteration(docs, self.generate, self.verifier, sp, self.rng, self.tokenizer,
+                                   weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed)
+        seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
+                              s.completion.logprobs or None, s.role, s.completion.versions or None)
+                for s in result.samples if s.completion.token_ids]
+        stats = {**result.stats, "time/rollouts": time.perf_counter() - t0}  # self-play wall time, all phases
+        return RolloutBatch(iteration, version, stats, result.records, seqs)
+
+    def start_selfplay(self, iteration: int, version: int) -> tuple[Future, dict]:
+        """The rollouts of `iteration` in the background (staleness 1), and the sampler and RNG state
+        from before they started: what a checkpoint taken while they run must hold, so that a
+        resumed run starts them again from the same place."""
+        snapshot = {"sampler": self.sampler.state_dict(), "rng": self.rng.getstate()}
+        return self._rollouts.submit(self.selfplay, iteration, version), snapshot
+
+    def check_kill_switch(self, stats: dict[str, float], loss: float, grad_norm: float) -> None:
+        run = self.cfg.run
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise KillSwitch(f"non-finite loss ({loss}) or gradient norm ({grad_norm})")
+        self.low_valid_streak = self.low_valid_streak + 1 if stats["valid_task_rate"] < run.min_valid_task_rate else 0
+        if self.low_valid_streak >= run.patience:
+            raise KillSwitch(f"valid-task rate below {run.min_valid_task_rate} for {run.patience} iterations")
+        self.low_reward_streak = (self.low_reward_streak + 1
+                                  if stats["challenger/reward_mean"] < run.min_challenger_reward else 0)
+        if self.low_reward_streak >= run.patience:
+            raise KillSwitch(f"challenger reward below {run.min_challenger_reward} for {run.patience} iterations")
+
+    def state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "rng": self.rng.getstate(),
+                "metrics_offset": self.metrics.jsonl.offset(), "audit_offset": self.audit.offset(),
+                "low_valid_streak": self.low_valid_streak, "low_reward_streak": self.low_reward_streak}
+
+    def close(self) -> None:
+        self._rollouts.shutdown(wait=False, cancel_futures=True)
+        self.metrics.close()
+        self.audit.close()
+        self.fleet.close()
+        if self.challenger_fleet:
+            self.challenger_fleet.close()
+        self.verifier.close()
+        for e in self.engines:
+            e.stop()
+
+
+def _tuple_state(state):
+    """random.Random state after a JSON round trip (lists back to tuples)."""
+    return tuple(_tuple_state(x) for x in state) if isinstance(state, list) else state
