@@ -247,3 +247,18 @@ def test_rollout_node_starts_one_engine_per_gpu_group_and_fails_with_any(fake_bi
         ("0,1", "8100"), ("2,3", "8101"), ("4,5", "8102"), ("6,7", "8103")]
     assert all(c["argv"][c["argv"].index("--tensor-parallel-size") + 1] == "2" for c in engines)
     assert all("t" * 32 not in c["argv"] for c in engines)
+
+
+def test_nccl_mismatch_names_a_remedy_that_reaches_torchs_nccl(tmp_path):
+    """The spice sync runs torch's ProcessGroupNCCL on both sides: the remedy is the same torch/NCCL or
+    a pinned NCCL in the rollout image, never VLLM_NCCL_SO_PATH (vLLM's ctypes NCCL only). `srun` is a
+    stand-in printing each image's NCCL version."""
+    fake = tmp_path / "srun"
+    fake.write_text('#!/bin/sh\ncase "$2" in *learner*) echo 2.27.3;; *) echo 2.26.5;; esac\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    script = os.path.join(ROOT, "tools", "containers", "nccl_versions.sh")
+    r = subprocess.run(["bash", script, "learner.sqsh", "rollout.sqsh"], capture_output=True, text=True, env=env)
+    assert r.returncode == 1 and "learner image NCCL 2.27.3, rollout image NCCL 2.26.5" in r.stdout
+    assert "nvidia-nccl-cu12==2.27.3" in r.stderr and "same torch/NCCL" in r.stderr
+    assert "set VLLM_NCCL_SO_PATH" not in r.stderr
