@@ -47,10 +47,11 @@ mkdir -p "$LOG_DIR"
 # Files shared with the trainer (spice_megatron/trainer.py): torchrun reports every worker failure
 # as exit 1, so the kill switch is a marker file, and the time-limit stop request is a file too.
 STOP_FILE=$OUTPUT_DIR/STOP
+STOPPED_FILE=$OUTPUT_DIR/STOPPED  # written by the trainer when it stopped on a request (STOP file, Ctrl-C)
 KILL_SWITCH_FILE=$OUTPUT_DIR/KILL_SWITCH
 FAILURES_FILE=$OUTPUT_DIR/.slurm_failed_attempts
 TIME_LIMITS_FILE=$OUTPUT_DIR/.slurm_time_limit_requeues
-rm -f "$STOP_FILE"
+rm -f "$STOP_FILE" "$STOPPED_FILE"
 
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 if (( ${#NODES[@]} <= LEARNER_NODES )); then
@@ -79,7 +80,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 
 # NCCL. The weight-sync group is its own communicator between the learner's stage senders and
 # every engine worker on other nodes: both sides must agree on the transport and on
-# NCCL_CUMEM_ENABLE (vLLM sets it to 0 in its workers; a mismatch hangs the first broadcast).
+# NCCL_CUMEM_ENABLE (a mismatch hangs the first broadcast: cuMem and legacy IPC handles do not mix).
 export NCCL_CUMEM_ENABLE=0
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
@@ -184,6 +185,10 @@ if [[ -f $KILL_SWITCH_FILE ]]; then
 fi
 if (( time_limit )); then
   requeue "time limit" time_limit
+  exit 0
+fi
+if [[ -f $STOPPED_FILE ]]; then  # someone touched OUTPUT_DIR/STOP: a stop, not a failure to requeue
+  echo "spice: the run stopped on request after a checkpoint; not requeueing (sbatch again to continue)" >&2
   exit 0
 fi
 case $rc in

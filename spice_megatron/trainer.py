@@ -48,6 +48,7 @@ class Interrupted(RuntimeError):
 # 1, and a signal to torchrun gives the workers only 30 s before SIGKILL, so neither exit codes nor
 # signals reach a Slurm script reliably through it.
 STOP_FILE = "STOP"  # created by the job script (time limit near): stop after this iteration, with a checkpoint
+STOPPED_FILE = "STOPPED"  # written by rank 0 when it stopped on a request: a stop, not a failure
 KILL_SWITCH_FILE = "KILL_SWITCH"  # written by rank 0 when the kill switch stops the run: do not requeue
 
 
@@ -387,6 +388,8 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
                 raise KillSwitch(f"stopped the run: {stop} (a checkpoint was saved)")
             if interrupted and is_driver and os.path.exists(stop_file):
                 os.remove(stop_file)  # honoured: the next attempt runs on
+            if interrupted:  # the job script tells a requested stop from a failure by this marker
+                _write_marker(os.path.join(cfg.run.output_dir, STOPPED_FILE), "stop requested", is_driver)
             if interrupted and iteration < cfg.run.iterations:
                 raise Interrupted(f"stopped after iteration {iteration} with a checkpoint; continue with --resume")
     finally:

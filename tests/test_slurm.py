@@ -60,6 +60,9 @@ elif name == "srun" and "torch.distributed.run" in argv:
     if mode == "kill_switch":
         open(os.path.join(out, "KILL_SWITCH"), "w").write("valid-task rate below 0.02 for 20 iterations\n")
         sys.exit(1)
+    if mode == "stopped":  # someone touched OUTPUT_DIR/STOP: checkpoint, the STOPPED marker, exit 130 -> 1
+        open(os.path.join(out, "STOPPED"), "w").write("stop requested\n")
+        sys.exit(1)
     if mode in ("run", "ignore_stop"):
         open(os.path.join(out, "learner_started"), "w").close()
         while mode == "ignore_stop" or not os.path.exists(os.path.join(out, "STOP")):
@@ -186,7 +189,7 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
 
 
 @pytest.mark.parametrize("learner,failed_before,rc,requeued", [
-    ("fail", 0, 1, True), ("fail", 3, 1, False), ("kill_switch", 0, 3, False)])
+    ("fail", 0, 1, True), ("fail", 3, 1, False), ("kill_switch", 0, 3, False), ("stopped", 0, 0, False)])
 def test_sbatch_requeues_failures_not_the_kill_switch(fake_bin, tmp_path, learner, failed_before, rc, requeued):
     script = os.path.join(ROOT, "slurm", "spice_8b.sbatch")
     (tmp_path / "run").mkdir()
