@@ -14,6 +14,7 @@ import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 from spice_megatron.config import SpiceConfig
 from spice_megatron.policy.batching import TrainSequence
@@ -24,6 +25,11 @@ log = logging.getLogger("spice.trainer")
 
 class EnginesLost(RuntimeError):
     """No rollout engine is left and none came back: the run stopped with a checkpoint."""
+
+
+class IterationAbandoned(RuntimeError):
+    """A STOP file (the time limit near, or a person) arrived during the rollouts: the iteration in
+    progress is dropped and the run stops with the state from before it."""
 
 
 class KillSwitch(RuntimeError):
@@ -52,7 +58,8 @@ class RolloutBatch:
 class Driver:
     """Rank 0's side of the loop: corpus, rollout fleet, verifier, logs."""
 
-    def __init__(self, cfg: SpiceConfig, tokenizer, resume_state: dict | None):
+    def __init__(self, cfg: SpiceConfig, tokenizer, resume_state: dict | None,
+                 abandon_when: Callable[[], bool] | None = None):
         from spice_megatron.corpus import Corpus, DocumentSampler
         from spice_megatron.run_log import JsonlLog, MetricsLogger
         from spice_megatron.verify import AnswerVerifier
@@ -97,6 +104,9 @@ class Driver:
         self.low_reward_streak = state.get("low_reward_streak", 0)
         self._ids: dict[str, list[int]] = {}
         self._rollouts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spice-rollouts")  # staleness 1
+        # checked before every generation call: a long iteration (many challenger rounds of a paper
+        # recipe) must not outlast the job's grace period after the time-limit STOP
+        self.abandon_when = abandon_when
 
     def _start_local_engines(self, model: str, count: int) -> list[str]:
         from spice_megatron.rollout.local import engine_args, engine_devices, start_engines
@@ -154,16 +164,19 @@ class Driver:
         return self._ids[prompt]
 
     def generate(self, prompts, spec):
+        if self.abandon_when is not None and self.abandon_when():
+            raise IterationAbandoned("STOP requested during the rollouts")
         # Token ids go to the engines so that the learner trains on exactly the sampled sequence.
         return self.fleet.generate([self.prompt_ids(p) for p in prompts], spec)
 
     def selfplay(self, iteration: int, version: int) -> "RolloutBatch":
         """Steps 1-4 of `iteration` on the engines, which hold weights `version`. When no engine is
-        left (NoEngineLeft), the sampler and RNG are put back as they were."""
+        left (NoEngineLeft) or a STOP arrives (IterationAbandoned), the sampler and RNG are put back
+        as they were: the iteration is done again, or a checkpoint holds the state from before it."""
         before = (self.sampler.state_dict(), self.rng.getstate())
         try:
             return self._selfplay(iteration, version)
-        except NoEngineLeft:
+        except (NoEngineLeft, IterationAbandoned):
             # the rollouts will be done again, from the same documents and RNG state (exact resume)
             self.sampler.load_state_dict(before[0])
             self.rng.setstate(before[1])

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from spice_megatron.config import SpiceConfig
-from spice_megatron.driver import Driver, EnginesLost, KillSwitch, RolloutBatch
+from spice_megatron.driver import Driver, EnginesLost, IterationAbandoned, KillSwitch, RolloutBatch
 from spice_megatron.rollout.fleet import NoEngineLeft
 
 log = logging.getLogger("spice.trainer")
@@ -273,7 +273,9 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
         state = load_checkpoint(learner, latest)
     if is_driver:
         copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
-    driver = Driver(cfg, tokenizer, state.get("driver")) if is_driver else None
+    stop_file = os.path.join(cfg.run.output_dir, STOP_FILE)
+    driver = Driver(cfg, tokenizer, state.get("driver"), abandon_when=lambda: os.path.exists(stop_file)) \
+        if is_driver else None
     weights = WeightSync(cfg, learner, driver, control)
     if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
         weights.sync(state["version"])
@@ -286,13 +288,29 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     pending: Future | None = None
     snapshot: dict = {}
 
-    def checkpoint(iteration: int, version: int, kill_switch: str = "") -> None:
-        trainer_state = {"iteration": iteration, "version": version,
+    saved = [state["iteration"] if latest else -1]  # the iteration the newest checkpoint holds
+
+    def save(done: int, held: int, kill_switch: str = "") -> None:
+        trainer_state = {"iteration": done, "version": held,
                          "driver": {**driver.state(), **snapshot} if driver else None,
                          "ready": ready.to_json() if ready else None}
         if kill_switch:
             trainer_state["kill_switch"] = kill_switch
-        save_checkpoint(learner, ckpt_root, iteration, trainer_state, cfg.run.keep_last)  # rank 0 writes it
+        save_checkpoint(learner, ckpt_root, done, trainer_state, cfg.run.keep_last)  # rank 0 writes it
+        saved[0] = done
+
+    def stop_requested(done: int, held: int, why: str, raise_: bool = True) -> None:
+        """Ctrl-C, SIGTERM or a STOP file: a checkpoint of the `done` iterations (unless the newest
+        holds them already), the STOP file consumed (the next attempt runs on), the STOPPED marker
+        that tells the job script this was no failure; then Interrupted."""
+        if done > saved[0] and done > 0:
+            save(done, held)
+        if is_driver and os.path.exists(stop_file):
+            os.remove(stop_file)
+        _write_marker(os.path.join(cfg.run.output_dir, STOPPED_FILE), "stop requested", is_driver)
+        if raise_:
+            where = f"after iteration {done} with a checkpoint" if done else "before iteration 1 (nothing to save)"
+            raise Interrupted(f"{why + '; ' if why else ''}stopped {where}; continue with --resume")
 
     def recover(why: str, done: int | None) -> None:
         """No rollout engine is left: the driver restarts those it started (or waits for a cluster's)
@@ -301,13 +319,12 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
         the last checkpoint. --resume continues either."""
         reason = _broadcast(driver.recover_engines(why) if driver else "", control)
         if reason:
-            if done is not None:
-                checkpoint(done, version)
+            if done is not None and done > saved[0]:
+                save(done, version)
             at = f"a checkpoint after iteration {done}" if done is not None else "the last checkpoint"
             raise EnginesLost(f"{reason}; the run stopped: continue from {at} with --resume")
         weights.reform()
 
-    stop_file = os.path.join(cfg.run.output_dir, STOP_FILE)
     if is_driver and os.path.exists(kill_marker):  # from an earlier attempt, resumed past it on purpose
         os.remove(kill_marker)
     summary: dict[str, Any] = {}
@@ -320,20 +337,24 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
             t_iter = time.perf_counter()
             # 1-4. documents -> tasks -> answers -> rewards -> advantages (driver only). One step off:
             # the batch finished during the last step, and the next one starts now, on these weights.
-            batch, lost = None, ""
+            batch, lost, abandoned = None, "", False
             if driver:
                 try:
                     batch = ready if off_policy and ready else driver.selfplay(iteration, version)
                 except NoEngineLeft as e:
                     lost = str(e)
+                except IterationAbandoned:
+                    abandoned = True
                 ready = None
-                if not lost and off_policy and pending is None and iteration + 1 < cfg.run.iterations:
+                if batch and off_policy and pending is None and iteration + 1 < cfg.run.iterations:
                     pending, snapshot = driver.start_selfplay(iteration + 1, version)
-            seqs, lost = _broadcast((batch.seqs if batch else None, lost), control)
+            seqs, lost, abandoned = _broadcast((batch.seqs if batch else None, lost, abandoned), control)
             if lost:  # every engine died: bring them back with the current weights, then roll out again
                 recover(lost, iteration)
                 weights.sync(version)
                 continue
+            if abandoned:  # STOP during the rollouts: keep what the iterations before it did
+                stop_requested(iteration, version, f"abandoned iteration {iteration + 1} (STOP during its rollouts)")
             # 5. DrGRPO on the learner (refusing samples older than train.max_staleness)
             steps = learner.train_on_batch(seqs, version=version) if seqs else []
             version += 1
@@ -344,6 +365,8 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
                     ready = pending.result()
                 except NoEngineLeft as e:  # the next iteration rolls out again, on-policy
                     ready, lost = None, str(e)
+                except IterationAbandoned:  # the STOP is honoured after this iteration, as any stop
+                    ready = None
                 pending, snapshot = None, {}
             t_wait = time.perf_counter() - t_wait
             # 6. new weights to the engines; an engine that died during the rollouts (the fleet
@@ -382,16 +405,12 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
             if driver and off_policy and not (stop or interrupted) and iteration + 1 < cfg.run.iterations:
                 pending, snapshot = driver.start_selfplay(iteration + 1, version)  # overlaps the checkpoint too
             if stop or interrupted or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
-                checkpoint(iteration, version, kill_switch=stop)
+                save(iteration, version, kill_switch=stop)
             if stop:
                 _write_marker(kill_marker, stop, is_driver)
                 raise KillSwitch(f"stopped the run: {stop} (a checkpoint was saved)")
-            if interrupted and is_driver and os.path.exists(stop_file):
-                os.remove(stop_file)  # honoured: the next attempt runs on
-            if interrupted:  # the job script tells a requested stop from a failure by this marker
-                _write_marker(os.path.join(cfg.run.output_dir, STOPPED_FILE), "stop requested", is_driver)
-            if interrupted and iteration < cfg.run.iterations:
-                raise Interrupted(f"stopped after iteration {iteration} with a checkpoint; continue with --resume")
+            if interrupted:  # after the last iteration there is nothing left to stop
+                stop_requested(iteration, version, "", raise_=iteration < cfg.run.iterations)
     finally:
         stop_request.restore()
         progress.close()

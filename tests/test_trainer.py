@@ -185,3 +185,25 @@ def test_losing_the_only_engine_mid_rollouts_restarts_it_and_the_run_ends_as_if_
     assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
     a, b = weights(straight), weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stop_during_the_rollouts_abandons_the_iteration_and_keeps_the_ones_before(setup, straight):
+    """The time-limit STOP must not wait for a long iteration to end: a STOP file seen while an
+    iteration rolls out drops that iteration and stops with the state from before it; --resume then
+    ends where the uninterrupted run ends. (The STOP is in place before the resumed run starts, so
+    it lands in iteration 2's rollouts deterministically.)"""
+    model, corpus, root = setup
+    out = str(root / "stopped_mid_rollouts")
+    rc, text = spice_train(model, corpus, out, "run.iterations=1")
+    assert rc == 0, text[-3000:]
+    open(os.path.join(out, "STOP"), "w").close()
+    rc, text = spice_train(model, corpus, out, "run.iterations=4", resume=True)
+    assert rc == 130, text[-3000:]
+    assert "abandoned iteration 2 (STOP during its rollouts); stopped after iteration 1 with a checkpoint" in text
+    assert len(records(os.path.join(out, "metrics.jsonl"))) == 1 and not os.path.exists(os.path.join(out, "STOP"))
+    assert os.path.exists(os.path.join(out, "STOPPED"))  # the job script's sign that this was no failure
+    rc, text = spice_train(model, corpus, out, "run.iterations=4", resume=True)
+    assert rc == 0, text[-3000:]
+    assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
+    a, b = weights(straight), weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
