@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from safetensors.torch import load_file
 
@@ -51,3 +52,21 @@ def weights(out):
     for f in set(index.values()):
         w.update(load_file(os.path.join(d, f)))
     return w
+
+
+def wait_for_first_iteration(proc, out: str) -> str:
+    """Wait until the run in `out` has logged its first iteration; returns its metrics path."""
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 600
+    while not (os.path.exists(metrics_path) and open(metrics_path).read().count("\n") >= 1):
+        if proc.poll() is not None:
+            raise AssertionError("the run ended before its first iteration:\n" + proc.stdout.read()[-4000:])
+        assert time.monotonic() < deadline, "no first iteration after 600 s"
+        time.sleep(0.05)
+    return metrics_path
+
+
+def engine_pids(proc) -> list[str]:
+    """The rollout engines the run `proc` started."""
+    return subprocess.run(["pgrep", "-f", f"spice_megatron.rollout.serve.*--exit-with-parent {proc.pid}"],
+                          capture_output=True, text=True).stdout.split()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import make_setup, records, spice_train, weights
+from e2e import engine_pids, make_setup, records, spice_train, wait_for_first_iteration, weights
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -92,13 +92,7 @@ def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_that_resumes_exactly
     model, corpus, root = setup
     out = str(root / "interrupted")
     proc = spice_train(model, corpus, out, "run.iterations=4", wait=False)
-    metrics_path = os.path.join(out, "metrics.jsonl")
-    deadline = time.monotonic() + 600
-    while not (os.path.exists(metrics_path) and open(metrics_path).read().count("\n") >= 1):
-        if proc.poll() is not None:
-            raise AssertionError("the run ended before its first iteration:\n" + proc.stdout.read()[-4000:])
-        assert time.monotonic() < deadline, "no first iteration after 600 s"
-        time.sleep(0.1)
+    metrics_path = wait_for_first_iteration(proc, out)
     proc.send_signal(signal.SIGINT)  # during iteration 2
     text, _ = proc.communicate(timeout=600)
     assert proc.returncode == 130, text[-3000:]
@@ -163,20 +157,11 @@ def test_losing_the_only_engine_mid_rollouts_restarts_it_and_the_run_ends_as_if_
     restarts the engine it started, every rank sends it the current weights, and the iteration's
     rollouts run again from the same documents and seeds: audit trail and final weights equal the
     uninterrupted run's."""
-    import subprocess
-
     model, corpus, root = setup
     out = str(root / "only_engine_killed")
     proc = spice_train(model, corpus, out, "run.iterations=4", wait=False)
-    metrics_path = os.path.join(out, "metrics.jsonl")
-    deadline = time.monotonic() + 600
-    while not (os.path.exists(metrics_path) and open(metrics_path).read().count("\n") >= 1):
-        if proc.poll() is not None:
-            raise AssertionError("the run ended before its first iteration:\n" + proc.stdout.read()[-4000:])
-        assert time.monotonic() < deadline, "no first iteration after 600 s"
-        time.sleep(0.05)
-    (engine,) = subprocess.run(["pgrep", "-f", f"spice_megatron.rollout.serve.*--exit-with-parent {proc.pid}"],
-                               capture_output=True, text=True).stdout.split()
+    metrics_path = wait_for_first_iteration(proc, out)
+    (engine,) = engine_pids(proc)
     os.kill(int(engine), signal.SIGKILL)
     text, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, text[-3000:]

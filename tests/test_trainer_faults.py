@@ -5,11 +5,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from e2e import PARA, make_setup, records, spice_train
+from e2e import PARA, engine_pids, make_setup, records, spice_train, wait_for_first_iteration
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -52,15 +51,8 @@ def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup, staleness):
                            f"train.max_staleness={staleness}", wait=False)
     finally:
         del os.environ["SPICE_FAULT_DIE_IN_SYNC"]
-    metrics_path = os.path.join(out, "metrics.jsonl")
-    deadline = time.monotonic() + 600
-    while not (os.path.exists(metrics_path) and open(metrics_path).read().count("\n") >= 1):
-        if proc.poll() is not None:
-            raise AssertionError("the run ended before its first iteration:\n" + proc.stdout.read()[-4000:])
-        assert time.monotonic() < deadline, "no first iteration after 600 s"
-        time.sleep(0.1)
-    engines = subprocess.run(["pgrep", "-f", f"spice_megatron.rollout.serve.*--exit-with-parent {proc.pid}"],
-                             capture_output=True, text=True).stdout.split()
+    metrics_path = wait_for_first_iteration(proc, out)
+    engines = engine_pids(proc)
     assert len(engines) == 2
     os.kill(int(engines[0]), signal.SIGKILL)  # during iteration 2's rollouts
     text, _ = proc.communicate(timeout=900)
