@@ -1,4 +1,4 @@
-"""tools/learning_check.py's pieces (the check itself runs for ~25 minutes: README, "Learning")."""
+"""tools/learning_check.py's pieces (the check itself runs for ~25-60 minutes: README, "Does it learn?")."""
 import os
 import sys
 
@@ -28,3 +28,21 @@ def test_wilson_interval():
     assert lo == pytest.approx(9.46, abs=0.05) and hi == pytest.approx(18.94, abs=0.05)
     lo, hi = learning_check.wilson(0, 50)
     assert lo == pytest.approx(0.0, abs=1e-9) and 0 < hi < 10
+
+
+def test_the_challenger_verdict_compares_the_last_third_with_the_control():
+    from learning_check import challenger_verdict
+
+    def run(name, rewards, frontier):
+        return {"name": name, "challenger_reward": rewards, "frontier_share": frontier}
+
+    control = run("control_a", [0.1, 0.1, 0.1, 0.1, 0.2, 0.1], [0.1] * 6)
+    learned = run("trained_a", [0.1, 0.1, 0.2, 0.3, 0.4, 0.5], [0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
+    flat = run("trained_b", [0.1, 0.1, 0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1, 0.1, 0.05])
+    v = challenger_verdict([learned], control)
+    assert v["learned"] and v["trained"][0]["challenger_reward"] == pytest.approx(0.45)
+    assert v["control"]["challenger_reward"] == pytest.approx(0.15)
+    assert not challenger_verdict([learned, flat], control)["learned"]  # every trained run must beat it
+    assert not challenger_verdict([learned], None)["learned"]
+    nan = float("nan")  # an iteration without the metric does not count
+    assert challenger_verdict([run("t", [0.1, 0.1, 0.1, 0.1, 0.9, nan], [0.1] * 6)], control)["learned"]
