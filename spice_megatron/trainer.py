@@ -1,7 +1,7 @@
 """SPICE, Algorithm 1, top to bottom.
 
-Every learner rank runs `train` (SPMD, under torchrun or srun). Global rank 0 is also the driver:
-it owns the corpus, talks to the rollout fleet, verifies answers, computes rewards and writes the
+Every learner rank runs `train` (SPMD, under torchrun or srun). Global rank 0 is also the driver
+(driver.py): it owns the corpus, talks to the rollout fleet, verifies answers, computes rewards and writes the
 logs; the training sequences it builds are broadcast to every learner rank.
 
 One iteration:
@@ -41,13 +41,14 @@ log = logging.getLogger("spice.trainer")
 
 
 class Interrupted(RuntimeError):
-    """Ctrl-C or SIGTERM: the run finished its iteration, saved a checkpoint and stopped."""
+    """Ctrl-C, SIGTERM or a STOP file: the run saved a checkpoint and stopped (after its iteration,
+    or, for a STOP during the rollouts, dropping the iteration in progress)."""
 
 
 # Files in the run directory that talk to the job script. torchrun turns every worker exit code into
 # 1, and a signal to torchrun gives the workers only 30 s before SIGKILL, so neither exit codes nor
 # signals reach a Slurm script reliably through it.
-STOP_FILE = "STOP"  # created by the job script (time limit near): stop after this iteration, with a checkpoint
+STOP_FILE = "STOP"  # created by the job script (time limit near) or a person: stop with a checkpoint
 STOPPED_FILE = "STOPPED"  # written by rank 0 when it stopped on a request: a stop, not a failure
 KILL_SWITCH_FILE = "KILL_SWITCH"  # written by rank 0 when the kill switch stops the run: do not requeue
 

@@ -80,7 +80,8 @@ class VLLMEngine:
         self.weight_transfer = weight_transfer
         # processed_logprobs: the log-probs of the distribution sampled from (after temperature), which is
         # what the learner computes with train.temperature; vLLM's default (raw) ignores the temperature.
-        self.llm = LLM(model=model_dir, logprobs_mode="processed_logprobs", dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
+        self.llm = LLM(model=model_dir, logprobs_mode="processed_logprobs",
+                       dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
