@@ -14,8 +14,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     from spice_megatron import offline_data
 
     if args.recipe:
-        from spice_megatron.corpus import CorpusError
-        from spice_megatron.corpus_stage import StagingError, stage_corpus
+        from spice_megatron.corpus import CorpusError, StagingError
+        from spice_megatron.corpus_stage import stage_corpus
 
         try:
             cfg = _recipe_config(args.recipe, args.overrides, args.general_corpus)
@@ -91,7 +91,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from spice_megatron.config import SourceConfig
 
         cfg.corpus.sources = [SourceConfig(path=p) for p in args.corpus]
-    from spice_megatron.corpus_stage import StagingError, resolve_sources
+    from spice_megatron.corpus import StagingError, resolve_sources
 
     try:  # before any rank starts: a missing staging step is named at once, not after model loading
         resolve_sources(cfg.corpus, args.recipe)

@@ -15,7 +15,7 @@ import logging
 import os
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Protocol
 
 import numpy as np
@@ -293,6 +293,50 @@ def _quotas(sizes: list[int], weights: list[float], max_docs: int | None) -> lis
     return [min(n, int(round(total * s))) for n, s in zip(sizes, shares)]
 
 
+# ----------------------------------------------------------------------------- staged hub sources
+
+class StagingError(RuntimeError):
+    pass
+
+
+def is_hub_source(src: SourceConfig) -> bool:
+    return not _is_local(src.path)
+
+
+def staged_path(src: SourceConfig, stage_dir: str) -> str:
+    return os.path.join(stage_dir, f"{_source_name(src)}.jsonl")
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or \
+        os.environ.get("HF_DATASETS_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
+def resolve_sources(cfg: CorpusConfig, recipe: str = "") -> list[SourceConfig]:
+    """The sources to read: hub sources replaced by their staged files when the config has a
+    stage_dir. A hub source that cannot be read (not staged, or the hub is off) is an error that
+    names the step to run."""
+    how = f"spice prepare --recipe {recipe}" if recipe else "spice prepare --recipe NAME"
+    out = []
+    for i, src in enumerate(cfg.sources):
+        if not is_hub_source(src):
+            out.append(src)
+            continue
+        if cfg.stage_dir:
+            path = staged_path(src, cfg.stage_dir)
+            if not os.path.exists(path):
+                raise StagingError(f"corpus.sources[{i}] ({src.path}): not staged at {path}; run `{how}` once on a "
+                                   "node with hub access (jobs run with HF_HUB_OFFLINE=1)")
+            out.append(replace(src, path=path, text_field="text", hub_config=None, streaming=False,
+                               max_records=None, name=_source_name(src)))
+        elif hub_offline():
+            raise StagingError(f"corpus.sources[{i}] ({src.path}) is a hub dataset but HF_HUB_OFFLINE is set; set "
+                               f"corpus.stage_dir and run `{how}` on a node with hub access")
+        else:
+            out.append(src)
+    return out
+
+
 class Corpus:
     """The fixed document pool of a run, built once from the configured sources."""
 
@@ -304,8 +348,6 @@ class Corpus:
 
     @classmethod
     def build(cls, cfg: CorpusConfig, tokenizer: Tokenizer, recipe: str = "") -> "Corpus":
-        from spice_megatron.corpus_stage import StagingError, resolve_sources
-
         cfg.validate()
         try:
             sources = resolve_sources(cfg, recipe)

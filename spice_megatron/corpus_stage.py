@@ -13,56 +13,13 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import replace
 
-from spice_megatron.config import CorpusConfig, SourceConfig
-from spice_megatron.corpus import _is_local, _source_name, iter_source_records, record_text
+from spice_megatron.config import CorpusConfig
+from spice_megatron.corpus import StagingError, is_hub_source, iter_source_records, record_text, staged_path
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "STAGED.json"
-
-
-class StagingError(RuntimeError):
-    pass
-
-
-def is_hub_source(src: SourceConfig) -> bool:
-    return not _is_local(src.path)
-
-
-def staged_path(src: SourceConfig, stage_dir: str) -> str:
-    return os.path.join(stage_dir, f"{_source_name(src)}.jsonl")
-
-
-def hub_offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or \
-        os.environ.get("HF_DATASETS_OFFLINE", "").lower() in ("1", "true", "yes")
-
-
-def resolve_sources(cfg: CorpusConfig, recipe: str = "") -> list[SourceConfig]:
-    """The sources to read: hub sources replaced by their staged files when the config has a
-    stage_dir. A hub source that cannot be read (not staged, or the hub is off) is an error that
-    names the step to run."""
-    how = f"spice prepare --recipe {recipe}" if recipe else "spice prepare --recipe NAME"
-    out = []
-    for i, src in enumerate(cfg.sources):
-        if not is_hub_source(src):
-            out.append(src)
-            continue
-        if cfg.stage_dir:
-            path = staged_path(src, cfg.stage_dir)
-            if not os.path.exists(path):
-                raise StagingError(f"corpus.sources[{i}] ({src.path}): not staged at {path}; run `{how}` once on a "
-                                   "node with hub access (jobs run with HF_HUB_OFFLINE=1)")
-            out.append(replace(src, path=path, text_field="text", hub_config=None, streaming=False,
-                               max_records=None, name=_source_name(src)))
-        elif hub_offline():
-            raise StagingError(f"corpus.sources[{i}] ({src.path}) is a hub dataset but HF_HUB_OFFLINE is set; set "
-                               f"corpus.stage_dir and run `{how}` on a node with hub access")
-        else:
-            out.append(src)
-    return out
 
 
 def stage_corpus(cfg: CorpusConfig, force: bool = False) -> dict:

@@ -8,7 +8,8 @@ import pytest
 
 from spice_megatron.config import CorpusConfig, SourceConfig
 from spice_megatron.corpus import Corpus, CorpusError
-from spice_megatron.corpus_stage import MANIFEST, StagingError, resolve_sources, stage_corpus
+from spice_megatron.corpus import StagingError, resolve_sources
+from spice_megatron.corpus_stage import MANIFEST, stage_corpus
 
 
 def _hub_stand_in(monkeypatch, calls):
