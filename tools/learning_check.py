@@ -246,12 +246,15 @@ def challenger_verdict(trained: list[dict], control: dict | None) -> dict:
     if control is None:
         return {"learned": False, "line": "no control run"}
     keys = ("challenger_reward", "frontier_share")
-    ctrl = {k: _last_third(control[k]) for k in keys}
-    per_run = [{k: _last_third(r[k]) for k in keys} for r in trained]
+    shown = (*keys, "leak_rate")  # reported beside them: a reward won by answers in the question is no gain
+    ctrl = {k: _last_third(control.get(k, [])) for k in shown}
+    per_run = [{k: _last_third(r.get(k, [])) for k in shown} for r in trained]
     learned = bool(per_run) and all(any(m[k] > ctrl[k] for k in keys) for m in per_run)
-    line = ", ".join(f"{r['name']} reward {m['challenger_reward']:.3f} frontier {m['frontier_share']:.2f}"
-                     for r, m in zip(trained, per_run))
-    line += f" vs control reward {ctrl['challenger_reward']:.3f} frontier {ctrl['frontier_share']:.2f}"
+
+    def describe(m: dict) -> str:
+        return f"reward {m['challenger_reward']:.3f} frontier {m['frontier_share']:.2f} leaks {m['leak_rate']:.2f}"
+
+    line = ", ".join(f"{r['name']} {describe(m)}" for r, m in zip(trained, per_run)) + f" vs control {describe(ctrl)}"
     return {"learned": learned, "control": ctrl, "trained": per_run, "line": line}
 
 
