@@ -11,6 +11,10 @@ Why these settings (measured with the base model, README "Self-play learning che
   questions its answers are boxed 21% of the time, pass rate 0.8%, 4/64 questions at the frontier;
   challenger 56/128 valid tasks, 12 with the story's result as gold); at 0.5, 71% boxed, pass rate
   11%, 21/64 at the frontier; challenger 249/256 valid, 83 with the right gold.
+- leak_check="all": a task whose answer stands in its question is invalid, however short. The
+  stories' answers are small numbers, which the default rule lets through; in the first self-play
+  check (README) one trained run learned to copy the story's result into the question and the
+  reasoner to copy it back (leak rate 0.13 -> 0.38, held-out accuracy 25% -> 0%).
 - Four documents x G=8 per iteration: the main job's three iterations fit in minutes (the learner's
   step on 64 + 32 sequences dominates); the learning check takes 6 per iteration.
 """
@@ -36,7 +40,7 @@ def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_c
                                 challenger_max_tokens=challenger_tokens, reasoner_max_tokens=reasoner_tokens,
                                 challenger_temperature=temperature, reasoner_temperature=temperature,
                                 template="plain", protocol="compact", challenger_group="document",
-                                prompt_dir=PROMPT_DIR, reasoner_stop=list(REASONER_STOP)),
+                                prompt_dir=PROMPT_DIR, reasoner_stop=list(REASONER_STOP), leak_check="all"),
         parallel=ParallelConfig(tensor_parallel=1, pipeline_parallel=1),
         optim=OptimConfig(lr=2e-5, weight_decay=0.0, clip_grad=1.0),
         # fp32 logits of 1024 tokens x 49,152 vocabulary are 200 MB per copy: keep micro-batches small

@@ -70,6 +70,7 @@ CHALLENGER_GROUPS = ("document", "single")
 CHALLENGERS = ("self", "model", "tasks")
 PROTOCOLS = ("paper", "compact")
 TEMPLATES = ("plain", "chat", "qwen3", "octothinker")
+LEAK_CHECKS = ("long", "all")  # tasks.py:_leaks
 
 
 @dataclass
@@ -104,6 +105,9 @@ class SelfPlayConfig:
     # Strings that end a reasoner answer (kept in its text): few-shot prompts in prompt_dir that show
     # several "Q: ... A: ..." turns need "\nQ:", or the model writes the next turn and its \boxed{}.
     reasoner_stop: list[str] = field(default_factory=list)
+    # Which answers found in their own question make a task invalid: long (integers of 3+ digits,
+    # strings of 4+ characters; shorter ones occur naturally in questions) or all (tasks.py:_leaks)
+    leak_check: str = "long"
 
     def validate(self, prefix: str = "selfplay") -> None:
         for name in ("batch_docs", "group_size", "max_attempts", "attempts_per_round",
@@ -116,7 +120,7 @@ class SelfPlayConfig:
         _require(self.challenger_reward in CHALLENGER_REWARDS, f"{prefix}.challenger_reward",
                  f"must be one of {CHALLENGER_REWARDS}, got {self.challenger_reward!r}")
         for name, allowed in (("challenger_group", CHALLENGER_GROUPS), ("protocol", PROTOCOLS), ("template", TEMPLATES),
-                              ("challenger", CHALLENGERS)):
+                              ("challenger", CHALLENGERS), ("leak_check", LEAK_CHECKS)):
             _require(getattr(self, name) in allowed, f"{prefix}.{name}",
                      f"must be one of {allowed}, got {getattr(self, name)!r}")
         _require(self.selection_max_tokens > 0, f"{prefix}.selection_max_tokens", "must be > 0")

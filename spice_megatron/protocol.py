@@ -287,12 +287,12 @@ def _as_text(value) -> str | None:
     return value.strip() if isinstance(value, str) else None
 
 
-def parse_generation(text: str, selection: Selection) -> ParseResult:
+def parse_generation(text: str, selection: Selection, leak_check: str = "long") -> ParseResult:
     """Generation output -> a valid Task of the selected type, or an invalid result with its reason."""
     try:
         if selection.answer_type == "multiple_choice":
             return _parse_mcq(text)
-        return _parse_free_form(text, selection.answer_type)
+        return _parse_free_form(text, selection.answer_type, leak_check)
     except Exception as e:  # noqa: BLE001
         return ParseResult(None, "parser_error", {"error": f"{type(e).__name__}: {e}"})
 
@@ -325,7 +325,7 @@ def _parse_mcq(text: str) -> ParseResult:
     return ParseResult(Task(stem, letter, "multiple_choice", tuple(texts)))
 
 
-def _parse_free_form(text: str, selected: str) -> ParseResult:
+def _parse_free_form(text: str, selected: str, leak_check: str) -> ParseResult:
     obj = extract_json_object(text, ("question", "answer"))
     if obj is None:
         return ParseResult(None, "no_json")
@@ -340,7 +340,7 @@ def _parse_free_form(text: str, selected: str) -> ParseResult:
     stated = FREE_FORM_TYPES.get(stated.strip().lower()) if isinstance(stated, str) else None
     if stated != selected:
         return ParseResult(None, "answer_type_mismatch", {"selected": selected, "stated": str(obj.get("answer_type"))[:50]})
-    return free_form_task(question, answer, selected, MAX_STRING_WORDS)
+    return free_form_task(question, answer, selected, MAX_STRING_WORDS, leak_check)
 
 
 __all__ = ["ChallengerPrompts", "Selection", "SelectionResult", "extract_json_object",

@@ -301,7 +301,8 @@ def _challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompt
         # otherwise have its last tags read instead of the first
         outs = generate(texts, replace(spec, stop=(COMPACT_END,)))
         counters["tokens/challenger"] += sum(len(c.token_ids) for comps in outs for c in comps)
-        return [[Attempt(p, c, parse_challenger_output(c.text), -1) for c in comps] for p, comps in zip(texts, outs)]
+        return [[Attempt(p, c, parse_challenger_output(c.text, cfg.leak_check), -1) for c in comps]
+                for p, comps in zip(texts, outs)]
 
     # paper: selection (n per document), then one generation per valid selection
     sel_prompts = [prompts.selection_prompt(d.text) for d in docs]
@@ -324,7 +325,7 @@ def _challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompt
         outs = generate(gen_prompts, replace(spec, n=1, seed=gen_seed))
         for p, (d, j, sel_completion, selection), (c,) in zip(gen_prompts, slots, outs):
             counters["tokens/challenger"] += len(c.token_ids)
-            result[d][j] = Attempt(p, c, parse_generation(c.text, selection), -1, sel_completion)
+            result[d][j] = Attempt(p, c, parse_generation(c.text, selection, cfg.leak_check), -1, sel_completion)
     return result  # type: ignore[return-value]
 
 

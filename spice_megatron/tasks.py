@@ -133,9 +133,14 @@ def _normalise_for_leak(s: str) -> str:
     return re.sub(r"\s+", " ", s.lower()).strip()
 
 
-def _leaks(question: str, answer: str, answer_type: str) -> bool:
-    """The validity rule: short answers (integers under 3 digits, strings under 4 characters) occur
-    naturally in questions and are let through."""
+def _leaks(question: str, answer: str, answer_type: str, leak_check: str = "long") -> bool:
+    """The validity rule. "long" (the default): short answers (integers under 3 digits, strings under
+    4 characters) occur naturally in questions and are let through. "all": any answer that stands
+    in the question, for domains where short answers are the rule (the CPU demo's stories, where a
+    challenger that copies the story's last sentence into its question hands the reasoner the
+    answer, and the two learn to agree on it)."""
+    if leak_check == "all":
+        return answer_in_question(Task(question, answer, answer_type))
     if answer_type == "integer" and len(answer.replace(",", "").lstrip("+-")) < 3:
         return False
     if answer_type != "integer" and len(_normalise_for_leak(answer)) < 4:
@@ -155,15 +160,15 @@ def answer_in_question(task: Task) -> bool:
     return bool(answer) and answer in _normalise_for_leak(task.question)
 
 
-def parse_challenger_output(text: str) -> ParseResult:
+def parse_challenger_output(text: str, leak_check: str = "long") -> ParseResult:
     """Challenger output -> a valid Task, or an invalid result with the reason. Never raises."""
     try:
-        return _parse(text)
+        return _parse(text, leak_check)
     except Exception as e:  # defensive: a parser bug must cost one task, not the run
         return ParseResult(None, "parser_error", {"error": f"{type(e).__name__}: {e}"})
 
 
-def _parse(text: str) -> ParseResult:
+def _parse(text: str, leak_check: str) -> ParseResult:
     if not isinstance(text, str) or not text.strip():
         return ParseResult(None, "empty")
     if len(text) > MAX_OUTPUT_CHARS:
@@ -201,10 +206,11 @@ def _parse(text: str) -> ParseResult:
             letter = matches[0]
         return ParseResult(Task(question, letter, answer_type, tuple(texts)))
 
-    return free_form_task(question, answer, answer_type, MAX_STRING_ANSWER_WORDS)
+    return free_form_task(question, answer, answer_type, MAX_STRING_ANSWER_WORDS, leak_check)
 
 
-def free_form_task(question: str, answer: str, answer_type: str, max_string_words: int) -> ParseResult:
+def free_form_task(question: str, answer: str, answer_type: str, max_string_words: int,
+                   leak_check: str = "long") -> ParseResult:
     """A free-form task once its answer matches its type (both protocols' rule): an integer, an
     expression with mathematics in it, or a short string; the answer must not be in the question."""
     gold = _strip_math_delims(answer)
@@ -218,7 +224,7 @@ def free_form_task(question: str, answer: str, answer_type: str, max_string_word
         return ParseResult(None, "answer_type_mismatch", {"answer_type": answer_type, "answer": gold[:100]})
     if answer_type == "string" and (len(gold) > MAX_STRING_ANSWER_CHARS or len(gold.split()) > max_string_words):
         return ParseResult(None, "answer_too_long", {"answer": gold[:100]})
-    if _leaks(question, gold, answer_type):
+    if _leaks(question, gold, answer_type, leak_check):
         return ParseResult(None, "answer_leak")
     return ParseResult(Task(question, gold, answer_type))
 

@@ -145,3 +145,17 @@ def test_prompts(qwen3_tokenizer):
     assert "\\boxed{" in rp and "B) x" in rp and "Eiffel" not in rp and "letter" in rp
     chat = reasoner_prompt(Task("What is 2+2?", "4", "integer"), "chat", qwen3_tokenizer)
     assert chat.startswith("<|im_start|>user") and chat.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_leak_check_all_rejects_short_answers_that_stand_in_the_question():
+    from spice_megatron.tasks import parse_challenger_output
+
+    leaky = ("<question>Over the two days Raj collected 21 apples. How many apples did Raj collect?</question>"
+             "<answer_type>integer</answer_type><answer>21</answer>")
+    fine = ("<question>Raj collected 15 apples on Monday and 6 on Tuesday. How many in all?</question>"
+            "<answer_type>integer</answer_type><answer>21</answer>")
+    assert parse_challenger_output(leaky).valid  # the default lets small integers through
+    assert parse_challenger_output(leaky, "all").reason == "answer_leak"
+    assert parse_challenger_output(fine, "all").valid
+    word = "<question>Which colour is the red car?</question><answer_type>string</answer_type><answer>red</answer>"
+    assert parse_challenger_output(word).valid and parse_challenger_output(word, "all").reason == "answer_leak"

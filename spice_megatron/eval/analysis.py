@@ -93,7 +93,7 @@ def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int) -> tuple[list, flo
     prompts = [challenger.compact_prompt(d.text) for d in docs]
     spec = SamplingSpec(n=1, temperature=cfg.challenger_temperature, max_tokens=cfg.challenger_max_tokens,
                         stop=(COMPACT_END,), seed=seed, logprobs=False)
-    parsed = [parse_challenger_output(c[0].text) for c in fleet.generate(prompts, spec)]
+    parsed = [parse_challenger_output(c[0].text, cfg.leak_check) for c in fleet.generate(prompts, spec)]
     tasks = [p.task for p in parsed if p.valid]
     return tasks, len(tasks) / len(docs) if docs else float("nan")
 
