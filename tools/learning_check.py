@@ -268,7 +268,8 @@ def _plot(runs: dict, before: dict, path: str, selfplay: bool = False) -> None:
     panels = [("reward", "training reward (reasoner pass rate)")]
     if selfplay:
         panels += [("challenger_reward", "challenger reward (valid tasks)"),
-                   ("frontier_share", "frontier share (0 < pass rate < 1)"), ("valid_task_rate", "valid-task rate")]
+                   ("frontier_share", "frontier share (0 < pass rate < 1)"),
+                   ("leak_rate", "leak rate (answer in the question)")]
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5.5 * (len(panels) + 1), 4))
     for ax, (key, title) in zip(axes, panels):
         for name, r in runs.items():
