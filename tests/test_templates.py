@@ -40,7 +40,9 @@ def test_recipes_choose_their_family_template_and_eval_uses_it(tmp_path, monkeyp
     assert get_recipe("qwen3_4b").selfplay.template == get_recipe("qwen3_8b").selfplay.template == "qwen3"
     assert get_recipe("octothinker_3b").selfplay.template == get_recipe("octothinker_8b").selfplay.template == \
         "octothinker"
-    assert get_recipe("tiny_cpu").selfplay.template == "chat"
+    # the demo: plain text with its few-shot prompt folder (the chat template gave 0 valid tasks of 128)
+    tiny = get_recipe("tiny_cpu").selfplay
+    assert tiny.template == "plain" and tiny.prompt_dir.endswith("prompts/stories") and tiny.reasoner_stop == ["\nQ:"]
 
     import spice_megatron.eval.run as run
     captured = {}
@@ -55,3 +57,5 @@ def test_recipes_choose_their_family_template_and_eval_uses_it(tmp_path, monkeyp
     assert captured["settings"].template == "octothinker"
     main(["eval", "--model", str(tmp_path), "--recipe", "octothinker_3b", "--template", "qwen3"])
     assert captured["settings"].template == "qwen3"
+    main(["eval", "--model", str(tmp_path), "--recipe", "tiny_cpu", "--benchmarks", "gsm8k"])  # its prompts and stop
+    assert (captured["settings"].prompt_dir, captured["settings"].stop) == (tiny.prompt_dir, ("\nQ:",))
