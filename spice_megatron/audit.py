@@ -7,19 +7,7 @@ groups so that a task can be shown beside its document and its G answers.
 """
 from __future__ import annotations
 
-import json
-import sys
 from typing import Iterator
-
-
-def read_records(path: str) -> Iterator[dict]:
-    """Records in file order; a line that is not JSON (a torn write) is skipped with a warning."""
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                print(f"warning: {path}:{line_no} is not valid JSON (a torn write?); skipped", file=sys.stderr)
 
 
 def iterations(records: Iterator[dict]) -> Iterator[list[dict]]:
@@ -40,11 +28,24 @@ def one_line(r: dict) -> str:
             f"reward={r.get('reward', '-')} adv={r.get('advantage', '-')} :: {str(what)[:100]!r}")
 
 
-def task_block(r: dict, group: list[dict]) -> str:
-    """A valid challenger task with the document it came from and the reasoner's answers to it."""
-    index = group.index(r)
-    doc = next((d for d in group if d.get("kind") == "document" and d.get("doc_id") == r.get("doc_id")), None)
-    answers = [a for a in group if a.get("kind") == "reasoner" and a.get("challenger_record") == index]
+class IterationIndex:
+    """One iteration's records, indexed once: each document by its id, each task's answers by the
+    index of its challenger record (what `challenger_record` on a reasoner record holds)."""
+
+    def __init__(self, group: list[dict]):
+        self.group = group
+        self.documents = {d.get("doc_id"): d for d in group if d.get("kind") == "document"}
+        self.answers: dict[int, list[dict]] = {}
+        for a in group:
+            if a.get("kind") == "reasoner":
+                self.answers.setdefault(a.get("challenger_record"), []).append(a)
+
+
+def task_block(index: int, iteration: IterationIndex) -> str:
+    """The valid challenger task at `index` with the document it came from and the reasoner's answers."""
+    r = iteration.group[index]
+    doc = iteration.documents.get(r.get("doc_id"))
+    answers = iteration.answers.get(index, [])
     task = r["task"]
     marks = " ".join(f"{a.get('extracted')}{'+' if a.get('correct') else '-'}" for a in answers)
     lines = [f"it={r.get('iteration')} v={r.get('weights_version')} doc={r.get('doc_id')} "

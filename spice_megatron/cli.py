@@ -165,9 +165,9 @@ MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasone
 
 def _moved_line(metrics_path: str) -> str:
     """One line: what moved from the run's first iteration to its last."""
-    from spice_megatron.audit import read_records
+    from spice_megatron.run_log import read_jsonl
 
-    metrics = list(read_records(metrics_path)) if os.path.exists(metrics_path) else []
+    metrics = list(read_jsonl(metrics_path)) if os.path.exists(metrics_path) else []
     if len(metrics) < 2:
         return "  moved: one iteration only"
     first, last = metrics[0], metrics[-1]
@@ -310,14 +310,16 @@ def _cmd_coevolution(args: argparse.Namespace) -> int:
 def _cmd_audit(args: argparse.Namespace) -> int:
     """Print audit records of a run, filtered; each traces to its document and weights version. A
     valid challenger task is shown with its document and the reasoner's answers (--full: raw JSON)."""
-    from spice_megatron.audit import iterations, one_line, read_records, task_block
+    from spice_megatron.audit import IterationIndex, iterations, one_line, task_block
+    from spice_megatron.run_log import read_jsonl
 
     path = _run_file(args.run, "audit.jsonl")
     if path is None:
         return 1
     shown = 0
-    for group in iterations(read_records(path)):
-        for r in group:
+    for group in iterations(read_jsonl(path)):
+        indexed = IterationIndex(group)
+        for k, r in enumerate(group):
             if ((args.kind and r.get("kind") != args.kind) or (args.doc and r.get("doc_id") != args.doc)
                     or (args.iteration is not None and r.get("iteration") != args.iteration)
                     or (args.version is not None and r.get("weights_version") != args.version)
@@ -328,7 +330,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
             elif r.get("kind") == "reasoner" and _shown_in_task_block(r, group, args):
                 continue
             elif r.get("kind") == "challenger" and r.get("valid"):
-                print(task_block(r, group))
+                print(task_block(k, indexed))
             else:
                 print(one_line(r))
             shown += 1

@@ -11,7 +11,23 @@ import json
 import math
 import os
 import secrets
-from typing import Any
+import sys
+from typing import Any, Callable, Iterator
+
+
+def _warn_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def read_jsonl(path: str, warn: Callable[[str], None] = _warn_stderr) -> Iterator[dict]:
+    """Records of a run's JSONL log in file order; a line that is not JSON (a torn write of a
+    killed run) is skipped and reported through `warn`."""
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                warn(f"{path}:{line_no} is not valid JSON (a torn write?); skipped")
 
 
 class JsonlLog:

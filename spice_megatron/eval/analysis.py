@@ -35,14 +35,9 @@ CURVES = [  # (title, metric keys)
 
 def read_metrics(path: str) -> list[dict]:
     """Rows of a metrics.jsonl; a torn last line (a killed run) is skipped with a warning."""
-    rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                log.warning("%s:%d is not valid JSON; skipped", path, line_no)
-    return rows
+    from spice_megatron.run_log import read_jsonl
+
+    return list(read_jsonl(path, warn=log.warning))
 
 
 def plot_training_curves(metrics_path: str, out_png: str) -> str:
