@@ -13,9 +13,11 @@ uses, so that no held-out question can be answered from memory of a training doc
 """
 from __future__ import annotations
 
+import operator
 import os
 import random
 from dataclasses import dataclass
+from typing import Callable
 
 NAMES = ("Gus", "Mia", "Tom", "Lena", "Omar", "Ruth", "Ivan", "Zoe", "Ken", "Ada", "Raj", "Eva", "Sam", "Nora",
          "Leo", "Ana")
@@ -29,22 +31,22 @@ class Kind:
     name: str
     a: range
     b: range
-    result: str  # a Python expression in a and b
+    result: Callable[[int, int], int]  # of a and b
     story: str  # {name} {thing} {a} {b} {result}
     question: str
 
 
 KINDS = (
-    Kind("gain", range(2, 30), range(2, 30), "a + b",
+    Kind("gain", range(2, 30), range(2, 30), operator.add,
          "{name} had {a} {thing}. A friend gave {name} {b} more {thing}. Now {name} has {result} {thing}.",
          "{name} had {a} {thing} and a friend gave {name} {b} more. How many {thing} does {name} have now?"),
-    Kind("loss", range(12, 40), range(2, 12), "a - b",
+    Kind("loss", range(12, 40), range(2, 12), operator.sub,
          "{name} had {a} {thing}. {name} gave {b} of them away. Now {name} has {result} {thing} left.",
          "{name} had {a} {thing} and gave {b} of them away. How many {thing} does {name} have left?"),
-    Kind("boxes", range(2, 10), range(2, 10), "a * b",
+    Kind("boxes", range(2, 10), range(2, 10), operator.mul,
          "Each box holds {a} {thing}. {name} filled {b} boxes. So {name} packed {result} {thing} in all.",
          "Each box holds {a} {thing} and {name} filled {b} boxes. How many {thing} did {name} pack in all?"),
-    Kind("days", range(2, 20), range(2, 20), "a + b",
+    Kind("days", range(2, 20), range(2, 20), operator.add,
          "On Monday {name} collected {a} {thing}. On Tuesday {name} collected {b} {thing}. "
          "Over the two days {name} collected {result} {thing}.",
          "{name} collected {a} {thing} on Monday and {b} {thing} on Tuesday. How many {thing} did {name} collect "
@@ -63,7 +65,7 @@ class Story:
 
 
 def _story(kind: Kind, a: int, b: int, rng: random.Random) -> Story:
-    result = eval(kind.result, {}, {"a": a, "b": b})  # noqa: S307 - our own constant expressions
+    result = kind.result(a, b)
     fields = {"name": rng.choice(NAMES), "thing": rng.choice(THINGS), "a": a, "b": b, "result": result}
     return Story(kind.name, a, b, result, kind.story.format(**fields), kind.question.format(**fields))
 
