@@ -173,13 +173,13 @@ class Driver:
         """Steps 1-4 of `iteration` on the engines, which hold weights `version`. When no engine is
         left (NoEngineLeft) or a STOP arrives (IterationAbandoned), the sampler and RNG are put back
         as they were: the iteration is done again, or a checkpoint holds the state from before it."""
-        before = (self.sampler.state_dict(), self.rng.getstate())
+        before = self.rollout_state()
         try:
             return self._selfplay(iteration, version)
         except (NoEngineLeft, IterationAbandoned):
             # the rollouts will be done again, from the same documents and RNG state (exact resume)
-            self.sampler.load_state_dict(before[0])
-            self.rng.setstate(before[1])
+            self.sampler.load_state_dict(before["sampler"])
+            self.rng.setstate(before["rng"])
             raise
 
     def _selfplay(self, iteration: int, version: int) -> "RolloutBatch":
@@ -204,11 +204,15 @@ class Driver:
         stats = {**result.stats, "time/rollouts": time.perf_counter() - t0}  # self-play wall time, all phases
         return RolloutBatch(iteration, version, stats, result.records, seqs)
 
+    def rollout_state(self) -> dict:
+        """What the next rollouts start from: the document sampler and the RNG."""
+        return {"sampler": self.sampler.state_dict(), "rng": self.rng.getstate()}
+
     def start_selfplay(self, iteration: int, version: int) -> tuple[Future, dict]:
         """The rollouts of `iteration` in the background (staleness 1), and the sampler and RNG state
         from before they started: what a checkpoint taken while they run must hold, so that a
         resumed run starts them again from the same place."""
-        snapshot = {"sampler": self.sampler.state_dict(), "rng": self.rng.getstate()}
+        snapshot = self.rollout_state()
         return self._rollouts.submit(self.selfplay, iteration, version), snapshot
 
     def check_kill_switch(self, stats: dict[str, float], loss: float, grad_norm: float) -> None:
@@ -224,7 +228,7 @@ class Driver:
             raise KillSwitch(f"challenger reward below {run.min_challenger_reward} for {run.patience} iterations")
 
     def state(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "rng": self.rng.getstate(),
+        return {**self.rollout_state(),
                 "metrics_offset": self.metrics.jsonl.offset(), "audit_offset": self.audit.offset(),
                 "low_valid_streak": self.low_valid_streak, "low_reward_streak": self.low_reward_streak}
 
