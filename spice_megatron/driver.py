@@ -19,6 +19,7 @@ from typing import Callable
 from spice_megatron.config import SpiceConfig
 from spice_megatron.policy.batching import TrainSequence
 from spice_megatron.rollout.fleet import FleetError, NoEngineLeft, RolloutFleet
+from spice_megatron.templates import prompt_token_ids
 
 log = logging.getLogger("spice.trainer")
 
@@ -92,6 +93,13 @@ class Driver:
             self.challenger_fleet = RolloutFleet(curls, token, cfg.rollout.request_timeout,
                                                  chunk_size=cfg.rollout.chunk_size)
             self.challenger_fleet.wait_until_healthy(cfg.rollout.health_timeout)
+            # its prompts are tokenised by its own tokenizer (the policy's when only engines are named:
+            # the paper's strong challenger, Qwen3-32B, shares the Qwen3 policies' tokenizer)
+            self.challenger_tokenizer = tokenizer
+            if cfg.selfplay.challenger_model:
+                from transformers import AutoTokenizer
+
+                self.challenger_tokenizer = AutoTokenizer.from_pretrained(cfg.selfplay.challenger_model)
         self.verifier = AnswerVerifier()
         state = resume_state or {}
         if resume_state:
@@ -160,7 +168,7 @@ class Driver:
 
     def prompt_ids(self, prompt: str) -> list[int]:
         if prompt not in self._ids:
-            self._ids[prompt] = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            self._ids[prompt] = prompt_token_ids(prompt, self.tokenizer)
         return self._ids[prompt]
 
     def generate(self, prompts, spec):
@@ -168,6 +176,9 @@ class Driver:
             raise IterationAbandoned("STOP requested during the rollouts")
         # Token ids go to the engines so that the learner trains on exactly the sampled sequence.
         return self.fleet.generate([self.prompt_ids(p) for p in prompts], spec)
+
+    def fixed_challenger_generate(self, prompts, spec):
+        return self.challenger_fleet.generate([prompt_token_ids(p, self.challenger_tokenizer) for p in prompts], spec)
 
     def selfplay(self, iteration: int, version: int) -> "RolloutBatch":
         """Steps 1-4 of `iteration` on the engines, which hold weights `version`. When no engine is
@@ -194,8 +205,7 @@ class Driver:
             result = run_fixed_tasks(docs, self.generate, self.verifier, sp, self.tokenizer, weights_version=version,
                                      iteration=iteration, seed=seed)
         else:
-            # the fixed challenger reads text prompts: its tokenizer may differ from the policy's
-            fixed = self.challenger_fleet.generate if self.challenger_fleet else None
+            fixed = self.fixed_challenger_generate if self.challenger_fleet else None
             result = run_iteration(docs, self.generate, self.verifier, sp, self.rng, self.tokenizer,
                                    weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed)
         seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,

@@ -9,6 +9,10 @@ reasoner's prompt, which training and evaluation share.
 - `chat`: the tokenizer's own chat template (instruct models such as the CPU demo's SmolLM2).
 - `plain`: plain text with the project's own instruction (base models of other families).
 
+A prompt's token ids come from one rule, `prompt_token_ids`, in training, evaluation, co-evolution
+and the fixed challenger alike: the engines always receive token ids, never text that vLLM would
+tokenise by a rule of its own.
+
 A user can replace any prompt with a file (`selfplay.prompt_dir`): `reasoner.txt` with
 `{question}` here, and the challenger's files in `protocol.py`. Placeholders are replaced
 literally (no str.format), so templates may contain JSON braces.
@@ -57,6 +61,16 @@ def conversation(template: str, user: str, tokenizer=None) -> str:
     if template == "plain":
         return user
     raise ValueError(f"selfplay.template: unknown template {template!r} ({', '.join(TEMPLATES)})")
+
+
+def prompt_token_ids(prompt: str, tokenizer) -> list[int]:
+    """The token ids of a rendered prompt: with the tokenizer's special tokens, as vLLM adds them to a
+    text prompt (a Llama-3 tokenizer's <|begin_of_text|>: the paper's Oat actors sent text, so its
+    rollouts and evaluations began with it), unless the text already begins with the BOS (a chat
+    template writes it), which would make two."""
+    bos = getattr(tokenizer, "bos_token", None)
+    add = not (isinstance(bos, str) and bos and prompt.startswith(bos))
+    return list(tokenizer(prompt, add_special_tokens=add)["input_ids"])
 
 
 def reasoner_prompt(task: Task, template: str = "plain", tokenizer=None, prompt_dir: str = "") -> str:

@@ -37,3 +37,22 @@ def verifier():
     v = AnswerVerifier(processes=2, soft_timeout=2, hard_timeout=6.0)
     yield v
     v.close()
+
+
+@pytest.fixture(scope="session")
+def bos_tokenizer():
+    """A byte-level tokenizer that adds a BOS to every text, as Llama-3's adds <|begin_of_text|>,
+    and whose chat template writes the BOS itself; built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab.update({"<s>": len(vocab), "</s>": len(vocab) + 1})
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{{ bos_token }}{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}Assistant:{% endif %}")
+    return fast

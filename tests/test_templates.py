@@ -59,3 +59,60 @@ def test_recipes_choose_their_family_template_and_eval_uses_it(tmp_path, monkeyp
     assert captured["settings"].template == "qwen3"
     main(["eval", "--model", str(tmp_path), "--recipe", "tiny_cpu", "--benchmarks", "gsm8k"])  # its prompts and stop
     assert (captured["settings"].prompt_dir, captured["settings"].stop) == (tiny.prompt_dir, ("\nQ:",))
+
+
+def test_prompt_token_ids_add_the_bos_once(bos_tokenizer):
+    from spice_megatron.templates import prompt_token_ids
+
+    bos = bos_tokenizer.bos_token_id
+    plain = prompt_token_ids("Q: 2+3?", bos_tokenizer)
+    assert plain[0] == bos and plain.count(bos) == 1
+    chat = prompt_token_ids(conversation("chat", "Q: 2+3?", bos_tokenizer), bos_tokenizer)  # the template writes it
+    assert chat[0] == bos and chat.count(bos) == 1
+
+
+def test_engines_receive_the_same_ids_in_training_evaluation_coevolution_and_fixed_challenger(bos_tokenizer):
+    """D1: training sent ids without the BOS while evaluation sent text that vLLM tokenised with it."""
+    from types import SimpleNamespace
+
+    from spice_megatron.config import SelfPlayConfig
+    from spice_megatron.corpus import Document
+    from spice_megatron.driver import Driver
+    from spice_megatron.eval import analysis
+    from spice_megatron.eval.benchmarks import BENCHMARKS, EvalItem, LoadedBenchmark
+    from spice_megatron.eval.harness import EvalSettings, evaluate_benchmark
+    from spice_megatron.protocol import ChallengerPrompts
+    from spice_megatron.rollout.types import Completion, SamplingSpec
+
+    sent: dict[str, list] = {}
+
+    def recorder(path):
+        def generate(prompts, spec):
+            sent[path] = prompts[0]
+            return [[Completion("\\boxed{5}", [1], [0.0], "stop")] * spec.n for _ in prompts]
+        return generate
+
+    cfg = SelfPlayConfig(template="octothinker", protocol="compact")
+    task = Task("What is 2 plus 3?", "5", "integer")
+    reasoner = reasoner_prompt(task, cfg.template, bos_tokenizer)
+    training = SimpleNamespace(_ids={}, tokenizer=bos_tokenizer)
+    sent["training"] = Driver.prompt_ids(training, reasoner)
+    evaluate_benchmark(LoadedBenchmark(BENCHMARKS["gsm8k"], [EvalItem("1", task.question, "5", "integer")], "s"),
+                       recorder("evaluation"), _NoVerifier(), bos_tokenizer, EvalSettings(template=cfg.template))
+    analysis._answer(SimpleNamespace(generate=recorder("coevolution")), [task], bos_tokenizer, cfg, _NoVerifier(), 1)
+    assert sent["training"][0] == bos_tokenizer.bos_token_id and sent["training"].count(bos_tokenizer.bos_token_id) == 1
+    assert sent["evaluation"] == sent["coevolution"] == sent["training"]
+
+    doc = Document("d", "Gus had 5 cards and got 8 more. Now Gus has 13 cards.", "s", 0, 0, "sha", 20)
+    challenger = ChallengerPrompts(cfg.template, bos_tokenizer, "").compact_prompt(doc.text)
+    fixed = SimpleNamespace(challenger_fleet=SimpleNamespace(generate=recorder("fixed")),
+                            challenger_tokenizer=bos_tokenizer)
+    Driver.fixed_challenger_generate(fixed, [challenger], SamplingSpec(n=1))
+    analysis._challenger_tasks(SimpleNamespace(generate=recorder("coevolution_challenger")), [doc], bos_tokenizer,
+                               cfg, 1)
+    assert sent["fixed"] == sent["coevolution_challenger"] == Driver.prompt_ids(training, challenger)
+
+
+class _NoVerifier:
+    def verify_batch(self, items):
+        return [False for _ in items]

@@ -82,13 +82,15 @@ def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int) -> tuple[list, flo
     from spice_megatron.protocol import ChallengerPrompts
     from spice_megatron.rollout.types import SamplingSpec
     from spice_megatron.tasks import COMPACT_END, parse_challenger_output
+    from spice_megatron.templates import prompt_token_ids
 
     # the compact protocol: one generation per document is all this analysis needs
     challenger = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
     prompts = [challenger.compact_prompt(d.text) for d in docs]
     spec = SamplingSpec(n=1, temperature=cfg.challenger_temperature, max_tokens=cfg.challenger_max_tokens,
                         stop=(COMPACT_END,), seed=seed, logprobs=False)
-    parsed = [parse_challenger_output(c[0].text, cfg.leak_check) for c in fleet.generate(prompts, spec)]
+    outs = fleet.generate([prompt_token_ids(p, tokenizer) for p in prompts], spec)
+    parsed = [parse_challenger_output(c[0].text, cfg.leak_check) for c in outs]
     tasks = [p.task for p in parsed if p.valid]
     return tasks, len(tasks) / len(docs) if docs else float("nan")
 
@@ -96,14 +98,14 @@ def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int) -> tuple[list, flo
 def _answer(fleet, tasks, tokenizer, cfg, verifier, seed: int) -> tuple[int, int]:
     from spice_megatron.rollout.types import SamplingSpec
     from spice_megatron.tasks import extract_boxed
-    from spice_megatron.templates import reasoner_prompt
+    from spice_megatron.templates import prompt_token_ids, reasoner_prompt
 
     if not tasks:
         return 0, 0
     prompts = [reasoner_prompt(t, cfg.template, tokenizer, cfg.prompt_dir) for t in tasks]
     spec = SamplingSpec(n=cfg.group_size, temperature=cfg.reasoner_temperature, max_tokens=cfg.reasoner_max_tokens,
                         stop=tuple(cfg.reasoner_stop), seed=seed, logprobs=False)
-    outs = fleet.generate(prompts, spec)
+    outs = fleet.generate([prompt_token_ids(p, tokenizer) for p in prompts], spec)
     items = [(extract_boxed(c.text), t.answer, t.answer_type) for t, comps in zip(tasks, outs) for c in comps]
     ok = verifier.verify_batch(items)
     return len(ok), sum(ok)

@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 from spice_megatron.eval.benchmarks import LoadedBenchmark
 from spice_megatron.rollout.types import Completion, SamplingSpec
 from spice_megatron.tasks import extract_boxed
-from spice_megatron.templates import reasoner_prompt
+from spice_megatron.templates import prompt_token_ids, reasoner_prompt
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def evaluate_benchmark(loaded: LoadedBenchmark, generate: Generate, verifier, to
                             max_tokens=settings.max_tokens, stop=settings.stop, seed=settings.seed, logprobs=False)
     else:
         spec = SamplingSpec(n=1, temperature=0.0, max_tokens=settings.max_tokens, stop=settings.stop, logprobs=False)
-    outputs = generate(prompts, spec)
+    outputs = generate([prompt_token_ids(p, tokenizer) for p in prompts] if tokenizer is not None else prompts, spec)
     flat = [(it, c, extract_boxed(c.text)) for it, comps in zip(items, outputs) for c in comps]
     verdicts = verifier.verify_batch([(pred, it.answer, it.answer_type) for it, _, pred in flat])
     use_judge = judge is not None and b.category == "math"
