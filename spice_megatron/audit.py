@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from spice_megatron.tasks import Task, answer_in_question
+
 
 def iterations(records: Iterator[dict]) -> Iterator[list[dict]]:
     """The records grouped by iteration, in the order written (one iteration's records at a time)."""
@@ -41,6 +43,16 @@ class IterationIndex:
                 self.answers.setdefault(a.get("challenger_record"), []).append(a)
 
 
+def leaks(r: dict) -> bool:
+    """A challenger record's task can be answered by reading its question (or, for an MCQ, an answer
+    marker in its stem or options): the statistic `challenger/leak_rate` counts the same."""
+    task = r.get("task")
+    if not task:
+        return False
+    return answer_in_question(Task(str(task.get("question", "")), str(task.get("answer", "")),
+                                   str(task.get("answer_type", "")), tuple(task.get("options") or ())))
+
+
 def task_block(index: int, iteration: IterationIndex) -> str:
     """The valid challenger task at `index` with the document it came from and the reasoner's answers."""
     r = iteration.group[index]
@@ -53,7 +65,8 @@ def task_block(index: int, iteration: IterationIndex) -> str:
              f"pass={sum(bool(a.get('correct')) for a in answers)}/{len(answers)}",
              f"  document: {doc['text'] if doc else '(not recorded)'}",
              f"  question: {task.get('question')}",
-             f"  gold:     {task.get('answer')} ({task.get('answer_type')})",
+             f"  gold:     {task.get('answer')} ({task.get('answer_type')})"
+             + ("   LEAK: the answer can be read off the question" if leaks(r) else ""),
              f"  answers:  {marks or '(none)'}"]
     trained = [a for a in answers if a.get("trained")]
     if trained:

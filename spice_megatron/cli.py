@@ -310,7 +310,7 @@ def _cmd_coevolution(args: argparse.Namespace) -> int:
 def _cmd_audit(args: argparse.Namespace) -> int:
     """Print audit records of a run, filtered; each traces to its document and weights version. A
     valid challenger task is shown with its document and the reasoner's answers (--full: raw JSON)."""
-    from spice_megatron.audit import IterationIndex, iterations, one_line, task_block
+    from spice_megatron.audit import IterationIndex, iterations, leaks, one_line, task_block
     from spice_megatron.run_log import read_jsonl
 
     path = _run_file(args.run, "audit.jsonl")
@@ -323,7 +323,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
             if ((args.kind and r.get("kind") != args.kind) or (args.doc and r.get("doc_id") != args.doc)
                     or (args.iteration is not None and r.get("iteration") != args.iteration)
                     or (args.version is not None and r.get("weights_version") != args.version)
-                    or (args.valid and not r.get("valid")) or (args.trained and not r.get("trained"))):
+                    or (args.valid and not r.get("valid")) or (args.trained and not r.get("trained"))
+                    or (args.leaks and not (r.get("valid") and leaks(r)))):
                 continue
             if args.full:
                 print(json.dumps(r, ensure_ascii=False))
@@ -458,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--version", type=int, help="weights version that wrote the record")
     sa.add_argument("--valid", action="store_true", help="valid challenger tasks only")
     sa.add_argument("--trained", action="store_true", help="records that became training samples")
+    sa.add_argument("--leaks", action="store_true",
+                    help="valid tasks whose answer can be read off the question (an MCQ: an answer marker in it)")
     sa.add_argument("--full", action="store_true", help="whole records as JSON")
     sa.add_argument("--limit", type=int, default=0)
     sa.set_defaults(func=_cmd_audit)

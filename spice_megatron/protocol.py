@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass
 
 from spice_megatron.tasks import (CHALLENGER_INSTRUCTIONS, MAX_OUTPUT_CHARS, MAX_QUESTION_CHARS, OPTION_LETTERS,
-                                  ParseResult, Task, _parse_options, free_form_task, parse_challenger_output,
-                                  parse_letter)
+                                  ParseResult, Task, _parse_options, free_form_task, mcq_answer_marked,
+                                  parse_challenger_output, parse_letter)
 from spice_megatron.templates import conversation, read_prompt_file
 
 FREE_FORM_TYPES = {"integer": "integer", "expression": "expression", "string": "string"}
@@ -319,6 +319,8 @@ def _parse_mcq(text: str) -> ParseResult:
     texts = [t for _, t in options]
     if len({t.lower() for t in texts}) != 4:
         return ParseResult(None, "duplicate_options")
+    if mcq_answer_marked(stem, texts):
+        return ParseResult(None, "answer_in_options")
     letter = parse_letter(_as_text(obj["multiple_choice_correct"]) or "")
     if letter not in OPTION_LETTERS:
         return ParseResult(None, "answer_not_in_options", {"answer": str(obj["multiple_choice_correct"])[:100]})

@@ -104,9 +104,19 @@ def _strip_math_delims(s: str) -> str:
     return s
 
 
+# The paper's MCQ format ends its block with "Correct: [Letter]"; models add "Answer: B" lines too.
+# Such a line ends the options (it would otherwise be glued onto option D, where the reasoner reads it).
+_ANSWER_LINE = re.compile(r"^\W*(?:the\s+)?(?:correct(?:\s+(?:answer|option|choice))?|answer)\s*(?:is)?\W*[:：=]", re.I)
+# An answer marker with its letter at the end of a text: "... Correct: B", "Answer: (C)."
+_ANSWER_MARK = re.compile(r"\b(?:correct|answer)(?:\s+(?:answer|option|choice))?\s*(?:is)?[\s*_]*[:：=][\s*_]*"
+                          r"\(?[A-D]\)?[.*_]*\s*$", re.I | re.M)
+
+
 def _parse_options(block: str) -> list[tuple[str, str]]:
     options = []
     for line in block.splitlines():
+        if options and _ANSWER_LINE.match(line):
+            break
         m = _OPTION_LINE.match(line)
         if m and m.group(2).strip():
             options.append((m.group(1).upper(), m.group(2).strip()))
@@ -152,12 +162,18 @@ def answer_in_question(task: Task) -> bool:
     """The gold answer can be read off the question: the statistic behind `challenger/leak_rate`. Wider
     than the validity rule `_leaks`, which lets small integers through because they occur naturally."""
     if task.answer_type == "multiple_choice":
-        return False
+        return mcq_answer_marked(task.question, task.options)
     if task.answer_type == "integer":
         number = task.answer.replace(",", "").lstrip("+")
         return re.search(rf"(?<![\d.,]){re.escape(number)}(?![\d]|[.,]\d)", task.question.replace(",", "")) is not None
     answer = _normalise_for_leak(task.answer)
     return bool(answer) and answer in _normalise_for_leak(task.question)
+
+
+def mcq_answer_marked(stem: str, options: tuple[str, ...] | list[str]) -> bool:
+    """An MCQ whose stem or an option ends with an answer marker ("D) 4 Correct: B"): the reasoner
+    would read its answer there. Such tasks are invalid (`answer_in_options`)."""
+    return any(_ANSWER_MARK.search(text) for text in (stem, *options))
 
 
 def parse_challenger_output(text: str, leak_check: str = "long") -> ParseResult:
@@ -195,6 +211,8 @@ def _parse(text: str, leak_check: str) -> ParseResult:
         texts = [t for _, t in options]
         if len({t.lower() for t in texts}) != 4:
             return ParseResult(None, "duplicate_options")
+        if mcq_answer_marked(question, texts):
+            return ParseResult(None, "answer_in_options")
         letter = parse_letter(answer)
         if letter is not None and letter not in OPTION_LETTERS:
             return ParseResult(None, "answer_not_in_options", {"answer": answer[:100]})

@@ -83,3 +83,21 @@ def test_audit_shows_a_task_with_its_document_and_answers(tmp_path, capsys):
     assert "gold:     13 (integer)" in out and "answers:  13+ 12-" in out and "pass=1/2" in out
     assert "reasoner (trained): 1/+0.50 0/-0.50" in out
     assert out.count("it=1") == 1  # the answers are inside the task's block, not repeated as lines
+
+
+def test_audit_leaks_shows_tasks_whose_answer_stands_in_the_question(tmp_path, capsys):
+    import json
+
+    def task(doc, question, answer, answer_type, options=()):
+        return {"kind": "challenger", "iteration": 0, "doc_id": doc, "weights_version": 0, "valid": True,
+                "trained": True, "reward": 0.1, "advantage": 0.0,
+                "task": {"question": question, "answer": answer, "answer_type": answer_type, "options": list(options)}}
+
+    rows = [task("s/1/0", "Raj collected 21 apples. How many apples did Raj collect?", "21", "integer"),
+            task("s/2/0", "Gus had 5 cards and got 8 more. How many now?", "13", "integer"),
+            task("s/3/0", "Which metal?", "C", "multiple_choice", ("Tin", "Iron", "Lead", "Zinc Correct: C"))]
+    (tmp_path / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["audit", str(tmp_path), "--leaks"]) == 0
+    out = capsys.readouterr().out
+    assert "s/1/0" in out and "s/3/0" in out and "s/2/0" not in out
+    assert out.count("LEAK: the answer can be read off the question") == 2

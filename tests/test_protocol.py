@@ -85,6 +85,18 @@ def test_mcq_generation():
         assert parse_generation(json.dumps({**MCQ, **patch}), Selection("multiple_choice")).reason == reason, patch
 
 
+def test_mcq_answer_line_ends_the_options_and_a_marked_option_is_invalid():
+    """D3: the paper's own MCQ format ends with "Correct: [Letter]", which used to be glued onto D."""
+    paper_format = "Which gas dominates air?\nA) Oxygen\nB) Nitrogen\nC) Argon\nD) Carbon dioxide\nCorrect: B"
+    r = parse_generation(json.dumps({**MCQ, "multiple_choice_question": paper_format}), Selection("multiple_choice"))
+    assert r.valid and r.task.options == ("Oxygen", "Nitrogen", "Argon", "Carbon dioxide")
+    assert "Correct" not in r.task.reasoner_text()
+    for glued in ("D) Carbon dioxide Correct: B", "D) Carbon dioxide (Answer: B)", "D) Carbon dioxide **Answer:** B."):
+        block = paper_format.rsplit("\n", 2)[0] + "\n" + glued
+        r = parse_generation(json.dumps({**MCQ, "multiple_choice_question": block}), Selection("multiple_choice"))
+        assert r.reason == "answer_in_options", glued
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.text())
 def test_parsers_never_raise(text):

@@ -41,6 +41,9 @@ class ScriptedModel:
             if spec == "mcq":
                 return Completion(task_text("Which metal? K=2", "multiple_choice", "C", ["Tin", "Iron", "Lead", "Zinc"]),
                                   [1, 2])
+            if spec == "mcqleak":  # the answer glued onto option D, as the paper's "Correct: C" line would be
+                return Completion(task_text("Which metal? K=2", "multiple_choice", "C",
+                                            ["Tin", "Iron", "Lead", "Zinc Correct: C"]), [1, 2])
             k = 4 if spec == "late" else int(spec[1:])
             return Completion(task_text(f"How many things are there here? K={k}", "integer", "42"), [1, 2, 3, 4])
         k = int(re.search(r"K=(\d)", prompt).group(1))
@@ -345,3 +348,10 @@ def test_documents_stops_and_frontier_and_leak_statistics():
     s = result.stats
     assert s["challenger/frontier_share"] == pytest.approx(1 / 3)  # k4: 4 of 8; leak: 8 of 8; k0: 0 of 8
     assert s["challenger/leak_rate"] == pytest.approx(1 / 3)
+
+
+def test_mcq_answer_marked_in_an_option_is_an_invalid_attempt_and_counted():
+    result, _ = run([doc(0, "SPEC[mcqleak]"), doc(1, "SPEC[k4]")], max_attempts=4)
+    s = result.stats
+    assert s["invalid/answer_in_options"] == pytest.approx(4 / 8)  # all 4 attempts of doc 0, of 8 in all
+    assert s["valid_task_rate"] == 0.5 and s["challenger/leak_rate"] == 0.0

@@ -37,6 +37,18 @@ def test_mcq_answer_given_as_option_text():
     assert r.valid and r.task.answer == "B"
 
 
+def test_mcq_answer_marker_is_a_leak_in_both_parser_and_statistic():
+    from spice_megatron.tasks import answer_in_question
+
+    r = parse_challenger_output(MCQ.replace("D) Reinforced concrete\n", "D) Reinforced concrete\nAnswer: B\n"))
+    assert r.valid and r.task.options[-1] == "Reinforced concrete"  # the answer line ends the options
+    r = parse_challenger_output(MCQ.replace("D) Reinforced concrete", "D) Reinforced concrete Correct: B"))
+    assert r.reason == "answer_in_options"
+    assert answer_in_question(Task("Q?", "B", "multiple_choice", ("a", "b", "c", "d Correct: B")))
+    # an article after "answer:" is not a letter
+    assert not answer_in_question(Task("Which answer: A decrease or a rise?", "B", "multiple_choice", ("a", "b", "c", "d")))
+
+
 @pytest.mark.parametrize("answer_type,answer,gold", [
     ("integer", "1,260", "1,260"),
     ("integer", "$-17$", "-17"),
