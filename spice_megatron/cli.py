@@ -107,6 +107,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
             cfg.run.model = smollm2_dir()
         try:  # a bad value is one line here, before torchrun, Megatron and the engines start
             cfg.validate()
+            from transformers import AutoTokenizer
+
+            from spice_megatron.context_budget import check_context_budget
+
+            check_context_budget(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -143,6 +148,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except EnginesLost as e:
         print(f"error: rollout engines lost: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # under a launcher, the checks that need the model run here
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if summary and global_rank() == 0:
         keys = ["weights_version", "valid_task_rate", "attempts_per_doc", "reasoner_pass_rate", "challenger_reward_mean",
                 "train/loss", "train/grad_norm", "train/logprob_gap", "weight_sync/seconds", "time/iteration"]

@@ -207,7 +207,8 @@ class Driver:
         else:
             fixed = self.fixed_challenger_generate if self.challenger_fleet else None
             result = run_iteration(docs, self.generate, self.verifier, sp, self.rng, self.tokenizer,
-                                   weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed)
+                                   weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed,
+                                   max_model_len=self.cfg.rollout.max_model_len)
         seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
                               s.completion.logprobs or None, s.role, s.completion.versions or None)
                 for s in result.samples if s.completion.token_ids]

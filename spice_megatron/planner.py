@@ -105,6 +105,16 @@ class EngineMemory:
     kv_bytes_per_token: int
     max_sequences: int  # of max_model_len tokens each
 
+    @property
+    def kv_tokens(self) -> int:
+        return int(self.kv_cache * GiB // self.kv_bytes_per_token) if self.kv_cache > 0 else 0
+
+
+# An engine's KV cache must hold 32 requests of 8,192 tokens. vLLM pages the cache, and a request is
+# its document plus its output (most far below max_model_len), so tokens, not full-length sequences,
+# are what bound the concurrency.
+MIN_ENGINE_KV_TOKENS = 32 * 8192
+
 
 def engine_memory(spec: ModelSpec, engine_tp: int, gpu_memory_gib: float, utilization: float,
                   max_model_len: int, overhead_gib: float = 3.0) -> EngineMemory:
@@ -167,13 +177,13 @@ def _tp_ok(spec: ModelSpec, tp: int) -> bool:
 
 
 def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = False, headroom: float = 0.9,
-                min_engine_sequences: int = 32) -> Plan:
+                min_engine_kv_tokens: int = MIN_ENGINE_KV_TOKENS) -> Plan:
     """Check the config's layout (cfg.parallel, cfg.rollout.engine_tensor_parallel) against the
     cluster, or with `choose` pick one.
 
     Choosing, the learner takes the smallest TP x PP that fits `headroom` of a GPU (TP first, within
     a node: it needs the fastest links); the rest of the learner GPUs are data parallel. An engine
-    takes the smallest TP whose KV cache holds `min_engine_sequences` sequences of max_model_len."""
+    takes the smallest TP whose KV cache holds `min_engine_kv_tokens` tokens and a full-length sequence."""
     cluster: ClusterConfig = cfg.cluster
     spec = spec or model_spec(cfg.run.model)
     learner_nodes, rollout_nodes = cluster.split()
@@ -212,13 +222,14 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         t for t in _powers_of_two(min(8, cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0]
     for etp in engine_tps:
         em = engine_memory(spec, etp, cluster.gpu_memory_gib, cfg.rollout.gpu_memory_utilization, cfg.rollout.max_model_len)
-        if em.max_sequences >= min_engine_sequences and rollout_gpus % etp == 0:
+        if em.kv_tokens >= min_engine_kv_tokens and em.max_sequences >= 1 and rollout_gpus % etp == 0:
             break
     else:
         raise PlanError(f"rollout: with engine TP={engine_tps[-1]} the KV cache is {em.kv_cache:.1f} GiB per GPU "
                         f"(weights {em.weights:.1f} GiB of {cluster.gpu_memory_gib * cfg.rollout.gpu_memory_utilization:.1f} "
-                        f"usable): {em.max_sequences} sequences of {cfg.rollout.max_model_len} tokens, fewer than "
-                        f"{min_engine_sequences}; raise rollout.engine_tensor_parallel or lower rollout.max_model_len")
+                        f"usable): {em.kv_tokens:,} tokens ({em.max_sequences} sequences of {cfg.rollout.max_model_len}), "
+                        f"fewer than {min_engine_kv_tokens:,} or than one sequence; raise rollout.engine_tensor_parallel "
+                        "or lower rollout.max_model_len")
     notes = []
     if cluster.nodes == 1:
         notes.append("one node: learner and engines share it (GPUs split in half)")

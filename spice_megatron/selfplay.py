@@ -17,6 +17,7 @@ pass a scripted one. Everything here is deterministic given the generator's outp
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import Counter
@@ -35,6 +36,8 @@ from spice_megatron.tasks import (COMPACT_END, ParseResult, Task, answer_in_ques
                                   parse_challenger_output)
 from spice_megatron.templates import reasoner_prompt
 from spice_megatron.verify import AnswerVerifier, answer_key
+
+log = logging.getLogger(__name__)
 
 # prompts, sampling -> for each prompt, sampling.n completions
 GenerateFn = Callable[[list[str], SamplingSpec], list[list[Completion]]]
@@ -114,16 +117,26 @@ def _round_seed(seed: int | None, attempt: int) -> int | None:
 def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier: AnswerVerifier,
                   cfg: SelfPlayConfig, rng: random.Random, tokenizer=None, weights_version: int = 0,
                   iteration: int = 0, seed: int | None = None,
-                  challenger_generate: GenerateFn | None = None) -> IterationResult:
+                  challenger_generate: GenerateFn | None = None, max_model_len: int | None = None) -> IterationResult:
     """One iteration's data. `seed` (None: unseeded sampling) makes the engine's sampling
     reproducible for exact resume. `challenger_generate`: a fixed challenger model's generate
-    function (selfplay.challenger=model); its attempts are recorded, never trained."""
+    function (selfplay.challenger=model); its attempts are recorded, never trained.
+    `max_model_len` (with a tokenizer): a document whose challenger request would not fit the
+    engines' context is skipped (counted, logged, recorded), and a task whose reasoner request would
+    not fit is an invalid attempt, rather than a request vLLM truncates or rejects."""
     stats: dict[str, float] = {}
-    # the documents the challenger read, first: `spice audit` shows each task beside its document
-    records: list[dict] = [{"kind": "document", "iteration": iteration, "doc_id": d.doc_id, "doc_sha256": d.sha256,
-                            "weights_version": weights_version, "text": d.text} for d in documents]
-    n_docs = len(documents)
     prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
+    context = max_model_len if tokenizer is not None else None
+    records: list[dict] = []
+    if context:
+        documents, too_long = _documents_that_fit(documents, prompts, cfg, tokenizer, context)
+        stats["skipped/prompt_too_long"] = float(len(too_long))
+        records += [{"kind": "document", "iteration": iteration, "doc_id": d.doc_id, "doc_sha256": d.sha256,
+                     "weights_version": weights_version, "text": d.text, "skipped": why} for d, why in too_long]
+    # the documents the challenger read, first: `spice audit` shows each task beside its document
+    records += [{"kind": "document", "iteration": iteration, "doc_id": d.doc_id, "doc_sha256": d.sha256,
+                 "weights_version": weights_version, "text": d.text} for d in documents]
+    n_docs = len(documents)
     per_doc = cfg.group_size if cfg.challenger_group == "document" else 1
 
     # --- Challenger: attempts in rounds until each document has a valid task or N are spent.
@@ -145,6 +158,8 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
                                                      prompts, cfg, round_seed, counters)):
                 for a in att:
                     attempts[i] += 1
+                    if context and a.parsed.valid:
+                        _check_reasoner_request(a, cfg, tokenizer, context)
                     records.append(_challenger_record(documents[i], attempts[i], a, weights_version, iteration))
                     a.record = len(records) - 1
                     if a.parsed.valid:
@@ -288,6 +303,33 @@ def run_fixed_tasks(pool_tasks: Sequence, generate: GenerateFn, verifier: Answer
     stats["valid_task_rate"] = 1.0  # every file task is a task: the kill switch's valid-task rule does not apply
     stats["challenger_mode"] = "tasks"
     return IterationResult(samples, stats, records)
+
+
+def _documents_that_fit(documents: Sequence[Document], prompts: ChallengerPrompts, cfg: SelfPlayConfig, tokenizer,
+                        context: int) -> tuple[list[Document], list[tuple[Document, str]]]:
+    """The documents whose every challenger request fits `context`, and the others with why."""
+    from spice_megatron.context_budget import challenger_requests, request_tokens
+
+    fit, too_long = [], []
+    for d in documents:
+        worst = max(((request_tokens(p, m, tokenizer), what) for what, p, m in challenger_requests(prompts, d.text, cfg)))
+        if worst[0] <= context:
+            fit.append(d)
+        else:
+            why = f"prompt_too_long: the {worst[1]} and its output are {worst[0]} tokens, max_model_len {context}"
+            log.warning("skipping document %s: %s", d.doc_id, why)
+            too_long.append((d, why))
+    return fit, too_long
+
+
+def _check_reasoner_request(a: "Attempt", cfg: SelfPlayConfig, tokenizer, context: int) -> None:
+    """A valid task whose reasoner request cannot fit the context becomes an invalid attempt."""
+    from spice_megatron.context_budget import request_tokens
+
+    need = request_tokens(reasoner_prompt(a.parsed.task, cfg.template, tokenizer, cfg.prompt_dir),
+                          cfg.reasoner_max_tokens, tokenizer)
+    if need > context:
+        a.parsed = ParseResult(None, "question_over_context", {"tokens": need, "max_model_len": context})
 
 
 def _challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompts: ChallengerPrompts,

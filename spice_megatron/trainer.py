@@ -246,6 +246,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
 
     from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint
     from spice_megatron.bridge.hf_io import resolve_model_dir
+    from spice_megatron.context_budget import check_context_budget
     from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
     from spice_megatron.policy.learner import Learner
     from spice_megatron.policy.parallel import control_group, init_distributed
@@ -257,6 +258,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     control = control_group(cfg.run.driver_timeout)
     ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")
     tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
+    check_context_budget(cfg, tokenizer)  # before the learner loads and the engines start
 
     # --- The learner: the base model (HF -> Megatron), or the last checkpoint on resume.
     latest = latest_checkpoint(ckpt_root) if resume else None

@@ -37,7 +37,7 @@ def test_cluster_recipes_fit_their_cluster(name):
     plan = plan_layout(cfg)
     assert plan.learner.total <= 0.9 * cfg.cluster.gpu_memory_gib
     assert plan.tp * plan.pp * plan.dp == plan.learner_gpus and plan.engines * plan.engine_tp == plan.rollout_gpus
-    assert plan.engine.max_sequences >= 32
+    assert plan.engine.kv_tokens >= 32 * 8192 and plan.engine.max_sequences >= 1
 
 
 def test_large_recipes_use_tensor_and_pipeline_parallelism():

@@ -355,3 +355,45 @@ def test_mcq_answer_marked_in_an_option_is_an_invalid_attempt_and_counted():
     s = result.stats
     assert s["invalid/answer_in_options"] == pytest.approx(4 / 8)  # all 4 attempts of doc 0, of 8 in all
     assert s["valid_task_rate"] == 0.5 and s["challenger/leak_rate"] == 0.0
+
+
+def test_a_document_too_long_for_the_context_is_a_counted_skip_and_a_long_question_an_invalid_attempt(
+        qwen3_tokenizer, caplog):
+    """D5: an over-long prompt is never a request vLLM rejects (a stopped run) or truncates."""
+    cfg = SelfPlayConfig(batch_docs=2, group_size=8, attempts_per_round=4, max_attempts=4, protocol="compact",
+                         challenger_group="single", challenger_max_tokens=256, reasoner_max_tokens=64)
+    long_doc = doc(1, "SPEC[k4] " + "word " * 900)
+    with caplog.at_level("WARNING"):
+        result = run_iteration([doc(0, "SPEC[k4]"), long_doc], ScriptedModel(), _verifier(), cfg, random.Random(0),
+                               tokenizer=qwen3_tokenizer, max_model_len=1024)
+    s = result.stats
+    assert s["skipped/prompt_too_long"] == 1.0 and s["valid_task_rate"] == 1.0
+    assert "skipping document src/1/0: prompt_too_long" in caplog.text
+    skipped = [r for r in result.records if r["kind"] == "document" and r.get("skipped")]
+    assert [r["doc_id"] for r in skipped] == ["src/1/0"]
+    assert all(r["doc_id"] == "src/0/0" for r in result.records if r["kind"] != "document")
+    # the reasoner's request: its question + reasoner_max_tokens must fit too
+    tight = SelfPlayConfig(**{**cfg.__dict__, "reasoner_max_tokens": 1000})
+    result = run_iteration([doc(0, "SPEC[k4]")], ScriptedModel(), _verifier(), tight, random.Random(0),
+                           tokenizer=qwen3_tokenizer, max_model_len=1024)
+    assert result.stats["invalid/question_over_context"] == 1.0 and result.stats["valid_task_rate"] == 0.0
+
+
+def test_start_up_refuses_a_context_that_cannot_hold_the_longest_document(qwen3_tokenizer, tmp_path):
+    from recipes import get_recipe
+    from spice_megatron.config import ConfigError
+    from spice_megatron.context_budget import check_context_budget
+
+    cfg = get_recipe("qwen3_8b")
+    check_context_budget(cfg, qwen3_tokenizer)  # the paper recipe holds its documents with the built-in prompts
+    published = tmp_path / "prompts"  # a prompt the size of the paper's published free-form prompt (~2.2k tokens)
+    published.mkdir()
+    (published / "generate_free_form.txt").write_text("Step by step, write a hard question. " * 280 + "{document}")
+    cfg.selfplay.prompt_dir = str(published)
+    check_context_budget(cfg, qwen3_tokenizer)
+    (published / "generate_free_form.txt").write_text("Step by step, write a hard question. " * 600 + "{document}")
+    with pytest.raises(ConfigError, match=r"rollout.max_model_len=12288 cannot hold the challenger's longest request: "
+                                          r"the integer generation prompt \(the files in selfplay.prompt_dir=.*\) is "
+                                          r"\d+ tokens \+ a document of up to corpus.max_doc_tokens=5992 \+ "
+                                          r"selfplay.challenger_max_tokens=2048 = \d+ tokens"):
+        check_context_budget(cfg, qwen3_tokenizer)

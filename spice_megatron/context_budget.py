@@ -1,0 +1,59 @@
+"""Do the challenger's requests fit the engines' context (rollout.max_model_len)?
+
+A request is a prompt (the document inside the recipe's prompt text and template) plus the tokens it
+may generate. vLLM caps the output silently when prompt + max_tokens exceed max_model_len, and
+rejects a prompt that alone reaches it, which would stop the run. So:
+- at start-up, `check_context_budget` measures the actual prompts (files under selfplay.prompt_dir
+  included) around an empty document and refuses a configuration whose longest document
+  (corpus.max_doc_tokens) cannot fit, naming the fields and the numbers;
+- at run time, `fits` lets `run_iteration` skip a document whose request would not fit (counted in
+  `skipped/prompt_too_long`, logged with its id) and make a task whose question is too long for the
+  reasoner's request an invalid attempt (`invalid/question_over_context`).
+"""
+from __future__ import annotations
+
+from spice_megatron.config import ConfigError, SelfPlayConfig, SpiceConfig
+from spice_megatron.protocol import ChallengerPrompts, Selection
+from spice_megatron.templates import prompt_token_ids
+
+# A document's tokens inside a prompt can differ from its tokens alone by a merge at each edge.
+EDGE_TOKENS = 2
+ANSWER_TYPES = ("multiple_choice", "integer", "expression", "string")
+
+
+def challenger_requests(prompts: ChallengerPrompts, document: str, cfg: SelfPlayConfig) -> list[tuple[str, str, int]]:
+    """Every request the challenger can make for `document`: (what, prompt, max_tokens)."""
+    if cfg.protocol == "compact":
+        return [("challenger prompt", prompts.compact_prompt(document), cfg.challenger_max_tokens)]
+    return [("selection prompt", prompts.selection_prompt(document), cfg.selection_max_tokens)] + [
+        (f"{kind} generation prompt", prompts.generation_prompt(document, Selection(kind)), cfg.challenger_max_tokens)
+        for kind in ANSWER_TYPES]
+
+
+def request_tokens(prompt: str, max_tokens: int, tokenizer) -> int:
+    return len(prompt_token_ids(prompt, tokenizer)) + max_tokens
+
+
+def fits(prompt: str, max_tokens: int, tokenizer, max_model_len: int) -> bool:
+    return request_tokens(prompt, max_tokens, tokenizer) <= max_model_len
+
+
+def check_context_budget(cfg: SpiceConfig, tokenizer) -> None:
+    """Refuse (ConfigError naming the fields and numbers) when the longest document a run can draw
+    does not fit, with the challenger's longest request, in rollout.max_model_len."""
+    sp = cfg.selfplay
+    if sp.challenger == "tasks":
+        return
+    prompts = ChallengerPrompts(sp.template, tokenizer, sp.prompt_dir)
+    limit = cfg.rollout.max_model_len
+    for what, prompt, max_tokens in challenger_requests(prompts, "", sp):
+        prompt_len = len(prompt_token_ids(prompt, tokenizer))
+        worst = prompt_len + cfg.corpus.max_doc_tokens + EDGE_TOKENS + max_tokens
+        if worst > limit:
+            where = f"the files in selfplay.prompt_dir={sp.prompt_dir}" if sp.prompt_dir else "the built-in prompts"
+            output = "selfplay.selection_max_tokens" if what == "selection prompt" else "selfplay.challenger_max_tokens"
+            raise ConfigError(
+                f"rollout.max_model_len={limit} cannot hold the challenger's longest request: the {what} ({where}, "
+                f"template {sp.template}) is {prompt_len} tokens + a document of up to corpus.max_doc_tokens="
+                f"{cfg.corpus.max_doc_tokens} + {output}={max_tokens} = {worst} tokens; raise rollout.max_model_len "
+                f"to at least {worst} or lower corpus.max_doc_tokens")
