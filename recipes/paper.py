@@ -121,6 +121,11 @@ def strong_challenger(cfg: SpiceConfig, challenger_model: str = STRONG_CHALLENGE
     cfg.run.output_dir = f"runs/{cfg.run.name}"
     cfg.selfplay.challenger = "model"
     cfg.selfplay.challenger_model = challenger_model
+    # the paper's "Qwen3-32B-Instruct": the hybrid model answering directly. In thinking mode most of
+    # its 512 / 2,048-token budgets would go to an unfinished <think> block (invalid attempts).
+    cfg.selfplay.challenger_template = "qwen3_nothink"
+    # 32B of bf16 weights (61 GiB) leave one GPU of 80 GiB almost no KV cache: two GPUs per engine
+    cfg.rollout.challenger_engine_tensor_parallel = 2
     return cfg
 
 

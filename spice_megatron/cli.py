@@ -121,6 +121,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             argv += ["--model", cfg.run.model]
         relaunch_with_torchrun(cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel,
                                [sys.argv[0], *argv])
+    from spice_megatron.planner import PlanError
     from spice_megatron.trainer import EnginesLost, Interrupted, KillSwitch, train
 
     eval_hook = None
@@ -148,7 +149,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except EnginesLost as e:
         print(f"error: rollout engines lost: {e}", file=sys.stderr)
         return 1
-    except ConfigError as e:  # under a launcher, the checks that need the model run here
+    except (ConfigError, PlanError) as e:  # the checks that need the model or the GPUs run here
         print(f"error: {e}", file=sys.stderr)
         return 2
     if summary and global_rank() == 0:

@@ -69,7 +69,7 @@ CHALLENGER_REWARDS = ("variance", "absolute_zero", "threshold", "r_zero")
 CHALLENGER_GROUPS = ("document", "single")
 CHALLENGERS = ("self", "model", "tasks")
 PROTOCOLS = ("paper", "compact")
-TEMPLATES = ("plain", "chat", "qwen3", "octothinker")
+TEMPLATES = ("plain", "chat", "qwen3", "qwen3_nothink", "octothinker")
 LEAK_CHECKS = ("long", "all")  # tasks.py:_leaks
 
 
@@ -101,6 +101,9 @@ class SelfPlayConfig:
     # file (task_pool.py). In the fixed modes only reasoner trajectories are trained.
     challenger: str = "self"
     challenger_model: str = ""  # challenger=model: HF directory served by local engines (or rollout.challenger_engines)
+    # challenger=model: the fixed challenger's conversation format ("": selfplay.template). The paper's
+    # "Qwen3-32B-Instruct" is the hybrid model in non-thinking mode: qwen3_nothink.
+    challenger_template: str = ""
     tasks_file: str = ""  # challenger=tasks
     # Strings that end a reasoner answer (kept in its text): few-shot prompts in prompt_dir that show
     # several "Q: ... A: ..." turns need "\nQ:", or the model writes the next turn and its \boxed{}.
@@ -123,6 +126,11 @@ class SelfPlayConfig:
                               ("challenger", CHALLENGERS), ("leak_check", LEAK_CHECKS)):
             _require(getattr(self, name) in allowed, f"{prefix}.{name}",
                      f"must be one of {allowed}, got {getattr(self, name)!r}")
+        _require(not self.challenger_template or self.challenger_template in TEMPLATES, f"{prefix}.challenger_template",
+                 f"must be one of {TEMPLATES}, got {self.challenger_template!r}")
+        _require(not self.challenger_template or self.challenger == "model", f"{prefix}.challenger_template",
+                 "only a fixed challenger (challenger=model) has a template of its own; the policy writes and answers "
+                 "in selfplay.template")
         _require(self.selection_max_tokens > 0, f"{prefix}.selection_max_tokens", "must be > 0")
         _require(not self.prompt_dir or os.path.isdir(self.prompt_dir), f"{prefix}.prompt_dir",
                  f"{self.prompt_dir!r} is not a directory")
@@ -271,6 +279,7 @@ class RolloutConfig:
     # wait for buckets from a sender that failed (an engine died mid-sync) before the sync is retried.
     sync_timeout: float = 300.0
     engine_tensor_parallel: int = 1  # GPUs per vLLM engine (cluster launchers start engines with it)
+    challenger_engine_tensor_parallel: int = 0  # a local fixed challenger's engine (0: engine_tensor_parallel)
     gpu_memory_utilization: float = 0.85  # vLLM's share of each engine GPU (weights + KV cache)
     # vLLM weight-transfer backend the engines receive through (see WEIGHT_TRANSFER_REFUSED and the README):
     # spice: ours, every pipeline stage sends at once, gloo or NCCL; nccl: vLLM's, one sender (PP=1, GPU)
@@ -286,6 +295,8 @@ class RolloutConfig:
         _require(self.bucket_mb > 0, f"{prefix}.bucket_mb", "must be > 0")
         _require(self.sync_timeout > 0, f"{prefix}.sync_timeout", "must be > 0")
         _require(self.engine_tensor_parallel >= 1, f"{prefix}.engine_tensor_parallel", "must be >= 1")
+        _require(self.challenger_engine_tensor_parallel >= 0, f"{prefix}.challenger_engine_tensor_parallel",
+                 "must be >= 0 (0: engine_tensor_parallel)")
         _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization", "must be in (0, 1]")
 
 

@@ -89,7 +89,9 @@ class Driver:
         # selfplay.challenger=model: a fixed challenger behind its own engines, never weight-synced
         self.challenger_fleet = None
         if cfg.selfplay.challenger == "model":
-            curls = list(cfg.rollout.challenger_engines) or self._start_local_engines(cfg.selfplay.challenger_model, 1)
+            curls = list(cfg.rollout.challenger_engines)
+            if not curls:
+                curls = self._start_local_engines(cfg.selfplay.challenger_model, 1, challenger=True)
             self.challenger_fleet = RolloutFleet(curls, token, cfg.rollout.request_timeout,
                                                  chunk_size=cfg.rollout.chunk_size)
             self.challenger_fleet.wait_until_healthy(cfg.rollout.health_timeout)
@@ -116,16 +118,25 @@ class Driver:
         # recipe) must not outlast the job's grace period after the time-limit STOP
         self.abandon_when = abandon_when
 
-    def _start_local_engines(self, model: str, count: int) -> list[str]:
+    def _start_local_engines(self, model: str, count: int, challenger: bool = False) -> list[str]:
         from spice_megatron.rollout.local import engine_args, engine_devices, start_engines
 
         ro = self.cfg.rollout
-        extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=ro.engine_tensor_parallel,
+        tp = ro.engine_tensor_parallel
+        if challenger:
+            import torch
+
+            from spice_megatron.planner import challenger_engine_tp, check_challenger_engine
+
+            tp = challenger_engine_tp(self.cfg)
+            if torch.cuda.is_available():  # refuse an engine that cannot hold the model, before it loads
+                check_challenger_engine(self.cfg)
+        extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=tp,
                             gpu_memory_utilization=ro.gpu_memory_utilization, weight_transfer=ro.weight_transfer)
         # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier engines
         reserved = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + len(self.engines) * ro.engine_tensor_parallel
         started = start_engines(model, self.token, os.path.join(self.cfg.run.output_dir, "logs"), extra,
-                                engine_devices(count, ro.engine_tensor_parallel, reserved=reserved))
+                                engine_devices(count, tp, reserved=reserved))
         self.engines += started
         return [e.url for e in started]
 

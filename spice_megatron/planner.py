@@ -231,12 +231,39 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                         f"fewer than {min_engine_kv_tokens:,} or than one sequence; raise rollout.engine_tensor_parallel "
                         "or lower rollout.max_model_len")
     notes = []
+    if cfg.selfplay.challenger == "model" and not cfg.rollout.challenger_engines:
+        ctp = challenger_engine_tp(cfg)
+        notes.append(f"a local fixed challenger engine ({cfg.selfplay.challenger_model}) takes {ctp} more GPU(s) "
+                     f"on the learner's node: {check_challenger_engine(cfg).kv_tokens:,} tokens of KV cache")
     if cluster.nodes == 1:
         notes.append("one node: learner and engines share it (GPUs split in half)")
     if tp > 1 and cluster.nodes > 1:
         notes.append("TP stays within a node; PP and DP cross nodes")
     return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
                 learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp), etp, rollout_gpus // etp, mem, em, notes)
+
+
+def challenger_engine_tp(cfg: SpiceConfig) -> int:
+    return cfg.rollout.challenger_engine_tensor_parallel or cfg.rollout.engine_tensor_parallel
+
+
+def check_challenger_engine(cfg: SpiceConfig) -> EngineMemory:
+    """A local fixed challenger engine (selfplay.challenger=model without rollout.challenger_engines)
+    must hold its model and a useful KV cache at its TP; PlanError with the numbers otherwise."""
+    ro, cluster = cfg.rollout, cfg.cluster
+    tp = challenger_engine_tp(cfg)
+    spec = model_spec(cfg.selfplay.challenger_model)
+    em = engine_memory(spec, tp, cluster.gpu_memory_gib, ro.gpu_memory_utilization, ro.max_model_len)
+    if em.kv_tokens < MIN_ENGINE_KV_TOKENS or em.max_sequences < 1:
+        usable = cluster.gpu_memory_gib * ro.gpu_memory_utilization
+        raise PlanError(
+            f"rollout.challenger_engine_tensor_parallel={tp}: a local challenger engine for "
+            f"{cfg.selfplay.challenger_model} ({spec.num_parameters / 1e9:.1f}B parameters) holds {em.weights:.1f} GiB "
+            f"of weights per GPU of {usable:.1f} usable ({cluster.gpu_memory_gib:.0f} GiB x "
+            f"{ro.gpu_memory_utilization}), leaving {max(em.kv_cache, 0):.1f} GiB of KV cache: {em.kv_tokens:,} tokens "
+            f"({em.max_sequences} sequences of {ro.max_model_len}), fewer than {MIN_ENGINE_KV_TOKENS:,}; raise "
+            "rollout.challenger_engine_tensor_parallel or serve it on its own nodes (rollout.challenger_engines)")
+    return em
 
 
 # ------------------------------------------------------------------------------------------ step time

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from spice_megatron.tasks import (CHALLENGER_INSTRUCTIONS, MAX_OUTPUT_CHARS, MAX_QUESTION_CHARS, OPTION_LETTERS,
                                   ParseResult, Task, _parse_options, free_form_task, mcq_answer_marked,
-                                  parse_challenger_output, parse_letter)
+                                  parse_challenger_output, parse_letter, unfinished_think)
 from spice_megatron.templates import conversation, read_prompt_file
 
 FREE_FORM_TYPES = {"integer": "integer", "expression": "expression", "string": "string"}
@@ -261,6 +261,8 @@ def extract_json_object(text: str, required: tuple[str, ...]) -> dict | None:
 def parse_selection(text: str) -> SelectionResult:
     """Selection output -> the chosen type, or the reason it is invalid. Never raises."""
     try:
+        if isinstance(text, str) and unfinished_think(text):
+            return SelectionResult(None, "selection_unfinished_think")
         obj = extract_json_object(text, ("suitable_for_mcq", "suitable_for_free_form"))
         if obj is None:
             return SelectionResult(None, "selection_no_json")
@@ -290,6 +292,8 @@ def _as_text(value) -> str | None:
 def parse_generation(text: str, selection: Selection, leak_check: str = "long") -> ParseResult:
     """Generation output -> a valid Task of the selected type, or an invalid result with its reason."""
     try:
+        if isinstance(text, str) and unfinished_think(text):  # a draft JSON inside it is not the task
+            return ParseResult(None, "unfinished_think")
         if selection.answer_type == "multiple_choice":
             return _parse_mcq(text)
         return _parse_free_form(text, selection.answer_type, leak_check)

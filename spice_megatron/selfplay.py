@@ -125,7 +125,9 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     engines' context is skipped (counted, logged, recorded), and a task whose reasoner request would
     not fit is an invalid attempt, rather than a request vLLM truncates or rejects."""
     stats: dict[str, float] = {}
-    prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
+    # a fixed challenger may have a format of its own (selfplay.challenger_template)
+    challenger_template = (cfg.challenger_template if challenger_generate else "") or cfg.template
+    prompts = ChallengerPrompts(challenger_template, tokenizer, cfg.prompt_dir)
     context = max_model_len if tokenizer is not None else None
     records: list[dict] = []
     if context:

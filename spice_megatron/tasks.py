@@ -184,11 +184,20 @@ def parse_challenger_output(text: str, leak_check: str = "long") -> ParseResult:
         return ParseResult(None, "parser_error", {"error": f"{type(e).__name__}: {e}"})
 
 
+def unfinished_think(text: str) -> bool:
+    """The output opens a <think> block it never closes (cut off at its token budget): whatever task
+    stands in it is a draft, never an answer."""
+    opened = text.rfind("<think>")
+    return opened >= 0 and text.find("</think>", opened) < 0
+
+
 def _parse(text: str, leak_check: str) -> ParseResult:
     if not isinstance(text, str) or not text.strip():
         return ParseResult(None, "empty")
     if len(text) > MAX_OUTPUT_CHARS:
         return ParseResult(None, "too_long", {"chars": len(text)})
+    if unfinished_think(text):
+        return ParseResult(None, "unfinished_think")
     question = _last_tag(text, "question")
     if not question:
         return ParseResult(None, "no_question")

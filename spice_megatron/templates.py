@@ -4,6 +4,9 @@ reasoner's prompt, which training and evaluation share.
 - `qwen3`: Qwen3's chat format (ChatML) with the system prompt "You are a helpful assistant."; the
   reasoner's question is followed by "Please reason step by step, and put your final answer within
   \\boxed{}." Written out literally, so that a base model's tokenizer needs no chat template.
+- `qwen3_nothink`: the same with the empty think block that Qwen3's own chat template writes for
+  enable_thinking=False: a hybrid Qwen3 model (the strong-challenger baseline's Qwen3-32B) answers
+  directly, as the paper's "Qwen3-32B-Instruct", instead of thinking through its output budget.
 - `octothinker`: no chat template (Llama-3 base): a one-paragraph conversation preamble, then
   "User: {question} You must put your answer inside \\boxed{}." and "Assistant:".
 - `chat`: the tokenizer's own chat template (instruct models such as the CPU demo's SmolLM2).
@@ -25,6 +28,7 @@ from spice_megatron.config import TEMPLATES
 from spice_megatron.tasks import Task
 
 QWEN3_SYSTEM = "You are a helpful assistant."
+QWEN3_NO_THINKING = "<think>\n\n</think>\n\n"  # what Qwen3's chat template adds for enable_thinking=False
 QWEN3_REASONER_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 OCTOTHINKER_PREAMBLE = (
     "A conversation between User and Assistant. The User asks a question and the Assistant answers it. The "
@@ -48,9 +52,10 @@ def read_prompt_file(prompt_dir: str, name: str) -> str | None:
 
 def conversation(template: str, user: str, tokenizer=None) -> str:
     """One user turn in the family's format, ending where the model's answer begins."""
-    if template == "qwen3":
-        return (f"<|im_start|>system\n{QWEN3_SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+    if template in ("qwen3", "qwen3_nothink"):
+        turn = (f"<|im_start|>system\n{QWEN3_SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
                 "<|im_start|>assistant\n")
+        return turn + QWEN3_NO_THINKING if template == "qwen3_nothink" else turn
     if template == "octothinker":
         return f"{OCTOTHINKER_PREAMBLE}\n\nUser: {user}\nAssistant:"
     if template == "chat":
@@ -81,7 +86,7 @@ def reasoner_prompt(task: Task, template: str = "plain", tokenizer=None, prompt_
     custom = read_prompt_file(prompt_dir, "reasoner.txt")
     if custom is not None:
         user = custom.replace("{question}", question)
-    elif template == "qwen3":
+    elif template in ("qwen3", "qwen3_nothink"):
         user = f"{question}\n{QWEN3_REASONER_SUFFIX}"
     elif template == "octothinker":
         user = f"{question} {OCTOTHINKER_REASONER_SUFFIX}"

@@ -142,3 +142,18 @@ def test_prompts_carry_the_document_and_the_type():
     gen = p.generation_prompt("DOC TEXT", Selection("expression"))
     assert "=== DOCUMENT BEGIN ===\nDOC TEXT\n=== DOCUMENT END ===" in gen and '"answer_type": "Expression"' in gen
     assert "multiple_choice_correct" in p.generation_prompt("D", Selection("multiple_choice"))
+
+
+def test_no_task_is_taken_from_an_unfinished_think_block():
+    """D2: a thinking model cut off at its budget leaves a draft JSON inside <think>; it is not the task."""
+    draft = '<think>Maybe {"question": "How many?", "answer": "42", "answer_type": "Integer"} but let me check'
+    assert parse_generation(draft, Selection("integer")).reason == "unfinished_think"
+    assert parse_generation(draft + "</think>\nno json after", Selection("integer")).reason == "no_json"
+    done = draft + '</think>\n{"question": "How many rows?", "answer": "42", "answer_type": "Integer"}'
+    assert parse_generation(done, Selection("integer")).valid
+    sel = '<think>{"suitable_for_mcq": true, "suitable_for_free_form": false}'
+    assert parse_selection(sel).reason == "selection_unfinished_think"
+    from spice_megatron.tasks import parse_challenger_output
+
+    compact = "<think><question>How many rows?</question><answer_type>integer</answer_type><answer>42</answer>"
+    assert parse_challenger_output(compact).reason == "unfinished_think"

@@ -212,3 +212,20 @@ def test_strong_challenger_baselines_train_only_the_reasoner(name):
     assert cfg.selfplay.challenger == "model" and cfg.selfplay.challenger_model == "Qwen/Qwen3-32B"
     assert cfg.run.output_dir != base.run.output_dir and cfg.selfplay.template == base.selfplay.template
     cfg.validate()
+
+
+def test_strong_challenger_answers_directly_and_its_local_engine_must_hold_it():
+    from spice_megatron.config import ConfigError
+    from spice_megatron.planner import PlanError, check_challenger_engine
+
+    cfg = get_recipe("qwen3_8b_strong_challenger")
+    assert cfg.selfplay.challenger_template == "qwen3_nothink" and cfg.selfplay.template == "qwen3"
+    assert check_challenger_engine(cfg).kv_tokens >= 32 * 8192  # Qwen3-32B at TP 2 on 80 GiB
+    cfg.rollout.challenger_engine_tensor_parallel = 1
+    with pytest.raises(PlanError, match=r"rollout.challenger_engine_tensor_parallel=1: a local challenger engine for "
+                                        r"Qwen/Qwen3-32B \(32.8B parameters\) holds 61.\d GiB of weights per GPU of "
+                                        r"68.0 usable .* fewer than 262,144"):
+        check_challenger_engine(cfg)
+    cfg.selfplay.challenger = "self"
+    with pytest.raises(ConfigError, match="selfplay.challenger_template: only a fixed challenger"):
+        cfg.validate()

@@ -397,3 +397,22 @@ def test_start_up_refuses_a_context_that_cannot_hold_the_longest_document(qwen3_
                                           r"\d+ tokens \+ a document of up to corpus.max_doc_tokens=5992 \+ "
                                           r"selfplay.challenger_max_tokens=2048 = \d+ tokens"):
         check_context_budget(cfg, qwen3_tokenizer)
+
+
+def test_a_fixed_challenger_writes_in_its_own_template_and_the_reasoner_in_the_policys():
+    seen = {}
+
+    def fixed(prompts, sampling):
+        seen["challenger"] = prompts[0]
+        return [[Completion(task_text(f"How many things are there here? K=4", "integer", "42"), [1])] * sampling.n
+                for _ in prompts]
+
+    def policy(prompts, sampling):
+        seen["reasoner"] = prompts[0]
+        return ScriptedModel()(prompts, sampling)
+
+    cfg = SelfPlayConfig(batch_docs=1, group_size=8, attempts_per_round=8, protocol="compact", template="qwen3",
+                         challenger="model", challenger_model="m", challenger_template="qwen3_nothink")
+    result = run_iteration([doc(0, "SPEC[k4]")], policy, _verifier(), cfg, random.Random(0), challenger_generate=fixed)
+    assert seen["challenger"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert seen["reasoner"].endswith("<|im_start|>assistant\n") and result.stats["valid_task_rate"] == 1.0

@@ -116,3 +116,13 @@ def test_engines_receive_the_same_ids_in_training_evaluation_coevolution_and_fix
 class _NoVerifier:
     def verify_batch(self, items):
         return [False for _ in items]
+
+
+def test_qwen3_nothink_is_qwen3_with_the_empty_think_block_of_enable_thinking_false(qwen3_tokenizer):
+    turn = conversation("qwen3_nothink", "Write a task.")
+    assert turn == conversation("qwen3", "Write a task.") + "<think>\n\n</think>\n\n"
+    # what Qwen3's own chat template writes with enable_thinking=False
+    own = qwen3_tokenizer.apply_chat_template([{"role": "system", "content": "You are a helpful assistant."},
+                                               {"role": "user", "content": "Write a task."}], tokenize=False,
+                                              add_generation_prompt=True, enable_thinking=False)
+    assert own == turn
