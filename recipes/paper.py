@@ -65,9 +65,14 @@ def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: i
                                 challenger_max_tokens=2048, reasoner_max_tokens=4096, selection_max_tokens=512,
                                 protocol="paper", challenger_group="document", template=template),
         parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp),
-        optim=OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=True),
+        # Where the paper is silent its runs took Oat's defaults (sail-sg/oat, oat/args.py and
+        # oat/algorithms/ppo.py): Adam betas (0.9, 0.95), no weight decay, grad-norm clip 1.0; truncated
+        # importance sampling against the vLLM sampler's log-probs, capped at 2.0, on every update. Oat's
+        # warm-up ratio 0.03 does not apply: transformers' "constant" schedule, the paper's, has none.
+        optim=OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, warmup_steps=0,
+                          decay_style="constant", use_distributed_optimizer=True),
         train=PolicyTrainConfig(max_gen_len=4096, micro_batch_tokens=micro_batch_tokens, dtype="bf16",
-                                trajectories_per_update=128),
+                                trajectories_per_update=128, importance_sampling="on", tis_cap=2.0),
         rollout=RolloutConfig(max_model_len=MAX_MODEL_LEN, engine_tensor_parallel=engine_tp, request_timeout=3600.0,
                               chunk_size=32, bucket_mb=1024),
         cluster=ClusterConfig(nodes=nodes, gpus_per_node=8, gpu_memory_gib=gpu_memory_gib, learner_nodes=learner_nodes),

@@ -229,3 +229,11 @@ def test_strong_challenger_answers_directly_and_its_local_engine_must_hold_it():
     cfg.selfplay.challenger = "self"
     with pytest.raises(ConfigError, match="selfplay.challenger_template: only a fixed challenger"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("name", PAPER_RECIPES)
+def test_paper_recipes_take_oats_defaults_where_the_paper_is_silent(name):
+    cfg = get_recipe(name)
+    assert (cfg.optim.adam_beta1, cfg.optim.adam_beta2, cfg.optim.weight_decay, cfg.optim.clip_grad) == (0.9, 0.95, 0.0, 1.0)
+    assert cfg.optim.warmup_steps == 0 and cfg.optim.decay_style == "constant"  # HF's "constant" has no warm-up
+    assert cfg.train.use_tis and cfg.train.tis_cap == 2.0 and cfg.train.max_staleness == 0
