@@ -238,8 +238,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         recipe = get_recipe(args.recipe).selfplay
         template, prompt_dir = args.template or recipe.template, recipe.prompt_dir
         stop = tuple(recipe.reasoner_stop)
+    # no --recipe or --template: the prompts the model was trained with (an exported SPICE model records
+    # them), else plain
     settings = EvalSettings(max_tokens=args.max_tokens, sample_temperature=args.sample_temperature, seed=args.seed,
-                            template=template or "plain", prompt_dir=prompt_dir, stop=stop)
+                            template=template or "", prompt_dir=prompt_dir, stop=stop)
     judge = None
     if args.judge_engines:  # off by default: the paper's table uses a judge model, the rules are the baseline
         from spice_megatron.eval.harness import LLMJudge
@@ -293,7 +295,8 @@ def _cmd_coevolution(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from recipes import get_recipe
-    from spice_megatron.config import CorpusConfig, SourceConfig, apply_overrides
+    from spice_megatron.config import SourceConfig, apply_overrides
+    from spice_megatron.corpus import CorpusError
     from spice_megatron.eval.analysis import coevolution, fixed_documents
 
     checkpoints = [c for c in args.checkpoints.split(",") if c]
@@ -302,12 +305,25 @@ def _cmd_coevolution(args: argparse.Namespace) -> int:
         print(f"error: --checkpoints needs at least two HF directories; without config.json: {missing}", file=sys.stderr)
         return 2
     cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
-    paths = args.source or [os.path.join(args.data, "corpus", "math.jsonl"), os.path.join(args.data, "corpus", "general.jsonl")]
-    corpus_cfg = CorpusConfig(sources=[SourceConfig(path=p) for p in paths], max_doc_tokens=args.max_doc_tokens,
-                              max_docs=max(args.documents * 4, 100), min_doc_tokens=cfg.corpus.min_doc_tokens)
-    docs = fixed_documents(corpus_cfg, AutoTokenizer.from_pretrained(checkpoints[0]), args.documents, args.seed)
+    # the recipe's training corpus (staged for a paper recipe), documents as long as in training
+    corpus_cfg = cfg.corpus
+    if args.source:
+        corpus_cfg.sources = [SourceConfig(path=p) for p in args.source]
+    if args.max_doc_tokens:
+        corpus_cfg.max_doc_tokens = args.max_doc_tokens
+    corpus_cfg.max_docs = max(args.documents * 4, 100)
+    max_model_len = args.max_model_len or cfg.rollout.max_model_len
+    from spice_megatron import offline_data
+
+    offline_data.prepare_for(corpus_cfg.sources)  # the demo's local files, as `spice train` makes them
+    try:
+        docs = fixed_documents(corpus_cfg, AutoTokenizer.from_pretrained(checkpoints[0]), args.documents, args.seed,
+                               args.recipe)
+    except CorpusError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     result = coevolution(checkpoints, docs, cfg.selfplay, args.output, args.fixed_reasoner, args.fixed_challenger,
-                         args.seed, args.kv_cache_gib, args.max_model_len)
+                         args.seed, args.kv_cache_gib, max_model_len, args.attempts)
     for key in ("fixed_reasoner_vs_challengers", "reasoners_vs_fixed_challenger"):
         print(key)
         for r in result[key]:
@@ -430,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--seed", type=int, default=1234)
     se.add_argument("--recipe", default="", help="use this recipe's reasoner prompts (its selfplay.template)")
     se.add_argument("--template", default="", choices=["", *TEMPLATES],
-                    help="the prompt template (default: the recipe's, else plain); results record it")
+                    help="the prompt template (default: the recipe's, else the one the model was trained with, which "
+                    "an exported SPICE model records, else plain); results record it")
     se.add_argument("--engines", default="", help="comma-separated rollout engine URLs (default: start one here)")
     se.add_argument("--judge-engines", default="", help="rollout engine URLs serving a judge model, asked about "
                     "every math answer (the paper's GPT-4o grading); rule-only scores are reported next to it")
@@ -448,15 +465,16 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--checkpoints", required=True, help="comma-separated HF directories, in training order")
     so.add_argument("--fixed-reasoner", help="default: the first checkpoint")
     so.add_argument("--fixed-challenger", help="default: the first checkpoint")
-    so.add_argument("--recipe", default="tiny_cpu", help="recipe whose selfplay settings (G, lengths, template) apply")
-    so.add_argument("--data", default=DEFAULT_OUT)
-    so.add_argument("--source", action="append", help="document source (default: the prepared corpus)")
-    so.add_argument("--documents", type=int, default=64)
-    so.add_argument("--max-doc-tokens", type=int, default=1024)
+    so.add_argument("--recipe", default="tiny_cpu", help="the recipe trained: its protocol, prompts, template, "
+                    "lengths, G and (staged) corpus apply")
+    so.add_argument("--source", action="append", help="document source (default: the recipe's training corpus)")
+    so.add_argument("--documents", type=int, default=128, help="fixed documents (the paper's figure 3: 128)")
+    so.add_argument("--attempts", type=int, default=128, help="challenger attempts per document (the paper's: 128)")
+    so.add_argument("--max-doc-tokens", type=int, default=0, help="default: the recipe's corpus.max_doc_tokens")
     so.add_argument("--seed", type=int, default=1234)
     so.add_argument("--output", default="coevolution")
     so.add_argument("--kv-cache-gib", type=float, default=1.0)
-    so.add_argument("--max-model-len", type=int, default=4096)
+    so.add_argument("--max-model-len", type=int, default=0, help="default: the recipe's rollout.max_model_len")
     so.add_argument("overrides", nargs="*", help="config overrides, e.g. selfplay.group_size=8")
     so.set_defaults(func=_cmd_coevolution)
 

@@ -244,7 +244,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint
+    from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint, write_training_prompts
     from spice_megatron.bridge.hf_io import resolve_model_dir
     from spice_megatron.context_budget import check_context_budget
     from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
@@ -276,6 +276,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
         state = load_checkpoint(learner, latest)
     if is_driver:
         copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
+        write_training_prompts(cfg, os.path.join(ckpt_root, HF_META_DIR))
     stop_file = os.path.join(cfg.run.output_dir, STOP_FILE)
     driver = Driver(cfg, tokenizer, state.get("driver"), abandon_when=lambda: os.path.exists(stop_file)) \
         if is_driver else None

@@ -84,7 +84,7 @@ def test_grading_of_known_answers(verifier):
     generate, _ = _scripted({"6*7": ["\\boxed{forty-two}"], "2/4": ["\\boxed{3}"], "metal": ["\\boxed{A}"],
                              "France": ["\\boxed{Paris}"], "2+3": ["\\boxed{5}"]})
     asked = []
-    judge = lambda q, pred, gold: asked.append(pred) or pred in ("forty-two", "Paris", "5")  # noqa: E731
+    judge = lambda pred, gold: asked.append(pred) or pred in ("forty-two", "Paris", "5")  # noqa: E731
     result, records = evaluate_benchmark(bench, generate, verifier, None, EvalSettings(), judge=judge)
     assert sorted(asked) == ["3", "5", "A", "Paris", "forty-two"]
     assert [r["rule_correct"] for r in records] == [False, False, False, True, True]
@@ -107,12 +107,14 @@ def test_llm_judge_asks_a_served_model():
         def generate(self, prompts, spec):
             self.prompts += prompts
             assert spec.temperature == 0.0
-            return [[Completion(" Yes." if "Candidate answer: forty-two" in p else "no")] for p in prompts]
+            return [[Completion(" Yes." if p.endswith("Second: forty-two\nSame:") else "no")] for p in prompts]
 
     fleet = Fleet()
     judge = LLMJudge(fleet)
-    assert judge("6*7?", "forty-two", "42") and not judge("6*7?", "41", "42")
-    assert judge.calls == 2 and "Reference answer: 42" in fleet.prompts[0]
+    assert judge("forty-two", "42") and not judge("41", "42")
+    # the answer pair only, as simple-evals' equality checker: the problem is never shown
+    assert judge.calls == 2 and fleet.prompts[0].endswith("First: 42\nSecond: forty-two\nSame:")
+    assert "problem" not in fleet.prompts[0].split("First: 42")[1]
 
 
 def test_aime_is_the_average_of_32_samples(verifier):
@@ -154,7 +156,7 @@ def test_training_curves_png(tmp_path):
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
 
 
-def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier):
+def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier, qwen3_tokenizer):
     """Which checkpoint answers which tasks, with scripted engines (the real ones: the SmolLM2 test
     below, where a 135M model rarely writes a valid task). Checkpoint k's challenger asks
     'What is k plus k?'; checkpoint k's reasoner answers 2k to every question, so it is right only
@@ -174,7 +176,8 @@ def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier):
             self.k = int(ckpt.rsplit("_", 1)[1])
 
         def generate(self, prompts, spec):
-            if "<document>" in prompts[0]:
+            assert all(isinstance(p, list) for p in prompts)  # token ids, by the training rule
+            if "<document>" in qwen3_tokenizer.decode(prompts[0]):
                 return [[Completion(f"<question>What is {self.k} plus {self.k}?</question>\n<answer_type>integer"
                                     f"</answer_type>\n<answer>{2 * self.k}</answer>")] for _ in prompts]
             return [[Completion(f"\\boxed{{{2 * self.k}}}") for _ in range(spec.n)] for _ in prompts]
@@ -185,12 +188,13 @@ def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier):
         yield ScriptedFleet(ckpt)
 
     monkeypatch.setattr("spice_megatron.rollout.local.local_fleet", fake_fleet)
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: None))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: qwen3_tokenizer))
     monkeypatch.setattr("spice_megatron.verify.AnswerVerifier",  # the session's verifier, kept open
                         lambda processes: SimpleNamespace(verify_batch=verifier.verify_batch, close=lambda: None))
     docs = [SimpleNamespace(text=f"doc {i}") for i in range(3)]
     ckpts = ["ck_1", "ck_2", "ck_3"]
-    result = analysis.coevolution(ckpts, docs, SelfPlayConfig(group_size=4), str(tmp_path))
+    result = analysis.coevolution(ckpts, docs, SelfPlayConfig(group_size=4, protocol="compact"), str(tmp_path),
+                                  attempts=1)
     assert served == ["ck_1", "ck_2", "ck_3", "ck_1"]  # each once, the fixed reasoner again for later tasks
     fixed_r = {r["checkpoint"]: (r["tasks"], r["answers"], r["correct"]) for r in result["fixed_reasoner_vs_challengers"]}
     assert fixed_r == {"ck_1": (3, 12, 12), "ck_2": (3, 12, 0), "ck_3": (3, 12, 0)}
@@ -247,16 +251,36 @@ def test_coevolution_with_smollm2(tmp_path):
                                                f"330 metres tall."}) + "\n" for i in range(3)))
     out = tmp_path / "coev"
     proc = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "coevolution", "--checkpoints",
-                           f"{smollm2_dir()},{second}", "--source", str(docs), "--documents", "3", "--output", str(out),
+                           f"{smollm2_dir()},{second}", "--source", str(docs), "--documents", "3", "--attempts", "2",
+                           "--output", str(out),
                            "--kv-cache-gib", "0.5", "--max-model-len", "1024", "selfplay.group_size=2",
                            "selfplay.challenger_max_tokens=96", "selfplay.reasoner_max_tokens=32", "corpus.min_doc_tokens=4"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.load(open(out / "coevolution.json"))
-    assert result["documents"] == 3
+    # the recipe's protocol and template (tiny_cpu: compact, plain), several attempts per document
+    assert (result["documents"], result["attempts_per_document"], result["protocol"]) == (3, 2, "compact")
     for key in ("fixed_reasoner_vs_challengers", "reasoners_vs_fixed_challenger"):
         rows = result[key]
         assert [os.path.basename(r["checkpoint"]) for r in rows] == [os.path.basename(smollm2_dir()), "step_2"]
         assert all(r["answers"] == 2 * r["tasks"] and 0 <= r["correct"] <= r["answers"] for r in rows)
     png = out / "coevolution.png"
     assert open(png, "rb").read(4) == b"\x89PNG" and os.path.getsize(png) > 5_000
+
+
+def test_eval_takes_the_training_prompts_an_exported_model_records(tmp_path):
+    """D7/D9: `spice eval --model RUN`, the command the trainer prints, used to evaluate with plain."""
+    import json
+
+    from spice_megatron.bridge.convert import TRAINING_PROMPTS_FILE
+    from spice_megatron.eval.run import with_training_prompts
+
+    assert with_training_prompts(EvalSettings(template=""), str(tmp_path)).template == "plain"  # not a SPICE model
+    (tmp_path / TRAINING_PROMPTS_FILE).write_text(json.dumps({"recipe": "octothinker_8b", "template": "octothinker",
+                                                              "prompt_dir": "", "reasoner_stop": []}))
+    assert with_training_prompts(EvalSettings(template=""), str(tmp_path)).template == "octothinker"
+    assert with_training_prompts(EvalSettings(template="qwen3"), str(tmp_path)).template == "qwen3"  # named wins
+    (tmp_path / TRAINING_PROMPTS_FILE).write_text(json.dumps({"recipe": "x", "template": "plain",
+                                                              "prompt_dir": str(tmp_path / "gone"), "reasoner_stop": []}))
+    with pytest.raises(FileNotFoundError, match="the training prompt_dir .*gone is missing"):
+        with_training_prompts(EvalSettings(template=""), str(tmp_path))

@@ -109,7 +109,7 @@ def test_engines_receive_the_same_ids_in_training_evaluation_coevolution_and_fix
                             challenger_tokenizer=bos_tokenizer)
     Driver.fixed_challenger_generate(fixed, [challenger], SamplingSpec(n=1))
     analysis._challenger_tasks(SimpleNamespace(generate=recorder("coevolution_challenger")), [doc], bos_tokenizer,
-                               cfg, 1)
+                               cfg, 1, attempts=1)
     assert sent["fixed"] == sent["coevolution_challenger"] == Driver.prompt_ids(training, challenger)
 
 

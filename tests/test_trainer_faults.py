@@ -36,6 +36,13 @@ def test_the_smollm2_demo_run(tmp_path):
     assert m["weights_version"] == 1 and m["train/logprob_gap"] < 1e-3 and m["tokens/challenger"] > 0
     assert os.path.exists(os.path.join(out, "hf_final", "model.safetensors.index.json"))
     assert os.path.exists(os.path.join(out, "hf_final", "tokenizer.json"))
+    # the exported model records its training prompts: `spice eval --model RUN` evaluates with them
+    from spice_megatron.eval.run import with_training_prompts
+    from spice_megatron.eval.harness import EvalSettings
+    from spice_megatron.story_corpus import PROMPT_DIR
+
+    settings = with_training_prompts(EvalSettings(template=""), os.path.join(out, "hf_final"))
+    assert (settings.template, settings.prompt_dir, settings.stop) == ("plain", PROMPT_DIR, ("\nQ:",))
 
 
 @pytest.mark.parametrize("staleness", [0, 1])

@@ -18,8 +18,27 @@ from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
 log = logging.getLogger(__name__)
 
 HF_META_DIR = "hf"  # inside a checkpoint root: config.json, generation config, tokenizer files
+# The reasoner's training prompts (recipe, template, prompt_dir, stop strings): `spice eval` of an
+# exported model evaluates with them unless told otherwise.
+TRAINING_PROMPTS_FILE = "spice_prompts.json"
 METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                  TRAINING_PROMPTS_FILE)
+
+
+def write_training_prompts(cfg, hf_dir: str) -> None:
+    sp = cfg.selfplay
+    with open(os.path.join(hf_dir, TRAINING_PROMPTS_FILE), "w") as f:
+        json.dump({"recipe": cfg.run.name, "template": sp.template, "prompt_dir": os.path.abspath(sp.prompt_dir)
+                   if sp.prompt_dir else "", "reasoner_stop": list(sp.reasoner_stop)}, f, indent=1)
+
+
+def read_training_prompts(model_dir: str) -> dict | None:
+    path = os.path.join(model_dir, TRAINING_PROMPTS_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def copy_hf_metadata(src: str, dst: str) -> None:

@@ -78,44 +78,43 @@ class PassRate:
         return self.correct / self.answers if self.answers else float("nan")
 
 
-def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int) -> tuple[list, float]:
-    from spice_megatron.protocol import ChallengerPrompts
-    from spice_megatron.rollout.types import SamplingSpec
-    from spice_megatron.tasks import COMPACT_END, parse_challenger_output
+def _encoded(fleet, tokenizer):
+    """The fleet's generate on token ids, by the training rule (templates.prompt_token_ids)."""
     from spice_megatron.templates import prompt_token_ids
 
-    # the compact protocol: one generation per document is all this analysis needs
-    challenger = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
-    prompts = [challenger.compact_prompt(d.text) for d in docs]
-    spec = SamplingSpec(n=1, temperature=cfg.challenger_temperature, max_tokens=cfg.challenger_max_tokens,
-                        stop=(COMPACT_END,), seed=seed, logprobs=False)
-    outs = fleet.generate([prompt_token_ids(p, tokenizer) for p in prompts], spec)
-    parsed = [parse_challenger_output(c[0].text, cfg.leak_check) for c in outs]
-    tasks = [p.task for p in parsed if p.valid]
-    return tasks, len(tasks) / len(docs) if docs else float("nan")
+    return lambda prompts, spec: fleet.generate([prompt_token_ids(p, tokenizer) for p in prompts], spec)
+
+
+def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int, attempts: int) -> tuple[list, float]:
+    """The valid tasks of `attempts` challenger attempts per document, written as in training: the
+    recipe's protocol (the paper's selection + generation, or compact), prompts and template."""
+    from collections import Counter
+
+    from spice_megatron.protocol import ChallengerPrompts
+    from spice_megatron.selfplay import _challenger_round
+
+    prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
+    rounds = _challenger_round(list(docs), attempts, _encoded(fleet, tokenizer), prompts, cfg, seed, Counter())
+    tasks = [a.parsed.task for doc_attempts in rounds for a in doc_attempts if a.parsed.valid]
+    return tasks, len(tasks) / (len(docs) * attempts) if docs else float("nan")
 
 
 def _answer(fleet, tasks, tokenizer, cfg, verifier, seed: int) -> tuple[int, int]:
-    from spice_megatron.rollout.types import SamplingSpec
-    from spice_megatron.tasks import extract_boxed
-    from spice_megatron.templates import prompt_token_ids, reasoner_prompt
+    """G answers per task, as the reasoner's training rollouts (prompts, stop strings, lengths)."""
+    from spice_megatron.selfplay import _answer_tasks
 
     if not tasks:
         return 0, 0
-    prompts = [reasoner_prompt(t, cfg.template, tokenizer, cfg.prompt_dir) for t in tasks]
-    spec = SamplingSpec(n=cfg.group_size, temperature=cfg.reasoner_temperature, max_tokens=cfg.reasoner_max_tokens,
-                        stop=tuple(cfg.reasoner_stop), seed=seed, logprobs=False)
-    outs = fleet.generate([prompt_token_ids(p, tokenizer) for p in prompts], spec)
-    items = [(extract_boxed(c.text), t.answer, t.answer_type) for t, comps in zip(tasks, outs) for c in comps]
-    ok = verifier.verify_batch(items)
-    return len(ok), sum(ok)
+    answered = _answer_tasks(tasks, _encoded(fleet, tokenizer), verifier, cfg, tokenizer, seed, {})
+    return len(answered.correct), sum(answered.correct)
 
 
 def coevolution(checkpoints: list[str], docs, selfplay_cfg, out_dir: str, fixed_reasoner: str | None = None,
                 fixed_challenger: str | None = None, seed: int = 1234, kv_cache_gib: float = 1.0,
-                max_model_len: int = 4096) -> dict:
+                max_model_len: int = 4096, attempts: int = 128) -> dict:
     """Pass rates of a fixed reasoner against each challenger checkpoint, and of each reasoner
-    checkpoint against a fixed challenger (defaults: the first checkpoint for both)."""
+    checkpoint against a fixed challenger (defaults: the first checkpoint for both). Each challenger
+    makes `attempts` attempts per document (the paper's 128)."""
     from transformers import AutoTokenizer
 
     from spice_megatron.rollout.local import local_fleet
@@ -139,7 +138,7 @@ def coevolution(checkpoints: list[str], docs, selfplay_cfg, out_dir: str, fixed_
         for ckpt in order:
             tok, served = serve(ckpt)
             with served as fleet:
-                tasks[ckpt], valid[ckpt] = _challenger_tasks(fleet, docs, tok, selfplay_cfg, seed)
+                tasks[ckpt], valid[ckpt] = _challenger_tasks(fleet, docs, tok, selfplay_cfg, seed, attempts)
                 if ckpt in checkpoints:
                     n, k = _answer(fleet, tasks[fixed_challenger], tok, selfplay_cfg, verifier, seed)
                     reasoners[ckpt] = PassRate(ckpt, len(tasks[fixed_challenger]), n, k)
@@ -156,7 +155,8 @@ def coevolution(checkpoints: list[str], docs, selfplay_cfg, out_dir: str, fixed_
         verifier.close()
     challengers = {c: PassRate(c, len(tasks[c]), *by_fixed_reasoner[c], valid[c]) for c in checkpoints}
     result = {"fixed_reasoner": fixed_reasoner, "fixed_challenger": fixed_challenger, "documents": len(docs),
-              "group_size": selfplay_cfg.group_size,
+              "attempts_per_document": attempts, "group_size": selfplay_cfg.group_size,
+              "protocol": selfplay_cfg.protocol, "template": selfplay_cfg.template,
               "fixed_reasoner_vs_challengers": [dict(asdict(challengers[c]), pass_rate=challengers[c].pass_rate)
                                                 for c in checkpoints],
               "reasoners_vs_fixed_challenger": [dict(asdict(reasoners[c]), pass_rate=reasoners[c].pass_rate)
@@ -181,7 +181,8 @@ def plot_coevolution(result: dict, out_png: str) -> str:
     ax.set_xticks(x, labels, rotation=30, ha="right")
     ax.set_ylabel("pass rate (%)")
     ax.set_ylim(0, 100)
-    ax.set_title(f"co-evolution on {result['documents']} fixed documents (G={result['group_size']})")
+    ax.set_title(f"co-evolution on {result['documents']} fixed documents x {result['attempts_per_document']} attempts "
+                 f"(G={result['group_size']})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
@@ -189,11 +190,11 @@ def plot_coevolution(result: dict, out_png: str) -> str:
     return out_png
 
 
-def fixed_documents(corpus_cfg, tokenizer, count: int, seed: int) -> list:
-    """The same `count` documents for every checkpoint."""
+def fixed_documents(corpus_cfg, tokenizer, count: int, seed: int, recipe: str = "") -> list:
+    """The same `count` documents of the training corpus (staged for `recipe`) for every checkpoint."""
     from spice_megatron.corpus import Corpus
 
-    corpus = Corpus.build(corpus_cfg, tokenizer)
+    corpus = Corpus.build(corpus_cfg, tokenizer, recipe)
     docs = list(corpus.documents)
     random.Random(seed).shuffle(docs)
     return docs[:count]

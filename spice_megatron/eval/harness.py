@@ -26,7 +26,7 @@ Generate = Callable[[list[str], SamplingSpec], list[list[Completion]]]
 
 
 class Judge(Protocol):
-    def __call__(self, question: str, prediction: str, gold: str) -> bool: ...
+    def __call__(self, prediction: str, gold: str) -> bool: ...
 
 
 @dataclass
@@ -90,7 +90,7 @@ def evaluate_benchmark(loaded: LoadedBenchmark, generate: Generate, verifier, to
     for (it, c, pred), ok in zip(flat, verdicts):
         judged = None  # not asked
         if use_judge:
-            judged = bool(pred) and bool(judge(it.question, pred, it.answer))
+            judged = bool(pred) and bool(judge(pred, it.answer))
         records.append({"benchmark": b.name, "id": it.id, "answer_type": it.answer_type, "gold": it.answer,
                         "extracted": pred, "rule_correct": ok, "judge_correct": judged,
                         "correct": judged if use_judge else ok, "finish_reason": c.finish_reason,
@@ -180,25 +180,54 @@ def write_report(out_dir: str, report: EvalReport, records: list[dict]) -> dict[
     return paths
 
 
-JUDGE_PROMPT = ("You are grading an answer to a problem. Decide whether the candidate answer means the same as "
-                "the reference answer (equal values, equivalent expressions, the same entity). Reply with one "
-                "word: yes or no.\n\nProblem:\n{question}\n\nReference answer: {gold}\nCandidate answer: {prediction}\n"
-                "\nSame answer?")
+# The paper graded math through simple-evals, whose checker shows a model two answers (never the
+# problem) with worked examples and asks whether they are equivalent after trivial simplification.
+# The same check, in this project's words and examples.
+JUDGE_PROMPT = """Two answers to the same math problem are shown. Say whether they are the same answer. Allow only
+simple rewriting: a fraction written as a decimal or in lowest terms, reordered terms, added or dropped
+units, spacing, LaTeX markup, or "x = " before a value. Different values, or a form that needs real
+work to show equal, are not the same.
+
+First: 3/4
+Second: 0.75
+Same: Yes
+
+First: \\frac{{1}}{{2}}
+Second: 1/2
+Same: Yes
+
+First: x = 12
+Second: 12 cm
+Same: Yes
+
+First: 2\\pi
+Second: 6.28
+Same: No
+
+First: (1, 2)
+Second: (2, 1)
+Same: No
+
+First: {gold}
+Second: {prediction}
+Same:"""
 
 
 class LLMJudge:
-    """A judge model behind rollout engines (a RolloutFleet): greedy, one word, 'yes' accepts."""
+    """A judge model behind rollout engines (a RolloutFleet) shown the answer pair only: greedy, one
+    word, 'yes' accepts."""
 
     def __init__(self, fleet, tokenizer=None, max_tokens: int = 8):
         self.fleet, self.tokenizer, self.max_tokens = fleet, tokenizer, max_tokens
         self.calls = 0
 
-    def __call__(self, question: str, prediction: str, gold: str) -> bool:
-        text = JUDGE_PROMPT.format(question=question[:4000], gold=gold, prediction=prediction[:500])
+    def __call__(self, prediction: str, gold: str) -> bool:
+        text = JUDGE_PROMPT.format(gold=gold[:500], prediction=prediction[:500])
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                       add_generation_prompt=True)
         self.calls += 1
-        (reply,), = self.fleet.generate([text], SamplingSpec(n=1, temperature=0.0, max_tokens=self.max_tokens,
+        ids = prompt_token_ids(text, self.tokenizer) if self.tokenizer is not None else text
+        (reply,), = self.fleet.generate([ids], SamplingSpec(n=1, temperature=0.0, max_tokens=self.max_tokens,
                                                             logprobs=False))
         return reply.text.strip().lower().startswith("yes")

@@ -7,12 +7,32 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
+from spice_megatron.bridge.convert import TRAINING_PROMPTS_FILE, read_training_prompts
 from spice_megatron.eval.benchmarks import BenchmarkUnavailable, get_benchmark, load_benchmark
 from spice_megatron.eval.harness import (BenchmarkResult, EvalReport, EvalSettings, Judge, evaluate_benchmark,
                                          summarise, write_report)
 
 log = logging.getLogger(__name__)
+
+
+def with_training_prompts(settings: EvalSettings, model_dir: str) -> EvalSettings:
+    """Settings without a template (neither --recipe nor --template given) take the prompts the model
+    was trained with, which an exported SPICE model records (spice_prompts.json); others use plain."""
+    if settings.template:
+        return settings
+    recorded = read_training_prompts(model_dir)
+    if recorded is None:
+        return replace(settings, template="plain")
+    prompt_dir = recorded.get("prompt_dir") or ""
+    if prompt_dir and not os.path.isdir(prompt_dir):
+        raise FileNotFoundError(f"{model_dir}/{TRAINING_PROMPTS_FILE}: the training prompt_dir {prompt_dir} is missing; "
+                                "pass --recipe or --template to evaluate with other prompts")
+    log.info("evaluating with the training prompts of %s: recipe %s, template %s", model_dir, recorded.get("recipe"),
+             recorded["template"])
+    return replace(settings, template=recorded["template"], prompt_dir=prompt_dir,
+                   stop=tuple(recorded.get("reasoner_stop") or ()))
 
 
 def resolve_eval_model(path: str, work_dir: str) -> str:
@@ -45,6 +65,7 @@ def run_evaluation(model: str, names: list[str], out_dir: str, data_dir: str = "
 
     settings = settings or EvalSettings()
     model_dir = resolve_eval_model(model, out_dir)
+    settings = with_training_prompts(settings, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if engines:  # already serving this model
         attached = RolloutFleet(engines, token or os.environ.get("SPICE_ROLLOUT_TOKEN", ""))
