@@ -416,3 +416,40 @@ def test_a_bucket_received_on_another_thread_is_waited_for_on_the_consumers_stre
     # off CUDA (gloo's wait blocks the host) there is nothing to hand over
     StreamHandover.mark(torch.device("cpu"), cuda).to_current_stream([Tensor()])
     assert len(cuda.log) == 2 and len(recorded) == 2
+
+
+def test_concurrent_receive_holds_at_most_a_bounded_number_of_buckets(monkeypatch):
+    """N7: one thread per pipeline stage used to hold a queued and an arriving bucket each (2 x PP
+    buckets on the engine GPU). With RECEIVE_AHEAD slots, a stage waits for the consumer first.
+    Stage senders are stood in for by generators that allocate through the same hook."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from spice_megatron.bridge import weight_sync
+
+    alive, most, lock = [0], [0], threading.Lock()
+
+    def fake_stage(group, stage, manifest, reuse_buffer=False, before_alloc=None):
+        for k in range(5):
+            before_alloc(1024)
+            with lock:
+                alive[0] += 1
+                most[0] = max(most[0], alive[0])
+            yield [(f"stage{stage}.t{k}", torch.zeros(1))]
+
+    monkeypatch.setattr(weight_sync, "receive_stage", fake_stage)
+    group = SimpleNamespace(num_stages=4, device=torch.device("cpu"))
+    manifest = weight_sync.ReceivedManifest()
+    names = []
+    for bucket in weight_sync.receive_all(group, manifest, concurrent=True, ahead=2):
+        time.sleep(0.01)  # the consumer loads it; the stage threads run ahead meanwhile
+        names += [n for n, _ in bucket]
+        with lock:
+            alive[0] -= 1
+    assert sorted(names) == sorted(f"stage{s}.t{k}" for s in range(4) for k in range(5))
+    assert most[0] <= 2 and manifest.most_buffered == 2
+    # a consumer that stops early releases the waiting stage threads
+    stream = weight_sync.receive_all(group, weight_sync.ReceivedManifest(), concurrent=True, ahead=1)
+    next(stream)
+    stream.close()

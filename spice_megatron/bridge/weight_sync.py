@@ -26,9 +26,10 @@ import json
 import logging
 import math
 import time
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -303,13 +304,16 @@ class ReceivedManifest:
 
     version: int | None = None
     checksums: dict[str, int] = field(default_factory=dict)
+    most_buffered: int = 0  # concurrent receive: the most buckets received and not yet consumed at once
 
 
 def receive_stage(group: WeightSyncGroup, stage: int, manifest: ReceivedManifest | None = None,
-                  reuse_buffer: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                  reuse_buffer: bool = False, before_alloc: Callable[[int], None] | None = None,
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (name, tensor) from one stage's sender; the tensors are views of the bucket.
     With reuse_buffer, one receive buffer serves every bucket: a bucket's tensors are valid only
-    until the next one arrives (an engine that loads each bucket as it comes needs no more)."""
+    until the next one arrives (an engine that loads each bucket as it comes needs no more).
+    `before_alloc(nbytes)` is called before a fresh bucket is allocated (it may wait)."""
     while True:
         meta = _recv_meta(group, stage)
         if manifest is not None:
@@ -319,32 +323,71 @@ def receive_stage(group: WeightSyncGroup, stage: int, manifest: ReceivedManifest
                 manifest.checksums.update(meta["checksums"])
             return
         size = max(e[3] + e[4] for e in meta["tensors"])
+        if before_alloc is not None:
+            before_alloc(size)
         payload = (group.buffers("recv", 1, size)[0][:size] if reuse_buffer
                    else torch.empty(size, dtype=torch.uint8, device=group.device))
         group.broadcast(payload, stage)
         yield list(zip((e[0] for e in meta["tensors"]), _views(payload, meta["tensors"])))
 
 
+# Concurrent receive: buckets received but not yet consumed, across all stages. Unbounded, each stage
+# thread could hold one queued and one arriving bucket (2 x PP buckets of rollout.bucket_mb on the
+# engine GPU, ~8 GiB at PP=4 and 1 GiB buckets, beyond the 15% vLLM leaves free); two keep the
+# engine's link busy while the consumer loads the one it holds.
+RECEIVE_AHEAD = 2
+
+
+class _BucketSlots:
+    """At most `limit` buckets received and not yet consumed; a stage thread waits for a slot
+    before it allocates the next bucket. `close` releases every waiter (the consumer is gone)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held, self.most, self.closed = limit, 0, 0, False
+        self.cond = threading.Condition()
+
+    def acquire(self, _nbytes: int = 0) -> None:
+        with self.cond:
+            while self.held >= self.limit and not self.closed:
+                self.cond.wait()
+            if self.closed:
+                raise WeightSyncError("the consumer of the received weights stopped")
+            self.held += 1
+            self.most = max(self.most, self.held)
+
+    def release(self) -> None:
+        with self.cond:
+            self.held -= 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
 def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None, reuse_buffer: bool = False,
-                concurrent: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                concurrent: bool = False, ahead: int = RECEIVE_AHEAD) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Every stage's buckets (what an engine worker consumes): stage by stage, or with `concurrent`
     all stages at once, one receiving thread per stage (each stage has its own process group),
-    yielded as they arrive. Concurrent is for NCCL across nodes, where the stages' senders sit on
-    different machines; on one CPU (gloo) it measured slower, so the engines use it only with NCCL."""
+    yielded as they arrive, at most `ahead` received before the consumer is done with them (a
+    bucket is done when the consumer asks for the next). Concurrent is for NCCL across nodes, where
+    the stages' senders sit on different machines; on one CPU (gloo) it measured slower, so the
+    engines use it only with NCCL."""
     if not concurrent or group.num_stages == 1:
         for stage in range(group.num_stages):
             yield from receive_stage(group, stage, manifest, reuse_buffer)
         return
     import queue
-    import threading
 
     done = object()
-    arrived: queue.Queue = queue.Queue(maxsize=group.num_stages)  # at most one waiting bucket per stage
+    arrived: queue.Queue = queue.Queue()  # bounded by the slots: at most `ahead` buckets
+    slots = _BucketSlots(max(1, ahead))
 
     def receive(stage: int) -> None:
         try:
             # reuse_buffer would let the next bucket overwrite one not consumed yet: fresh buffers here
-            for bucket in receive_stage(group, stage, manifest, reuse_buffer=False):
+            for bucket in receive_stage(group, stage, manifest, reuse_buffer=False, before_alloc=slots.acquire):
                 arrived.put((bucket, StreamHandover.mark(group.device)))
             arrived.put(done)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
@@ -355,16 +398,23 @@ def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None
     for t in threads:
         t.start()
     finished = 0
-    while finished < group.num_stages:
-        item = arrived.get()
-        if item is done:
-            finished += 1
-        elif isinstance(item, BaseException):
-            raise item
-        else:
-            bucket, handover = item
-            handover.to_current_stream([t for _, t in bucket])
-            yield bucket
+    try:
+        while finished < group.num_stages:
+            item = arrived.get()
+            if item is done:
+                finished += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                bucket, handover = item
+                handover.to_current_stream([t for _, t in bucket])
+                yield bucket
+                del bucket, item  # done with it: its slot goes to the next bucket
+                slots.release()
+    finally:
+        slots.close()
+        if manifest is not None:
+            manifest.most_buffered = slots.most
     for t in threads:
         t.join()
 
