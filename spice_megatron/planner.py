@@ -281,7 +281,13 @@ class Throughput:
     sync_gb_s: float = 20.0  # per pipeline stage sender, inter-node (NCCL over 400 Gb/s IB)
     # the self-play workload per document (paper settings B=128, G=8; lengths are assumptions)
     doc_tokens: int = 3000  # mean; segments are at most 5992
-    challenger_attempts_per_doc: float = 4.0  # mean attempts until a valid task (early training is higher)
+    # challenger rounds: each pending document gets selfplay.attempts_per_round attempts per round (the
+    # paper protocol: a selection step, then a generation per valid selection, two sequential calls);
+    # a round lasts at least its longest output, and documents without a valid task go again
+    challenger_rounds: int = 3  # rounds until the slowest document has a task (early training: more)
+    pending_after_round: float = 0.25  # share of a round's documents still without a valid task
+    selection_gen_tokens: int = 150
+    selection_valid_rate: float = 0.9
     challenger_gen_tokens: int = 600
     question_tokens: int = 200
     reasoner_gen_tokens: int = 1000  # mean; the tail runs to the reasoner's max tokens
@@ -309,11 +315,19 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
         return decode + prefill
 
     docs = sp.batch_docs
-    attempts = docs * t.challenger_attempts_per_doc
-    answers = docs * sp.group_size
-    challenger = generate(attempts, t.doc_tokens, t.challenger_gen_tokens, sp.challenger_max_tokens)
+    challenger, pending = 0.0, float(docs)
+    for _ in range(t.challenger_rounds):
+        attempts = pending * sp.attempts_per_round
+        if sp.protocol == "paper":
+            challenger += generate(attempts, t.doc_tokens, t.selection_gen_tokens, sp.selection_max_tokens)
+            attempts *= t.selection_valid_rate
+        challenger += generate(attempts, t.doc_tokens, t.challenger_gen_tokens, sp.challenger_max_tokens)
+        pending = max(1.0, pending * t.pending_after_round)
+    answers = docs * sp.group_size  # the G answers of one task per document
     reasoner = generate(answers, t.question_tokens, t.reasoner_gen_tokens, sp.reasoner_max_tokens)
-    train_tokens = docs * (t.doc_tokens + t.challenger_gen_tokens) + answers * (t.question_tokens + t.reasoner_gen_tokens)
+    challenger_trained = docs * (sp.group_size if sp.challenger_group == "document" else 1)
+    train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
+                    + answers * (t.question_tokens + t.reasoner_gen_tokens))
     train = 8 * p * train_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
     sync = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
     out = {"challenger_rollout": challenger, "reasoner_rollout": reasoner, "train": train, "weight_sync": sync}

@@ -237,3 +237,15 @@ def test_paper_recipes_take_oats_defaults_where_the_paper_is_silent(name):
     assert (cfg.optim.adam_beta1, cfg.optim.adam_beta2, cfg.optim.weight_decay, cfg.optim.clip_grad) == (0.9, 0.95, 0.0, 1.0)
     assert cfg.optim.warmup_steps == 0 and cfg.optim.decay_style == "constant"  # HF's "constant" has no warm-up
     assert cfg.train.use_tis and cfg.train.tis_cap == 2.0 and cfg.train.max_staleness == 0
+
+
+def test_step_time_models_the_selection_step_and_the_challenger_rounds():
+    cfg = get_recipe("qwen3_8b")
+    plan, spec = plan_layout(cfg), model_spec(cfg.run.model)
+    paper = estimate_step_time(plan, spec, cfg)["challenger_rollout"]
+    one_round = estimate_step_time(plan, spec, cfg, Throughput(challenger_rounds=1))["challenger_rollout"]
+    cfg.selfplay.protocol = "compact"
+    no_selection = estimate_step_time(plan, spec, cfg, Throughput(challenger_rounds=1))["challenger_rollout"]
+    assert paper > 1.5 * one_round and one_round > 1.2 * no_selection  # a round lasts at least its longest output
+    # the challenger trains G trajectories per document, not one
+    assert estimate_step_time(plan, spec, cfg)["train_tokens"] == 128 * 8 * (3000 + 600) + 128 * 8 * (200 + 1000)
