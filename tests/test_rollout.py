@@ -369,3 +369,33 @@ def test_pause_lets_the_batches_already_scheduled_finish_first():
     assert calls == [("state", PauseState.PAUSED_ALL), ("step", "batch 1"), ("step", "batch 2"), ("pause", "keep", 0)]
     engine.pause()  # paused already: nothing more
     assert len(calls) == 4
+
+
+def test_every_healthy_engine_gets_a_near_equal_share_of_a_phase(monkeypatch):
+    """N12: chunks of rollout.chunk_size prompts left engines idle (128 selections in chunks of 32:
+    4 of qwen3_8b's 8 engines; a later round of 3 pending documents: one). The HTTP call is stood in
+    for; the chunking and engine choice are the fleet's."""
+    from spice_megatron.rollout.types import Completion
+
+    fleet = RolloutFleet([f"http://engine{i}:8000" for i in range(8)], TOKEN, chunk_size=32)
+    calls = []
+
+    def post(engine, prompts, spec):
+        calls.append((engine.url, len(prompts)))
+        time.sleep(0.05)  # generating: the other chunks are submitted meanwhile
+        with fleet._lock:
+            engine.in_flight -= 1
+        return [[Completion(p)] * spec.n for p in prompts]
+
+    monkeypatch.setattr(fleet, "_post_generate", post)
+    spec = SamplingSpec(n=8, seed=1)
+    for prompts, chunk in ((128, 16), (3, 1), (1000, 32)):
+        calls.clear()
+        out = fleet.generate([f"p{i}" for i in range(prompts)], spec)
+        assert [c[0].text for c in out] == [f"p{i}" for i in range(prompts)]
+        assert max(n for _, n in calls) == chunk
+        assert len({url for url, _ in calls}) == min(8, prompts)  # every engine busy when there is work for it
+    fleet.engines[0].healthy = False  # 7 healthy engines share 128 prompts: chunks of 19
+    calls.clear()
+    fleet.generate([f"p{i}" for i in range(128)], spec)
+    assert max(n for _, n in calls) == 19 and "http://engine0:8000" not in {url for url, _ in calls}

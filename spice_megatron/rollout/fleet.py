@@ -1,7 +1,9 @@
 """The fleet client: many generation requests across R rollout engines.
 
-Prompts are cut into chunks; each chunk goes to the healthy engine with the fewest requests in
-flight. A chunk whose engine dies, errors or times out is retried on another engine; the first
+Prompts are cut into chunks, as many as there are healthy engines (at most rollout.chunk_size
+prompts each), so that every engine holds a near-equal share of a phase: the selection step of 128
+documents, a later challenger round of a few pending documents, the reasoner's answers. Each chunk
+goes to the healthy engine with the fewest requests in flight. A chunk whose engine dies, errors or times out is retried on another engine; the first
 answer for a chunk is kept and any later one dropped, so every prompt is answered exactly once.
 Sampling seeds are per prompt (seed + global index), so results do not depend on which engine
 or chunk served a prompt.
@@ -9,6 +11,7 @@ or chunk served a prompt.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -133,7 +136,9 @@ class RolloutFleet:
         """For each prompt, spec.n completions, in prompt order."""
         if not prompts:
             return []
-        chunks = [(start, prompts[start:start + self.chunk_size]) for start in range(0, len(prompts), self.chunk_size)]
+        healthy = sum(e.healthy for e in self.engines) or len(self.engines)
+        size = max(1, min(self.chunk_size, math.ceil(len(prompts) / healthy)))
+        chunks = [(start, prompts[start:start + size]) for start in range(0, len(prompts), size)]
         results: dict[int, list[list[Completion]]] = {}
         attempts: dict[int, int] = {start: 0 for start, _ in chunks}
         tried: dict[int, set[str]] = {start: set() for start, _ in chunks}
