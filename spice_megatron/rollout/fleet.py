@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import requests
 
-from spice_megatron.rollout.types import Completion, SamplingSpec
+from spice_megatron.rollout.types import Completion, SamplingSpec, unpack_completions
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ class RolloutFleet:
     def _post_generate(self, engine: EngineStats, prompts: list, spec: SamplingSpec) -> list[list[Completion]]:
         t0 = time.perf_counter()
         try:
-            r = requests.post(engine.url + "/generate", json={"prompts": prompts, "sampling": spec.to_json()},
+            r = requests.post(engine.url + "/generate", json={"prompts": prompts, "sampling": spec.to_json(),
+                                                              "packed": True},
                               headers=self._headers(), timeout=self.request_timeout)
             if r.status_code >= 400:
                 raise FleetError(f"engine {engine.url}: HTTP {r.status_code}: {r.text[:300]}")
@@ -124,7 +125,7 @@ class RolloutFleet:
             with self._lock:
                 engine.in_flight -= 1
         dt = time.perf_counter() - t0
-        out = [[Completion(**c) for c in comps] for comps in body["completions"]]
+        out = unpack_completions(body)
         with self._lock:
             engine.requests += 1
             engine.busy_seconds += dt

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import json
 import logging
 import os
 import signal
@@ -23,11 +24,11 @@ import threading
 import time
 from typing import Any, Literal
 
-from fastapi import Body, FastAPI, HTTPException, Request
+from fastapi import Body, FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, Field
 
 from spice_megatron.rollout.engine import version_label
-from spice_megatron.rollout.types import SamplingSpec
+from spice_megatron.rollout.types import SamplingSpec, pack_completions
 
 log = logging.getLogger("spice.rollout.serve")
 try:
@@ -42,6 +43,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 class GenerateBody(BaseModel):
     prompts: list[str | list[int]] = Field(min_length=1)
     sampling: dict = Field(default_factory=dict)
+    packed: bool = False  # token ids and log-probs as packed arrays (types.pack_completions)
 
 
 def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
@@ -92,6 +94,9 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
         state["requests"] += 1
         state["tokens"] += sum(len(c.token_ids) for comps in out for c in comps)
         state["busy_seconds"] += time.perf_counter() - t0
+        if body.packed:  # encoded here, not by FastAPI's jsonable_encoder walking every number
+            payload = {"version": version_label(engine.version), **pack_completions(out)}
+            return Response(json.dumps(payload), media_type="application/json")
         return {"version": version_label(engine.version), "completions": [[c.to_json() for c in comps] for comps in out]}
 
     # vLLM's RL control plane, under its own route names and bodies
