@@ -6,19 +6,19 @@ rejects a prompt that alone reaches it, which would stop the run. So:
 - at start-up, `check_context_budget` measures the actual prompts (files under selfplay.prompt_dir
   included) around an empty document and refuses a configuration whose longest document
   (corpus.max_doc_tokens) cannot fit, naming the fields and the numbers;
-- at run time, `fits` lets `run_iteration` skip a document whose request would not fit (counted in
-  `skipped/prompt_too_long`, logged with its id) and make a task whose question is too long for the
+- at run time, `run_iteration` skips a document whose request would not fit (counted in
+  `skipped/prompt_too_long`, logged with its id) and makes a task whose question is too long for the
   reasoner's request an invalid attempt (`invalid/question_over_context`).
 """
 from __future__ import annotations
 
 from spice_megatron.config import ConfigError, SelfPlayConfig, SpiceConfig
 from spice_megatron.protocol import ChallengerPrompts, Selection
+from spice_megatron.tasks import ANSWER_TYPES
 from spice_megatron.templates import prompt_token_ids
 
 # A document's tokens inside a prompt can differ from its tokens alone by a merge at each edge.
 EDGE_TOKENS = 2
-ANSWER_TYPES = ("multiple_choice", "integer", "expression", "string")
 
 
 def challenger_requests(prompts: ChallengerPrompts, document: str, cfg: SelfPlayConfig) -> list[tuple[str, str, int]]:
@@ -32,10 +32,6 @@ def challenger_requests(prompts: ChallengerPrompts, document: str, cfg: SelfPlay
 
 def request_tokens(prompt: str, max_tokens: int, tokenizer) -> int:
     return len(prompt_token_ids(prompt, tokenizer)) + max_tokens
-
-
-def fits(prompt: str, max_tokens: int, tokenizer, max_model_len: int) -> bool:
-    return request_tokens(prompt, max_tokens, tokenizer) <= max_model_len
 
 
 def check_context_budget(cfg: SpiceConfig, tokenizer) -> None:

@@ -156,8 +156,8 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
             by_n.setdefault(min(cfg.attempts_per_round, cfg.max_attempts - attempts[i]), []).append(i)
         for n, idx in by_n.items():
             round_seed = _round_seed(seed, attempts[idx[0]])
-            for i, att in zip(idx, _challenger_round([documents[i] for i in idx], n, challenger_generate or generate,
-                                                     prompts, cfg, round_seed, counters)):
+            for i, att in zip(idx, challenger_round([documents[i] for i in idx], n, challenger_generate or generate,
+                                                    prompts, cfg, round_seed, counters)):
                 for a in att:
                     attempts[i] += 1
                     if context and a.parsed.valid:
@@ -184,7 +184,7 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     # --- Reasoner: G answers for every valid task in a group, without the document.
     task_of: list[tuple[int, Attempt]] = [(i, a) for i, group in enumerate(groups) for a in group if a.parsed.valid]
     tasks: list[Task] = [a.parsed.task for _, a in task_of]
-    answered = _answer_tasks(tasks, generate, verifier, cfg, tokenizer, seed, stats)
+    answered = answer_tasks(tasks, generate, verifier, cfg, tokenizer, seed, stats)
     r_prompts, flat, correct, outcomes = answered.prompts, answered.flat, answered.correct, answered.outcomes
 
     # --- Rewards: the variance of each task's G outcomes (its challenger reward).
@@ -251,8 +251,8 @@ class Answered:
     keys: list[list[str | None]]  # per task, its G normalised answers (R-Zero's reward)
 
 
-def _answer_tasks(tasks: list[Task], generate: GenerateFn, verifier: AnswerVerifier, cfg: SelfPlayConfig,
-                  tokenizer, seed: int | None, stats: dict[str, float]) -> Answered:
+def answer_tasks(tasks: list[Task], generate: GenerateFn, verifier: AnswerVerifier, cfg: SelfPlayConfig,
+                 tokenizer, seed: int | None, stats: dict[str, float]) -> Answered:
     """G reasoner answers per task (the question only, never the document), verified."""
     t0 = time.perf_counter()
     prompts = [reasoner_prompt(t, cfg.template, tokenizer, cfg.prompt_dir) for t in tasks]
@@ -280,7 +280,7 @@ def run_fixed_tasks(pool_tasks: Sequence, generate: GenerateFn, verifier: Answer
     each gets G answers and only the reasoner is trained, centred per question."""
     stats: dict[str, float] = {}
     tasks = [pt.task for pt in pool_tasks]
-    answered = _answer_tasks(tasks, generate, verifier, cfg, tokenizer, seed, stats)
+    answered = answer_tasks(tasks, generate, verifier, cfg, tokenizer, seed, stats)
     samples, records = [], []
     for k, pt in enumerate(pool_tasks):
         records.append({"kind": "task", "iteration": iteration, "doc_id": pt.doc_id, "task": asdict(pt.task),
@@ -334,8 +334,8 @@ def _check_reasoner_request(a: "Attempt", cfg: SelfPlayConfig, tokenizer, contex
         a.parsed = ParseResult(None, "question_over_context", {"tokens": need, "max_model_len": context})
 
 
-def _challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompts: ChallengerPrompts,
-                      cfg: SelfPlayConfig, seed: int | None, counters: Counter) -> list[list[Attempt]]:
+def challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompts: ChallengerPrompts,
+                     cfg: SelfPlayConfig, seed: int | None, counters: Counter) -> list[list[Attempt]]:
     """n attempts for each document (one generation call per protocol step)."""
     spec = SamplingSpec(n=n, temperature=cfg.challenger_temperature, top_p=cfg.top_p,
                         max_tokens=cfg.challenger_max_tokens, seed=seed, role=CHALLENGER)

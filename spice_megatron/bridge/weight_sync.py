@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator

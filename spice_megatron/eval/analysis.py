@@ -91,21 +91,21 @@ def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int, attempts: int) -> 
     from collections import Counter
 
     from spice_megatron.protocol import ChallengerPrompts
-    from spice_megatron.selfplay import _challenger_round
+    from spice_megatron.selfplay import challenger_round
 
     prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
-    rounds = _challenger_round(list(docs), attempts, _encoded(fleet, tokenizer), prompts, cfg, seed, Counter())
+    rounds = challenger_round(list(docs), attempts, _encoded(fleet, tokenizer), prompts, cfg, seed, Counter())
     tasks = [a.parsed.task for doc_attempts in rounds for a in doc_attempts if a.parsed.valid]
     return tasks, len(tasks) / (len(docs) * attempts) if docs else float("nan")
 
 
 def _answer(fleet, tasks, tokenizer, cfg, verifier, seed: int) -> tuple[int, int]:
     """G answers per task, as the reasoner's training rollouts (prompts, stop strings, lengths)."""
-    from spice_megatron.selfplay import _answer_tasks
+    from spice_megatron.selfplay import answer_tasks
 
     if not tasks:
         return 0, 0
-    answered = _answer_tasks(tasks, _encoded(fleet, tokenizer), verifier, cfg, tokenizer, seed, {})
+    answered = answer_tasks(tasks, _encoded(fleet, tokenizer), verifier, cfg, tokenizer, seed, {})
     return len(answered.correct), sum(answered.correct)
 
 

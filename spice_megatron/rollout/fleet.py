@@ -3,8 +3,9 @@
 Prompts are cut into chunks, as many as there are healthy engines (at most rollout.chunk_size
 prompts each), so that every engine holds a near-equal share of a phase: the selection step of 128
 documents, a later challenger round of a few pending documents, the reasoner's answers. Each chunk
-goes to the healthy engine with the fewest requests in flight. A chunk whose engine dies, errors or times out is retried on another engine; the first
-answer for a chunk is kept and any later one dropped, so every prompt is answered exactly once.
+goes to the healthy engine with the fewest requests in flight. A chunk whose engine dies, errors or
+times out is retried on another engine; the first answer for a chunk is kept and any later one
+dropped, so every prompt is answered exactly once.
 Sampling seeds are per prompt (seed + global index), so results do not depend on which engine
 or chunk served a prompt.
 """
