@@ -26,7 +26,7 @@ for (( i = 0; i < gpus / engine_tp; i++ )); do
   CUDA_VISIBLE_DEVICES=$devices python -m spice_megatron.rollout.serve \
     --model "$SPICE_MODEL" --host 0.0.0.0 --port $(( port + i )) \
     --tensor-parallel-size "$engine_tp" \
-    --max-model-len "${SPICE_MAX_MODEL_LEN:-8192}" \
+    --max-model-len "${SPICE_MAX_MODEL_LEN:-12288}" \
     --gpu-memory-utilization "${SPICE_GPU_MEMORY_UTILIZATION:-0.85}" \
     --weight-transfer "${SPICE_WEIGHT_TRANSFER:-spice}" \
     --seed $(( ${SPICE_SEED:-1234} + 1000 * node_index + i )) \

@@ -17,6 +17,7 @@ from spice_megatron.rollout.fleet import RolloutFleet
 from spice_megatron.rollout.local import start_engine, wait_healthy
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
 TOKEN = "test-token"
 
 
@@ -64,6 +65,9 @@ def _step_rank(model_dir, train_cfg, seqs):
     return before, after
 
 
+# The engine answers up to 8 tasks x 8 per document and the fp32 learner steps on ~40 sequences:
+# ~6 minutes on a fast 2-core machine, 10-12 on a slow one (2026-12-01), over pytest.ini's 600 s.
+@pytest.mark.timeout(1500)
 def test_selfplay_challenger_advantages_and_one_step_through_the_real_pieces(tmp_path):
     cfg, tokenizer, result = _iteration(tmp_path)
     records = result.records
