@@ -34,6 +34,14 @@ def request_tokens(prompt: str, max_tokens: int, tokenizer) -> int:
     return len(prompt_token_ids(prompt, tokenizer)) + max_tokens
 
 
+def challenger_overheads(prompts: ChallengerPrompts, cfg: SelfPlayConfig, tokenizer) -> list[tuple[str, int, int]]:
+    """Every challenger request around an empty document: (what, prompt tokens, max_tokens). A
+    document of n tokens makes a request of prompt tokens + n + EDGE_TOKENS + max_tokens, so a
+    document is checked by its token count (Document.num_tokens), not by tokenising it again."""
+    return [(what, len(prompt_token_ids(prompt, tokenizer)), max_tokens)
+            for what, prompt, max_tokens in challenger_requests(prompts, "", cfg)]
+
+
 def check_context_budget(cfg: SpiceConfig, tokenizer) -> None:
     """Refuse (ConfigError naming the fields and numbers) when the longest document a run can draw
     does not fit, with the challenger's longest request, in rollout.max_model_len."""
@@ -42,8 +50,7 @@ def check_context_budget(cfg: SpiceConfig, tokenizer) -> None:
         return
     prompts = ChallengerPrompts(sp.template, tokenizer, sp.prompt_dir)
     limit = cfg.rollout.max_model_len
-    for what, prompt, max_tokens in challenger_requests(prompts, "", sp):
-        prompt_len = len(prompt_token_ids(prompt, tokenizer))
+    for what, prompt_len, max_tokens in challenger_overheads(prompts, sp, tokenizer):
         worst = prompt_len + cfg.corpus.max_doc_tokens + EDGE_TOKENS + max_tokens
         if worst > limit:
             where = f"the files in selfplay.prompt_dir={sp.prompt_dir}" if sp.prompt_dir else "the built-in prompts"

@@ -310,15 +310,17 @@ def run_fixed_tasks(pool_tasks: Sequence, generate: GenerateFn, verifier: Answer
 def _documents_that_fit(documents: Sequence[Document], prompts: ChallengerPrompts, cfg: SelfPlayConfig, tokenizer,
                         context: int) -> tuple[list[Document], list[tuple[Document, str]]]:
     """The documents whose every challenger request fits `context`, and the others with why."""
-    from spice_megatron.context_budget import challenger_requests, request_tokens
+    from spice_megatron.context_budget import EDGE_TOKENS, challenger_overheads
 
+    overheads = challenger_overheads(prompts, cfg, tokenizer)
     fit, too_long = [], []
     for d in documents:
-        worst = max(((request_tokens(p, m, tokenizer), what) for what, p, m in challenger_requests(prompts, d.text, cfg)))
-        if worst[0] <= context:
+        need, what = max((prompt_len + d.num_tokens + EDGE_TOKENS + max_tokens, what)
+                         for what, prompt_len, max_tokens in overheads)
+        if need <= context:
             fit.append(d)
         else:
-            why = f"prompt_too_long: the {worst[1]} and its output are {worst[0]} tokens, max_model_len {context}"
+            why = f"prompt_too_long: the {what} and its output are {need} tokens, max_model_len {context}"
             log.warning("skipping document %s: %s", d.doc_id, why)
             too_long.append((d, why))
     return fit, too_long

@@ -362,7 +362,9 @@ def test_a_document_too_long_for_the_context_is_a_counted_skip_and_a_long_questi
     """D5: an over-long prompt is never a request vLLM rejects (a stopped run) or truncates."""
     cfg = SelfPlayConfig(batch_docs=2, group_size=8, attempts_per_round=4, max_attempts=4, protocol="compact",
                          challenger_group="single", challenger_max_tokens=256, reasoner_max_tokens=64)
-    long_doc = doc(1, "SPEC[k4] " + "word " * 900)
+    text = "SPEC[k4] " + "word " * 900
+    tokens = len(qwen3_tokenizer(text, add_special_tokens=False)["input_ids"])  # as the corpus counts them
+    long_doc = Document("src/1/0", text, "src", 1, 0, "sha1", tokens)
     with caplog.at_level("WARNING"):
         result = run_iteration([doc(0, "SPEC[k4]"), long_doc], ScriptedModel(), _verifier(), cfg, random.Random(0),
                                tokenizer=qwen3_tokenizer, max_model_len=1024)
