@@ -15,6 +15,10 @@ Why these settings (measured with the base model, README "Self-play learning che
   stories' answers are small numbers, which the default rule lets through; in the first self-play
   check (README) one trained run learned to copy the story's result into the question and the
   reasoner to copy it back (leak rate 0.13 -> 0.38, held-out accuracy 25% -> 0%).
+- invalid_penalty (rho) = -0.5, the paper's -0.1 five times over: with leak_check="all" a leak is
+  invalid, but at -0.1 it cost little against the 0.04 of a valid task nobody solves, and copying
+  more of the story into the question is also what makes valid tasks answerable; in the lr 1e-5
+  check seed 4321's leak attempts grew from 12.5% to 25% of attempts (README "Does it learn?").
 - Four documents x G=8 per iteration: the main job's three iterations fit in minutes (the learner's
   step on 64 + 32 sequences dominates); the learning check takes 6 per iteration.
 """
@@ -40,7 +44,8 @@ def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_c
                                 challenger_max_tokens=challenger_tokens, reasoner_max_tokens=reasoner_tokens,
                                 challenger_temperature=temperature, reasoner_temperature=temperature,
                                 template="plain", protocol="compact", challenger_group="document",
-                                prompt_dir=PROMPT_DIR, reasoner_stop=list(REASONER_STOP), leak_check="all"),
+                                prompt_dir=PROMPT_DIR, reasoner_stop=list(REASONER_STOP), leak_check="all",
+                                invalid_penalty=-0.5),
         parallel=ParallelConfig(tensor_parallel=1, pipeline_parallel=1),
         optim=OptimConfig(lr=2e-5, weight_decay=0.0, clip_grad=1.0),
         # fp32 logits of 1024 tokens x 49,152 vocabulary are 200 MB per copy: keep micro-batches small

@@ -180,11 +180,27 @@ class ParallelConfig:
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    # Mixture-of-experts only: experts are split over expert_parallel ranks taken from the
+    # tensor x data-parallel ranks of a stage (megatron's EP), and each expert's matrices over
+    # expert_tensor_parallel of them (ETP; 1, whole experts, is what megatron recommends with EP).
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
+    # Megatron's sequence parallelism: with TP > 1 the norms, dropouts and residuals (and the
+    # activations they save) are split over the sequence across the TP ranks instead of being
+    # replicated. auto: on when tensor_parallel > 1 (megatron requires it for MoE with TP).
+    sequence_parallel: str = "auto"
     backend: str = "auto"  # nccl on GPU, gloo on CPU
+
+    @property
+    def use_sequence_parallel(self) -> bool:
+        return self.sequence_parallel == "on" or (self.sequence_parallel == "auto" and self.tensor_parallel > 1)
 
     def validate(self, prefix: str = "parallel") -> None:
         _require(self.tensor_parallel >= 1, f"{prefix}.tensor_parallel", "must be >= 1")
         _require(self.pipeline_parallel >= 1, f"{prefix}.pipeline_parallel", "must be >= 1")
+        _require(self.expert_parallel >= 1, f"{prefix}.expert_parallel", "must be >= 1")
+        _require(self.expert_tensor_parallel >= 1, f"{prefix}.expert_tensor_parallel", "must be >= 1")
+        _require(self.sequence_parallel in ("auto", "on", "off"), f"{prefix}.sequence_parallel", "must be auto, on or off")
         _require(self.backend in ("auto", "nccl", "gloo"), f"{prefix}.backend", "must be auto, nccl or gloo")
 
 
@@ -237,6 +253,14 @@ class PolicyTrainConfig:
     # auto: on when max_staleness > 0; on; off
     importance_sampling: str = "auto"
     tis_cap: float = 2.0  # the weights min(pi_learner / mu_engine, tis_cap)
+    # Mixture-of-experts only. The load-balancing loss is off by default: RL updates are small and
+    # few, and an auxiliary term pulls the router away from the routing the engines sampled with
+    # (what routing replay keeps equal); pretraining's 1e-3 is the usual value to turn it on.
+    moe_aux_loss_coeff: float = 0.0
+    # Replay in every learner forward the experts the engine chose for each prompt and sampled
+    # token (megatron's RouterReplay), so the gradient flows through the experts that produced the
+    # samples. "auto": on for mixture-of-experts models.
+    routing_replay: str = "auto"
 
     @property
     def use_tis(self) -> bool:
@@ -259,6 +283,8 @@ class PolicyTrainConfig:
         _require(self.old_logprobs in ("forward", "rollout"), f"{prefix}.old_logprobs", "must be forward or rollout")
         _require(self.temperature > 0, f"{prefix}.temperature", "must be > 0")
         _require(self.dtype in ("auto", "fp32", "bf16"), f"{prefix}.dtype", "must be auto, fp32 or bf16")
+        _require(self.moe_aux_loss_coeff >= 0, f"{prefix}.moe_aux_loss_coeff", "must be >= 0 (0: off)")
+        _require(self.routing_replay in ("auto", "on", "off"), f"{prefix}.routing_replay", "must be auto, on or off")
 
 
 @dataclass

@@ -22,20 +22,28 @@ def qwen3_tokenizer_dir() -> str:
 
 def tiny_hf_config(family: str = "qwen3", tied: bool = False, vocab_size: int = 256, num_layers: int = 2,
                    hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                   intermediate_size: int = 128) -> dict:
-    """A small random-weight config of a supported family (fast tests, conversion checks)."""
+                   intermediate_size: int = 128, num_experts: int = 8, top_k: int = 2,
+                   moe_intermediate_size: int = 32, mlp_only_layers: tuple[int, ...] = ()) -> dict:
+    """A small random-weight config of a supported family (fast tests, conversion checks);
+    qwen3_moe: `num_experts` experts of `moe_intermediate_size`, `top_k` per token, dense MLPs of
+    `intermediate_size` in `mlp_only_layers`."""
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
                   intermediate_size=intermediate_size, tie_word_embeddings=tied, max_position_embeddings=2048,
                   rms_norm_eps=1e-6, torch_dtype="float32")
     if family == "qwen3":
         return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1000000.0}
+    if family == "qwen3_moe":
+        return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "rope_theta": 1000000.0,
+                "num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_intermediate_size,
+                "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": list(mlp_only_layers),
+                "router_aux_loss_coef": 0.001}
     if family == "llama":
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
                 "max_position_embeddings": 16384,
                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    raise ValueError(f"family: unknown {family!r} (qwen3, llama)")
+    raise ValueError(f"family: unknown {family!r} (qwen3, qwen3_moe, llama)")
 
 
 def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norms: bool = True) -> str:
@@ -53,6 +61,10 @@ def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norm
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
+                elif name.endswith("mlp.gate.weight"):
+                    # routers far from uniform: no near-ties in the top-k for rounding to flip,
+                    # so two implementations that agree to 1e-6 pick the same experts
+                    p.normal_(0.0, 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

@@ -51,11 +51,11 @@ def _roundtrip_rank(models, root, tp, pp):
         tokens = torch.arange(2 * 9).view(2, 9) * 7 % 256
         seqs = [TrainSequence(t[:3].tolist(), t[3:].tolist()) for t in tokens]
         with torch.no_grad():
-            outs = learner._run([collate(seqs, [0, 1])],
+            outs = learner._run([collate(seqs, [0, 1], pad_to=learner.seq_multiple)],
                                 lambda mb, lg: (torch.zeros(()), {"l": gather_from_tensor_model_parallel_region(lg)}),
                                 forward_only=True)
         if outs:
-            logits[name] = outs[0]["l"]
+            logits[name] = outs[0]["l"][:, :tokens.shape[1]]
     return logits
 
 
@@ -261,7 +261,8 @@ def test_a_receiver_dying_mid_sync_fails_the_sender_and_keeps_tp_ranks_in_step(t
 def test_tp4_shards_placed_back_rebuild_every_hf_tensor(family):
     """Export's placement is the exact inverse of import's slicing, at a TP wider than the
     multi-process tests use (4 KV groups over 4 ranks, 2 query heads per group)."""
-    from spice_megatron.bridge.mapping import expected_hf_shapes, full_shape, hf_outputs, megatron_shard, place_shard
+    from spice_megatron.bridge.mapping import (ShardRanks, expected_hf_shapes, full_shape, hf_outputs, megatron_shard,
+                                               place_shard)
     from spice_megatron.policy.model import model_spec_from_hf
 
     spec = model_spec_from_hf(tiny_hf_config(family, num_heads=8, num_kv_heads=4, head_dim=8, intermediate_size=96))
@@ -279,7 +280,7 @@ def test_tp4_shards_placed_back_rebuild_every_hf_tensor(family):
     names += [f"decoder.layers.{i}.{rest}" for i in range(spec.num_layers) for rest in per_layer]
     tp, rebuilt = 4, {}
     for name in names:
-        shards = [megatron_shard(name, spec, r, tp, 0, read) for r in range(tp)]
+        shards = [megatron_shard(name, spec, ShardRanks(r, tp), 0, read) for r in range(tp)]
         outputs = hf_outputs(name, full_shape(name, tuple(shards[0].shape), tp), spec)
         full = [torch.full(shape, float("nan")) for _, shape in outputs]
         for r in reversed(range(tp)):

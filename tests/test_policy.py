@@ -61,9 +61,10 @@ def _logits_rank(model_dirs, layouts):
                 return torch.zeros(()), {"logits": gather_from_tensor_model_parallel_region(logits).detach()}
 
             with torch.no_grad():
-                outs = learner._run([collate(seqs, [0, 1])], grab, forward_only=True)
+                outs = learner._run([collate(seqs, [0, 1], pad_to=learner.seq_multiple)], grab, forward_only=True)
             if outs and learner.layout.tp_rank == 0:
-                out[(tp, pp, name)] = (outs[0]["logits"] - hf_logits(d, tokens)).abs().max().item()
+                logits = outs[0]["logits"][:, :tokens.shape[1]]
+                out[(tp, pp, name)] = (logits - hf_logits(d, tokens)).abs().max().item()
     return out
 
 

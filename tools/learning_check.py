@@ -4,7 +4,10 @@ engine, the Megatron learner, the weight sync.
 
   python tools/learning_check.py [--out runs/learning_check] [--iterations 12] [--seeds 1234,4321]
                                  [--staleness 1]
-  python tools/learning_check.py --selfplay [--out runs/selfplay_check]
+  python tools/learning_check.py --selfplay [--out runs/selfplay_check] [--only trained_b] [section.field=value ...]
+
+Each finished run is kept as <out>/<name>.done.json with the settings it ran under; a later
+invocation with the same settings reuses it, so a killed check resumes and runs can be done apart.
 
 `--selfplay` is SPICE itself (selfplay.challenger=self, the tiny_cpu recipe): the policy writes
 tasks from story documents (story_corpus.py) and answers them; both roles are trained. Held-out:
@@ -105,7 +108,7 @@ def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr
            f"optim.lr={lr}", "optim.weight_decay=0.0", "optim.clip_grad=1.0", f"train.max_staleness={args.staleness}",
            f"run.iterations={args.iterations}", f"run.seed={seed}", f"train.seed={seed}",
            f"run.eval_every={args.eval_every}", f"run.checkpoint_every={args.iterations}", "run.export_hf=false",
-           "rollout.max_model_len=1024", "rollout.kv_cache_gib=1.0", "run.min_valid_task_rate=0.0"]
+           "rollout.max_model_len=1024", "rollout.kv_cache_gib=1.0", "run.min_valid_task_rate=0.0", *args.extra]
     t0 = time.perf_counter()
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -126,6 +129,29 @@ def _baseline(out: str, heldout: str, args) -> dict:
                                max_model_len=1024, kv_cache_gib=1.0)
     (r,) = report.results
     return {"accuracy": r.accuracy, "correct": r.correct, "items": r.items, "no_boxed": r.no_answer}
+
+
+def _finished(out: str, name: str, settings: dict) -> dict | None:
+    """A run (or the baseline) an earlier invocation finished with the same settings: a check killed
+    after its first run, or run piecemeal with --only, keeps what it has."""
+    path = os.path.join(out, f"{name}.done.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        kept = json.load(f)
+    if kept["settings"] != settings:
+        print(f"{name}: {path} has other settings; running it again", flush=True)
+        return None
+    print(f"{name}: reusing {path}", flush=True)
+    return kept["result"]
+
+
+def _keep(out: str, name: str, settings: dict, result: dict) -> dict:
+    path = os.path.join(out, f"{name}.done.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"settings": settings, "result": result}, f)
+    os.replace(path + ".tmp", path)
+    return result
 
 
 def _curves(run: dict, heldout: str, n_items: int, before: dict) -> dict:
@@ -160,7 +186,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated runs to do (trained_a, control_a, trained_b)")
     ap.add_argument("--seeds", default="1234,4321")
     ap.add_argument("--staleness", type=int, default=0, help="train.max_staleness (1: one step off, TIS on)")
+    ap.add_argument("overrides", nargs="*", help="more recipe overrides (section.field=value) for every run")
     args = ap.parse_args()
+    args.extra = list(args.overrides)
     args.seeds = [int(s) for s in args.seeds.split(",")]
     if not args.model:
         from spice_megatron.offline_assets import smollm2_dir
@@ -189,7 +217,11 @@ def main() -> int:
             f.write(FEW_SHOT)
     heldout = f"file:{_write_jsonl(os.path.join(args.out, 'heldout.jsonl'), held)}:math"
 
-    before = _baseline(args.out, heldout, args)
+    settings = {k: getattr(args, k) for k in ("iterations", "eval_every", "batch", "group", "max_tokens", "lr",
+                                              "heldout", "seeds", "staleness", "challenger_tokens", "model",
+                                              "selfplay", "extra")}
+    before = _finished(args.out, "baseline", settings) or _keep(args.out, "baseline", settings,
+                                                                _baseline(args.out, heldout, args))
     before["ci"] = wilson(before["correct"], before["items"])
     print(f"held-out before: {before['accuracy']:.1f}% {before['ci']} ({before['items']} items)", flush=True)
     plan = [("trained_a", args.seeds[0], args.lr), ("control_a", args.seeds[0], 0.0)]
@@ -198,8 +230,11 @@ def main() -> int:
         plan = [p for p in plan if p[0] in args.only.split(",")]
     runs = {}
     for name, seed, lr in plan:
-        run = _run(name, args.out, train_file, heldout, args, seed, lr)
-        run.update(_curves(run, heldout, before["items"], before))
+        run = _finished(args.out, name, settings)
+        if run is None:
+            run = _run(name, args.out, train_file, heldout, args, seed, lr)
+            run.update(_curves(run, heldout, before["items"], before))
+            _keep(args.out, name, settings, run)
         runs[name] = run
         print(f"{name}: held-out {before['accuracy']:.1f} -> {run['after']:.1f} {tuple(round(x, 1) for x in run['after_ci'])}"
               f", reward {run['reward'][0]:.3f} -> {run['reward'][-1]:.3f}, boxed {run['boxed_rate'][0]:.2f} -> "
@@ -221,8 +256,7 @@ def main() -> int:
         verdict = "FAIL"
     summary = {"verdict": verdict, "mode": "selfplay" if args.selfplay else "tasks", "challenger": challenger,
                "before": before, "minutes": (time.perf_counter() - t_start) / 60,
-               "settings": {k: getattr(args, k) for k in ("iterations", "eval_every", "batch", "group", "max_tokens",
-                                                          "lr", "heldout", "seeds", "staleness", "challenger_tokens")},
+               "settings": settings,
                "runs": {n: {k: v for k, v in r.items() if k != "metrics"} for n, r in runs.items()}}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

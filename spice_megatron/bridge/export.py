@@ -7,7 +7,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from spice_megatron.bridge.mapping import LAYER, full_shape, gather_layout, hf_outputs, place_shard, shard_destination
+from spice_megatron.bridge.mapping import (LAYER, full_shape, gather_layout, hf_outputs, is_expert, place_shard,
+                                           renumber_expert, shard_destination)
 
 
 def global_param_name(name: str, offset: int) -> str:
@@ -23,28 +24,56 @@ Allocate = Callable[[list[tuple[str, tuple[int, ...], torch.dtype]]], list[torch
 
 def stage_hf_outputs(learner) -> Iterator[tuple[str, torch.Tensor, list[tuple[str, tuple[int, ...]]]]]:
     """Each of this stage's parameters with the HF tensors (name, full shape) it becomes; no
-    communication (shapes are the TP-gathered ones)."""
+    communication (shapes are the TP-gathered ones). An expert parameter stands for itself on
+    every expert-parallel rank: its outputs are those of local expert i of EP rank 0, 1, ...
+    (global experts i, i + E/EP, ...), each gathered over the expert-tensor-parallel ranks."""
     from spice_megatron.bridge.hf_io import layer_offset
 
-    offset, tp = layer_offset(learner.model), learner.layout.tp
+    offset, lay, spec = layer_offset(learner.model), learner.layout, learner.spec
+    per_rank = spec.moe.num_experts // lay.ep if spec.moe is not None else 0
     for name, param in learner.model.named_parameters():
-        yield name, param, hf_outputs(global_param_name(name, offset), full_shape(name, tuple(param.shape), tp),
-                                      learner.spec)
+        global_name = global_param_name(name, offset)
+        if is_expert(name):
+            shape = full_shape(name, tuple(param.shape), lay.etp)
+            outputs = [o for r in range(lay.ep) for o in hf_outputs(renumber_expert(global_name, r * per_rank), shape, spec)]
+        else:
+            outputs = hf_outputs(global_name, full_shape(name, tuple(param.shape), lay.tp), spec)
+        yield name, param, outputs
+
+
+def _expert_members(group) -> list[tuple[int, int]]:
+    """(EP rank, ETP rank) of each member of the expert tensor x model parallel group, by group rank."""
+    from megatron.core import parallel_state as ps
+
+    members: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(members, (ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()),
+                           group=group)
+    return members
 
 
 def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for this pipeline stage's parameters, one parameter at a time.
 
-    Collective over the TP group: the other TP ranks send their shards to the stage's TP rank 0,
-    which writes every shard straight into its place in the HF tensors (memory from `allocate`,
-    e.g. a slot in a send bucket; fresh tensors by default) and yields them. Only TP rank 0
-    yields anything. With tied embeddings, the last stage's copy of the embedding is skipped
-    (the first stage exports it).
+    Collective: dense parameters over the TP group of data-parallel rank 0, expert parameters over
+    the expert tensor x model parallel group of expert-data-parallel rank 0; the other members
+    send their shards to the group's rank 0, the stage's sender (TP rank 0 of DP rank 0, which
+    megatron's rank order makes rank 0 of its expert group too), which writes every shard
+    straight into its place in the HF tensors (memory from `allocate`, e.g. a slot in a send
+    bucket; fresh tensors by default) and yields them. Only the sender yields anything. Ranks
+    holding only replicas return at once. With tied embeddings, the last stage's copy of the
+    embedding is skipped (the first stage exports it).
     """
     from megatron.core import parallel_state as ps
 
-    tp, tp_rank, group = learner.layout.tp, learner.layout.tp_rank, ps.get_tensor_model_parallel_group()
-    root = dist.get_global_rank(group, 0) if tp > 1 else dist.get_rank()
+    lay, spec = learner.layout, learner.spec
+    tp_group = ps.get_tensor_model_parallel_group()
+    expert_group, members = None, []
+    if spec.moe is not None and lay.edp_rank == 0:
+        expert_group = ps.get_expert_tensor_and_model_parallel_group()
+        members = _expert_members(expert_group)
+        if lay.tp_rank == 0 and lay.dp_rank == 0 and dist.get_rank(expert_group) != 0:
+            raise RuntimeError("the stage's sender (TP rank 0 of DP rank 0) is not rank 0 of its expert group: "
+                               "a rank order other than megatron's default tp-ep-dp-pp?")
     device = next(learner.model.parameters()).device
     allocate = allocate or (lambda specs: [torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype in specs])
     spare = torch.empty(0)  # receive buffer for shards that cannot land in place, reused
@@ -52,25 +81,39 @@ def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[
         local = param.detach()
         if not outputs:
             continue
-        sharded = tp > 1 and gather_layout(name)[0] is not None
-        if tp_rank != 0:
-            if sharded:
-                dist.send(local.contiguous(), dst=root, group=group)
+        if is_expert(name):
+            if expert_group is None:
+                continue
+            group, k = expert_group, len(outputs) // lay.ep
+            # member g's shard: ETP slice etp_r of the outputs of its EP rank's expert
+            pieces = [(slice(ep_r * k, (ep_r + 1) * k), etp_r, lay.etp) for ep_r, etp_r in members]
+        else:
+            if lay.dp_rank != 0:
+                continue
+            sharded = lay.tp > 1 and gather_layout(name)[0] is not None
+            if lay.tp_rank != 0 and not sharded:  # a replica: the stage's TP rank 0 has the same
+                continue
+            group = tp_group if sharded else None
+            pieces = [(slice(None), r, lay.tp) for r in range(lay.tp if sharded else 1)]
+        me = dist.get_rank(group) if group is not None else 0
+        if me != 0:
+            dist.send(local.contiguous(), dst=dist.get_global_rank(group, 0), group=group)
             continue
         full = allocate([(hf_name, shape, local.dtype) for hf_name, shape in outputs])
         pending = []
-        if sharded:  # post every receive first, so that all TP ranks send at once
-            if spare.numel() < (tp - 1) * local.numel() or spare.dtype != local.dtype:
-                spare = torch.empty((tp - 1) * local.numel(), dtype=local.dtype, device=local.device)
-            for r in range(1, tp):
-                into = shard_destination(name, full, r, tp)
+        if len(pieces) > 1:  # post every receive first, so that all members send at once
+            if spare.numel() < (len(pieces) - 1) * local.numel() or spare.dtype != local.dtype:
+                spare = torch.empty((len(pieces) - 1) * local.numel(), dtype=local.dtype, device=local.device)
+            for g, (part, r, n) in enumerate(pieces[1:], 1):
+                into = shard_destination(name, full[part], r, n)
                 if into is None:
-                    into = spare[(r - 1) * local.numel():r * local.numel()].view(local.shape)
-                pending.append((r, into, dist.irecv(into, src=dist.get_global_rank(group, r), group=group)))
-        place_shard(name, local, 0, tp, learner.spec, full)
-        for r, into, work in pending:
+                    into = spare[(g - 1) * local.numel():g * local.numel()].view(local.shape)
+                pending.append((part, r, n, into, dist.irecv(into, src=dist.get_global_rank(group, g), group=group)))
+        part, r, n = pieces[0]
+        place_shard(name, local, r, n, spec, full[part])
+        for part, r, n, into, work in pending:
             work.wait()
-            place_shard(name, into, r, tp, learner.spec, full)
+            place_shard(name, into, r, n, spec, full[part])
         yield from zip((hf_name for hf_name, _ in outputs), full)
 
 

@@ -8,7 +8,7 @@ from typing import Mapping
 
 import torch
 
-from spice_megatron.bridge.mapping import MappingError, expected_hf_shapes, megatron_shard
+from spice_megatron.bridge.mapping import MappingError, ShardRanks, expected_hf_shapes, megatron_shard
 from spice_megatron.policy.model import ModelSpec
 
 
@@ -105,7 +105,7 @@ def layer_offset(model) -> int:
 
 
 @torch.no_grad()
-def load_hf_weights(model, spec: ModelSpec, reader, tp_rank: int, tp: int) -> int:
+def load_hf_weights(model, spec: ModelSpec, reader, layout) -> int:
     """Copy HF weights into this rank's megatron model; returns the number of tensors loaded."""
     present = set(reader.names())
     for name, shape in expected_hf_shapes(spec).items():
@@ -113,10 +113,10 @@ def load_hf_weights(model, spec: ModelSpec, reader, tp_rank: int, tp: int) -> in
             raise MappingError(f"tensor {name!r} is missing from the checkpoint")
         if reader.shape(name) != shape:
             raise CheckpointError(f"tensor {name!r}: shape {reader.shape(name)}, config.json implies {shape}")
-    offset = layer_offset(model)
+    offset, ranks = layer_offset(model), ShardRanks.of(layout)
     loaded = 0
     for name, param in model.named_parameters():
-        src = megatron_shard(name, spec, tp_rank, tp, offset, reader.read)
+        src = megatron_shard(name, spec, ranks, offset, reader.read)
         if tuple(src.shape) != tuple(param.shape):
             raise CheckpointError(f"megatron parameter {name!r}: HF tensors give shape {tuple(src.shape)}, "
                                   f"the model expects {tuple(param.shape)} (config.json does not match the weights?)")

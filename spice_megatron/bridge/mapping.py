@@ -1,14 +1,21 @@
-"""Hugging Face <-> Megatron-Core names and tensor-parallel layouts (Qwen3, Llama).
+"""Hugging Face <-> Megatron-Core names and tensor-parallel layouts (Qwen3, Qwen3-MoE, Llama).
 
 Megatron fuses q/k/v into `linear_qkv` with rows interleaved per KV group
 ([q heads of group 0, k_0, v_0, q heads of group 1, ...]) and gate/up into `linear_fc1`
 ([gate; up]). A tensor-parallel rank holds whole KV groups of `linear_qkv` and
 [gate_r; up_r] of `linear_fc1`, so each rank can be built from row/column slices of the HF
 tensors without materialising the full model anywhere.
+
+Experts (Qwen3-MoE): expert-parallel rank r holds experts [r * E/EP, (r + 1) * E/EP) as local
+experts 0..E/EP-1 (`mlp.experts.local_experts.{i}.linear_fc1/2.weight` without Transformer
+Engine, `mlp.experts.linear_fc1/2.weight{i}` with its grouped GEMM), each split over the
+expert-tensor-parallel ranks like a dense MLP; the router `mlp.router.weight` is HF's
+`mlp.gate.weight`, replicated.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -16,6 +23,7 @@ import torch
 from spice_megatron.policy.model import ModelSpec
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 
 # read(hf_name, dim, start, stop) -> tensor; dim None reads the whole tensor.
 Reader = Callable[[str, "int | None", "int | None", "int | None"], torch.Tensor]
@@ -41,13 +49,55 @@ _ROW_PARALLEL = {  # split along the input dimension (dim 1)
 }
 
 
+@dataclass(frozen=True)
+class ShardRanks:
+    """Which slice of the model a rank holds: its tensor-parallel rank, and for experts its
+    expert-parallel and expert-tensor-parallel ranks."""
+
+    tp_rank: int = 0
+    tp: int = 1
+    ep_rank: int = 0
+    ep: int = 1
+    etp_rank: int = 0
+    etp: int = 1
+
+    @classmethod
+    def of(cls, layout) -> "ShardRanks":
+        return cls(layout.tp_rank, layout.tp, layout.ep_rank, layout.ep, layout.etp_rank, layout.etp)
+
+
+def expert_param(rest: str) -> tuple[int, str] | None:
+    """(local expert index, linear_fc1 or linear_fc2) of a layer's expert parameter, else None."""
+    m = _EXPERT.match(rest)
+    if not m:
+        return None
+    return (int(m.group(1)), m.group(2)) if m.group(1) is not None else (int(m.group(4)), m.group(3))
+
+
+def is_expert(name: str) -> bool:
+    m = LAYER.match(name)
+    return bool(m) and expert_param(m.group(2)) is not None
+
+
+def renumber_expert(name: str, first_expert: int) -> str:
+    """A local expert parameter's name with its global expert index (+ first_expert)."""
+    m = LAYER.match(name)
+    found = expert_param(m.group(2)) if m else None
+    if found is None:
+        return name
+    i, fc = found
+    return f"decoder.layers.{m.group(1)}.mlp.experts.local_experts.{i + first_expert}.{fc}.weight"
+
+
 def _chunk(n: int, tp: int, rank: int) -> tuple[int, int]:
     size = n // tp
     return rank * size, (rank + 1) * size
 
 
-def megatron_shard(name: str, spec: ModelSpec, tp_rank: int, tp: int, layer_offset: int, read: Reader) -> torch.Tensor:
-    """The tensor-parallel shard of megatron parameter `name` (local layer numbering) from HF tensors."""
+def megatron_shard(name: str, spec: ModelSpec, ranks: ShardRanks, layer_offset: int, read: Reader) -> torch.Tensor:
+    """The shard of megatron parameter `name` (local layer and expert numbering) that `ranks`
+    holds, from HF tensors."""
+    tp_rank, tp = ranks.tp_rank, ranks.tp
     if name == "embedding.word_embeddings.weight":
         return read("model.embed_tokens.weight", 0, *_chunk(spec.vocab_size, tp, tp_rank))
     if name == "output_layer.weight":
@@ -63,6 +113,16 @@ def megatron_shard(name: str, spec: ModelSpec, tp_rank: int, tp: int, layer_offs
     h = f"model.layers.{layer}."
     if rest in _NORMS:
         return read(h + _NORMS[rest], None, None, None)
+    if rest == "mlp.router.weight":
+        return read(h + "mlp.gate.weight", None, None, None)
+    expert = expert_param(rest)
+    if expert is not None:
+        i, fc = expert
+        e = f"{h}mlp.experts.{ranks.ep_rank * (spec.moe.num_experts // ranks.ep) + i}."
+        part = _chunk(spec.moe.expert_ffn_hidden_size, ranks.etp, ranks.etp_rank)
+        if fc == "linear_fc2":
+            return read(e + "down_proj.weight", 1, *part)
+        return torch.cat([read(e + "gate_proj.weight", 0, *part), read(e + "up_proj.weight", 0, *part)], dim=0)
     if rest in _ROW_PARALLEL:
         cols = spec.num_heads * spec.head_dim if rest.startswith("self_attention") else spec.ffn_hidden_size
         return read(h + _ROW_PARALLEL[rest], 1, *_chunk(cols, tp, tp_rank))
@@ -103,6 +163,15 @@ def hf_outputs(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple
     h, rest = f"model.layers.{m.group(1)}.", m.group(2)
     if rest in _NORMS:
         return [(h + _NORMS[rest], shape)]
+    if rest == "mlp.router.weight":
+        return [(h + "mlp.gate.weight", shape)]
+    expert = expert_param(rest)
+    if expert is not None:  # global expert numbering (renumber_expert)
+        e = f"{h}mlp.experts.{expert[0]}."
+        if expert[1] == "linear_fc2":
+            return [(e + "down_proj.weight", shape)]
+        half = (shape[0] // 2, *shape[1:])
+        return [(e + "gate_proj.weight", half), (e + "up_proj.weight", half)]
     if rest in _ROW_PARALLEL:
         return [(h + _ROW_PARALLEL[rest], shape)]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -119,7 +188,8 @@ def hf_outputs(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple
 
 
 def full_shape(name: str, local_shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """The shape of megatron parameter `name` gathered over `tp` ranks."""
+    """The shape of megatron parameter `name` gathered over `tp` ranks (for an expert: its
+    expert-tensor-parallel ranks)."""
     dim, _ = gather_layout(name)
     if dim is None or tp == 1:
         return tuple(local_shape)
@@ -172,6 +242,9 @@ def gather_layout(name: str) -> tuple[int | None, bool]:
         return 0, False
     m = LAYER.match(name)
     rest = m.group(2) if m else ""
+    expert = expert_param(rest)
+    if expert is not None:
+        return (1, False) if expert[1] == "linear_fc2" else (0, True)
     if rest in _ROW_PARALLEL:
         return 1, False
     if rest.startswith("self_attention.linear_qkv.") and not rest.endswith("layer_norm_weight"):
@@ -193,8 +266,17 @@ def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (spec.num_heads * hd, h), p + "self_attn.k_proj.weight": (spec.num_kv_heads * hd, h),
             p + "self_attn.v_proj.weight": (spec.num_kv_heads * hd, h), p + "self_attn.o_proj.weight": (h, spec.num_heads * hd),
-            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h), p + "mlp.down_proj.weight": (h, ffn),
         })
+        if spec.moe is not None and spec.moe.moe_layers[layer]:
+            e_ffn = spec.moe.expert_ffn_hidden_size
+            shapes[p + "mlp.gate.weight"] = (spec.moe.num_experts, h)
+            for e in range(spec.moe.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes.update({q + "gate_proj.weight": (e_ffn, h), q + "up_proj.weight": (e_ffn, h),
+                               q + "down_proj.weight": (h, e_ffn)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                           p + "mlp.down_proj.weight": (h, ffn)})
         if spec.family.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)

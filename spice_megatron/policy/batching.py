@@ -50,8 +50,10 @@ def _completion_aligned(values: list[float], x: TrainSequence, what: str, where:
 
 
 def collate(seqs: list[TrainSequence], index: list[int], pad_id: int = 0,
-            old: list[list[float]] | None = None) -> MicroBatch:
-    s = max(len(x) for x in seqs)
+            old: list[list[float]] | None = None, pad_to: int = 1) -> MicroBatch:
+    """`pad_to`: the padded length is a multiple of it (sequence parallelism splits the sequence
+    over the TP ranks)."""
+    s = -(-max(len(x) for x in seqs) // pad_to) * pad_to
     b = len(seqs)
     tokens = torch.full((b, s), pad_id, dtype=torch.long)
     labels = torch.zeros((b, s), dtype=torch.long)
@@ -99,7 +101,7 @@ def plan_microbatches(indices: list[int], lengths: list[int], token_budget: int)
 
 
 def make_microbatches(seqs: list[TrainSequence], dp: int, dp_rank: int, token_budget: int,
-                      pad_id: int = 0, old: list[list[float]] | None = None) -> list[MicroBatch]:
+                      pad_id: int = 0, old: list[list[float]] | None = None, pad_to: int = 1) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches of a global batch. Every rank of a pipeline computes
     the same plan. A rank left without sequences gets one masked-out filler so that its pipeline
     still steps (its loss and gradient contributions are zero)."""
@@ -107,8 +109,8 @@ def make_microbatches(seqs: list[TrainSequence], dp: int, dp_rank: int, token_bu
     mine = split_data_parallel(lengths, dp)[dp_rank]
     if not mine:
         filler = TrainSequence([pad_id], [pad_id], 0.0)
-        mb = collate([filler], [-1], pad_id, [[0.0]] if old is not None else None)
+        mb = collate([filler], [-1], pad_id, [[0.0]] if old is not None else None, pad_to)
         mb.loss_mask.zero_()
         return [mb]
-    return [collate([seqs[i] for i in g], g, pad_id, [old[i] for i in g] if old is not None else None)
+    return [collate([seqs[i] for i in g], g, pad_id, [old[i] for i in g] if old is not None else None, pad_to)
             for g in plan_microbatches(mine, lengths, token_budget)]

@@ -8,6 +8,15 @@ shared/notes/megatron-core-on-cpu.md):
 - the RNG tracker stores CUDA generator states;
 - the pipeline schedules, the optimizers and clip_grads allocate with a literal `device="cuda"`
   and check `param.type() == "torch.cuda.FloatTensor"`.
+Mixture-of-experts layers, in addition (measured with a 2-layer Qwen3-MoE at EP=1 and 2 on gloo):
+- megatron requires sequence parallelism for MoE with TP > 1 in training, and its torch norms
+  (no TE, no apex) refuse sequence parallelism; a norm is per token, so the only thing SP asks of
+  it is TE's: mark its weight `sequence_parallel` so that finalize_model_grads sums its gradient
+  over the TP ranks, each of which saw part of the sequence.
+- moe_utils names `te_general_gemm` only when Transformer Engine imports (NameError in the router);
+- the all-to-all dispatcher makes a `torch.cuda.Stream` for its device-to-host copies of the split
+  sizes, waits on `torch.cuda.current_stream()`, and hands all_to_all_single the sizes as numpy
+  arrays only after a CUDA -> host copy (on CPU they stay tensors, which gloo's binding refuses).
 """
 from __future__ import annotations
 
@@ -42,7 +51,59 @@ def apply() -> None:
     RotaryEmbedding.get_emb = get_emb
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
+    _apply_moe()
+    _apply_sequence_parallel_norms()
     _applied = True
+
+
+def _apply_sequence_parallel_norms() -> None:
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostStream:
+    """Stands in for the dispatcher's CUDA side stream: on CPU every copy is already done."""
+
+    def wait_stream(self, _other) -> None:
+        pass
+
+    def record_event(self) -> _HostEvent:
+        return _HostEvent()
+
+
+def _apply_moe() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # the router then takes its torch.mm branch
+    host = _HostStream()
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host
+    torch.cuda.current_stream = lambda *a, **k: host
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def _cpu_device(d):

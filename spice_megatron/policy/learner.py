@@ -84,7 +84,15 @@ class Learner:
         self.layout: Layout = current_layout()
         self.dtype = resolve_dtype(train.dtype)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.tconfig = transformer_config(spec, self.layout.tp, self.layout.pp, self.dtype)
+        self.routing_replay = spec.moe is not None and train.routing_replay != "off"
+        if spec.moe is None and train.routing_replay == "on":
+            raise ConfigError(f"train.routing_replay: on, but {spec.architecture} has no experts to route")
+        self.tconfig = transformer_config(spec, self.layout.tp, self.layout.pp, self.dtype, ep=self.layout.ep,
+                                          etp=self.layout.etp, aux_loss_coeff=train.moe_aux_loss_coeff,
+                                          routing_replay=self.routing_replay,
+                                          sequence_parallel=parallel.use_sequence_parallel and self.layout.tp > 1)
+        # micro-batches are padded to a multiple of TP under sequence parallelism
+        self.seq_multiple = self.layout.tp if self.tconfig.sequence_parallel else 1
         with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
             model = build_model(spec, self.tconfig, self.layout.is_first_stage, self.layout.is_last_stage)
         # Uniformly in the training dtype, as megatron's Float16Module makes it: the local layer
@@ -115,7 +123,9 @@ class Learner:
 
         return (ps.model_parallel_is_initialized()
                 and ps.get_tensor_model_parallel_world_size() == parallel.tensor_parallel
-                and ps.get_pipeline_model_parallel_world_size() == parallel.pipeline_parallel)
+                and ps.get_pipeline_model_parallel_world_size() == parallel.pipeline_parallel
+                and ps.get_expert_model_parallel_world_size() == parallel.expert_parallel
+                and ps.get_expert_tensor_parallel_world_size() == parallel.expert_tensor_parallel)
 
     @classmethod
     def from_hf(cls, hf_dir: str, parallel: ParallelConfig, optim: OptimConfig, train: PolicyTrainConfig,
@@ -127,7 +137,7 @@ class Learner:
         # With tied embeddings and PP > 1 the last stage's output layer is loaded from the same HF
         # embedding tensor, so both copies start equal; megatron then reduces their grads together.
         return cls(model_spec_from_hf(hf_dir), parallel, optim, train, pad_id,
-                   load_weights=lambda lr: load_hf_weights(lr.model, lr.spec, reader, lr.layout.tp_rank, lr.layout.tp))
+                   load_weights=lambda lr: load_hf_weights(lr.model, lr.spec, reader, lr.layout))
 
     def _scheduler(self, optim: OptimConfig):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -168,7 +178,8 @@ class Learner:
         """Log-probs of each sequence's completion tokens under the current weights (every rank
         gets the full result)."""
         self.model.eval()
-        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens, self.pad_id)
+        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens, self.pad_id,
+                                pad_to=self.seq_multiple)
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             lp = token_logprobs(logits, mb.labels.to(logits.device), self.train_cfg.temperature).cpu()
@@ -228,7 +239,8 @@ class Learner:
         t0 = time.perf_counter()
         self.model.train()
         cfg, n_global = self.train_cfg, len(seqs)
-        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, cfg.micro_batch_tokens, self.pad_id, old)
+        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, cfg.micro_batch_tokens, self.pad_id, old,
+                                pad_to=self.seq_multiple)
         # megatron divides each micro-batch loss by the rank's micro-batch count and DDP averages
         # gradients over DP; undo both so that gradients are those of the global DrGRPO objective.
         scale = len(mbs) * self.layout.dp

@@ -1,4 +1,4 @@
-"""A megatron-core GPTModel from a Hugging Face config.json (Qwen3 and Llama 3 families)."""
+"""A megatron-core GPTModel from a Hugging Face config.json (Qwen3, Qwen3-MoE and Llama 3 families)."""
 from __future__ import annotations
 
 import json
@@ -23,8 +23,41 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, qkv_bias=False),
     "LlamaForCausalLM": Family("llama", qk_norm=False, qkv_bias=False),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, qkv_bias=False),
 }
-MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts facts of an HF config (Qwen3-MoE: no shared experts)."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn_hidden_size: int  # moe_intermediate_size
+    # True: the top-k probabilities are renormalised to sum to 1 (softmax over the k chosen logits);
+    # False: they keep their share of the softmax over all experts
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+
+def _moe_spec(config: dict, num_layers: int) -> MoESpec:
+    # transformers 5 writes num_local_experts; the hub's Qwen3-MoE configs say num_experts
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if not experts:
+        raise UnsupportedModelError("Qwen3MoeForCausalLM: config.json names no num_experts")
+    if config.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported")
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step", 1) or 1)
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return MoESpec(num_experts=int(experts), top_k=int(config["num_experts_per_tok"]),
+                   expert_ffn_hidden_size=int(config["moe_intermediate_size"]),
+                   norm_topk_prob=bool(config.get("norm_topk_prob", True)), moe_layers=layers)
 
 
 class UnsupportedModelError(ValueError):
@@ -50,14 +83,28 @@ class ModelSpec:
     rope_scaling_factor: float | None  # llama3-style scaling, None when absent
     max_position_embeddings: int
     hf_config: dict
+    moe: MoESpec | None = None
+
+    def _count(self, experts_per_layer: int) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        emb = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        norms = 2 * self.hidden_size + (2 * self.head_dim if self.family.qk_norm else 0)
+        dense_mlp = 3 * self.hidden_size * self.ffn_hidden_size
+        total = self.num_layers * (attn + norms) + emb + self.hidden_size
+        if self.moe is None:
+            return total + self.num_layers * dense_mlp
+        moe_mlp = experts_per_layer * 3 * self.hidden_size * self.moe.expert_ffn_hidden_size \
+            + self.moe.num_experts * self.hidden_size  # + the router
+        return total + self.moe.num_moe_layers * moe_mlp + (self.num_layers - self.moe.num_moe_layers) * dense_mlp
 
     @property
     def num_parameters(self) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.ffn_hidden_size
-        emb = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        norms = 2 * self.hidden_size + (2 * self.head_dim if self.family.qk_norm else 0)
-        return self.num_layers * (attn + mlp + norms) + emb + self.hidden_size
+        return self._count(self.moe.num_experts if self.moe else 0)
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token goes through: the top-k experts of each MoE layer, not all."""
+        return self._count(self.moe.top_k if self.moe else 0)
 
 
 def _rope(cfg: dict) -> tuple[float, float | None]:
@@ -102,11 +149,21 @@ def model_spec_from_hf(config: dict | str) -> ModelSpec:
         ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), rms_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling_factor=scaling,
-        max_position_embeddings=config.get("max_position_embeddings", 4096), hf_config=config)
+        max_position_embeddings=config.get("max_position_embeddings", 4096), hf_config=config,
+        moe=_moe_spec(config, config["num_hidden_layers"]) if family.name == "qwen3_moe" else None)
 
 
-def check_parallel_layout(spec: ModelSpec, tp: int, pp: int) -> None:
+def check_parallel_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
     """Divisibility the layout needs; the error names the config field at fault."""
+    if spec.moe is None and (ep > 1 or etp > 1):
+        raise ConfigError(f"parallel.expert_parallel: {spec.architecture} has no experts; expert_parallel and "
+                          "expert_tensor_parallel must be 1")
+    if spec.moe is not None:
+        if spec.moe.num_experts % ep:
+            raise ConfigError(f"parallel.expert_parallel: {ep} does not divide num_experts={spec.moe.num_experts}")
+        if spec.moe.expert_ffn_hidden_size % etp:
+            raise ConfigError(f"parallel.expert_tensor_parallel: {etp} does not divide "
+                              f"moe_intermediate_size={spec.moe.expert_ffn_hidden_size}")
     if spec.num_heads % tp:
         raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide num_attention_heads={spec.num_heads}")
     if spec.num_kv_heads % tp:
@@ -128,10 +185,29 @@ def have_transformer_engine() -> bool:
     return bool(HAVE_TE) and torch.cuda.is_available()
 
 
-def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, **overrides: Any):
+def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
+               routing_replay: bool = False) -> dict[str, Any]:
+    """megatron's MoE settings for a Qwen3-MoE config. Qwen3's router: softmax over all experts in
+    fp32, top-k, then (norm_topk_prob) renormalised; megatron's softmax router computes the same
+    as top-k on the logits then a softmax over the k (moe_router_pre_softmax=False), and as
+    softmax-then-top-k without renormalising when pre_softmax is True."""
+    moe = spec.moe
+    return dict(
+        num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_dtype="fp32", moe_layer_freq=[int(x) for x in moe.moe_layers],
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none", moe_aux_loss_coeff=aux_loss_coeff,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        # grouped GEMMs come with Transformer Engine; without it each expert is its own MLP
+        moe_grouped_gemm=have_transformer_engine(), moe_enable_routing_replay=routing_replay,
+    )
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep: int = 1, etp: int = 1,
+                       aux_loss_coeff: float = 0.0, routing_replay: bool = False, **overrides: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_parallel_layout(spec, tp, pp)
+    check_parallel_layout(spec, tp, pp, ep, etp)
     kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
@@ -147,13 +223,18 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, **
         # alltoall dispatcher even for dense models.
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
     )
+    if spec.moe is not None:
+        kwargs.update(moe_kwargs(spec, ep, etp, aux_loss_coeff, routing_replay))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(spec: ModelSpec):
+def layer_spec(spec: ModelSpec, tconfig):
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if spec.moe is not None:  # per layer, experts or the dense MLP as tconfig.moe_layer_freq says
+        return gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=have_transformer_engine(),
+                                                          normalization="RMSNorm")
     if have_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.family.qk_norm)
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.family.qk_norm, normalization="RMSNorm")
@@ -162,7 +243,7 @@ def layer_spec(spec: ModelSpec):
 def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool):
     from megatron.core.models.gpt import GPTModel
 
-    kwargs = dict(config=tconfig, transformer_layer_spec=layer_spec(spec), vocab_size=spec.vocab_size,
+    kwargs = dict(config=tconfig, transformer_layer_spec=layer_spec(spec, tconfig), vocab_size=spec.vocab_size,
                   max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
                   post_process=post_process, share_embeddings_and_output_weights=spec.tied_embeddings,
                   position_embedding_type="rope", rotary_base=int(spec.rope_theta))

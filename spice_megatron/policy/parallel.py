@@ -22,6 +22,11 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1
+    etp: int = 1
+    ep_rank: int = 0
+    etp_rank: int = 0
+    edp_rank: int = 0  # data-parallel rank among the replicas of this rank's experts
 
     @property
     def is_first_stage(self) -> bool:
@@ -66,8 +71,14 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes))
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    if (world // cfg.pipeline_parallel) % (cfg.expert_parallel * cfg.expert_tensor_parallel):
+        raise ConfigError(f"parallel.expert_parallel: expert_parallel x expert_tensor_parallel = {cfg.expert_parallel} x "
+                          f"{cfg.expert_tensor_parallel} must divide the {world // cfg.pipeline_parallel} ranks of a "
+                          "pipeline stage")
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
-                                 pipeline_model_parallel_size=cfg.pipeline_parallel)
+                                 pipeline_model_parallel_size=cfg.pipeline_parallel,
+                                 expert_model_parallel_size=cfg.expert_parallel,
+                                 expert_tensor_parallel_size=cfg.expert_tensor_parallel)
     cpu_compat.model_parallel_seed(seed)
     return current_layout()
 
@@ -78,7 +89,10 @@ def current_layout() -> Layout:
     return Layout(rank=dist.get_rank(), world_size=dist.get_world_size(),
                   tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
                   dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                  pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
+                  pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+                  ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
+                  ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+                  edp_rank=ps.get_expert_data_parallel_rank())
 
 
 def control_group(timeout_s: float):
