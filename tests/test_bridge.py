@@ -152,8 +152,9 @@ def test_bad_checkpoints_name_the_tensor(tiny_models, tmp_path):
 
 # ----------------------------------------------------------------------------- streaming
 
-def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes, concurrent=False):
-    """Ranks < n_learners form the learner (PP stages); the last rank is the receiver."""
+def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes, concurrent=False, ep=1):
+    """Ranks < n_learners form the learner (PP stages, TP over the rest, or experts over `ep` of
+    them); the last rank is the receiver."""
     rank = int(os.environ["RANK"])
     from spice_megatron.bridge.weight_sync import (ReceivedManifest, WeightSyncGroup, receive_all,
                                                    send_learner_weights, verify_checksums)
@@ -177,7 +178,8 @@ def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes, concurrent=False):
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
     from spice_megatron.policy.learner import Learner
 
-    learner = Learner.from_hf(hf_dir, ParallelConfig(n_learners // pp, pp), OptimConfig(), PolicyTrainConfig())
+    tp = n_learners // pp if ep == 1 else 1
+    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp, expert_parallel=ep), OptimConfig(), PolicyTrainConfig())
     group = None
     if learner.layout.tp_rank == 0 and learner.layout.dp_rank == 0:
         group = WeightSyncGroup("127.0.0.1", port, learner.layout.pp_rank, pp, 1)
@@ -215,6 +217,20 @@ def test_streaming_to_a_receiver_gives_identical_weights(tmp_path):
         # the sender never holds its stage: at most one bucket plus the largest tensor (+ allocator slack)
         assert s["peak"] <= bucket + s["largest"] + 16 * 2**20, (s["peak"], s["model_bytes"])
     assert sum(s["report"].tensors for s in senders) == len(original)
+
+
+@pytest.mark.multiprocess
+def test_streaming_experts_at_ep2_gives_identical_weights(tmp_path):
+    """Expert parallelism: EP rank 1 (data-parallel rank 1) sends its experts to the stage's
+    sender, which streams every expert under its global HF name; small buckets keep them full."""
+    d = make_tiny_hf_model(str(tmp_path / "moe"), tiny_hf_config("qwen3_moe"), seed=4)
+    results = run_ranks(_stream_rank, 3, d, free_port(), 2, 1, 64 * 2**10, False, 2, tmp_path=tmp_path)
+    (received, checked, version, _), sender = results[2], results[0]
+    assert results[1] is None
+    original = hf_weights(d)
+    assert received.keys() == original.keys() and checked == len(original) and version == 3
+    assert all(torch.equal(received[k], original[k]) for k in original)
+    assert sender["report"].buckets >= 2 and sender["report"].tensors == len(original)
 
 
 def _dying_receiver_rank(hf_dir, port):

@@ -179,3 +179,32 @@ def test_moe_bridge_round_trip_is_bit_exact(moe_dir, mixed_dir, tmp_path):
     assert all(v == ([], []) for v in merged.values()), merged
     (mixed,) = run_ranks(_roundtrip_rank, 1, mixed_dir, [(1, 1, 1, 1)], tmp_path=tmp_path)
     assert mixed[(1, 1, 1, 1)] == ([], []), mixed
+
+
+def _convert_rank(hf_dir, root, ep):
+    from spice_megatron.bridge.convert import convert_from_hf
+
+    convert_from_hf(hf_dir, root, 1, 1, ep=ep)
+
+
+def _export_rank(root, out):
+    from spice_megatron.bridge.convert import convert_to_hf
+
+    convert_to_hf(root, out, 1, 1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_ep2_checkpoint_exports_bit_exact_on_one_rank(moe_dir, tmp_path):
+    """HF -> Megatron checkpoint at EP=2 -> HF on one rank: megatron's checkpoint reshards experts."""
+    from safetensors.torch import load_file
+
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    run_ranks(_convert_rank, 2, moe_dir, root, 2, tmp_path=tmp_path)
+    run_ranks(_export_rank, 1, root, out, tmp_path=tmp_path)
+    original, exported = load_file(f"{moe_dir}/model.safetensors"), {}
+    import glob
+    for f in glob.glob(f"{out}/*.safetensors"):
+        exported.update(load_file(f))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)

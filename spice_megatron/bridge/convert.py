@@ -12,7 +12,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from spice_megatron.bridge.export import gather_stage_tensors
+from spice_megatron.bridge.export import gather_stage_tensors, holds_unique_weights
 from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def save_hf_checkpoint(learner, out_dir: str, metadata_dir: str, bucket_bytes: i
         os.makedirs(out_dir, exist_ok=True)
     dist.barrier()
     written: list[tuple[str, list[str]]] = []
-    if lay.dp_rank == 0:
+    if holds_unique_weights(lay, learner.spec):
         bucket: dict[str, torch.Tensor] = {}
         used = 0
 
@@ -106,12 +106,14 @@ def save_hf_checkpoint(learner, out_dir: str, metadata_dir: str, bucket_bytes: i
     return weight_map
 
 
-def convert_from_hf(hf_dir: str, out: str, tp: int, pp: int) -> str:
-    """HF directory -> a model-only Megatron checkpoint root (with the HF metadata kept in hf/)."""
+def convert_from_hf(hf_dir: str, out: str, tp: int, pp: int, ep: int = 1) -> str:
+    """HF directory -> a model-only Megatron checkpoint root (with the HF metadata kept in hf/).
+    `ep`: expert parallelism for a mixture-of-experts model (the world is pp x lcm(tp, ep))."""
     from spice_megatron.policy.checkpoint import save_checkpoint
     from spice_megatron.policy.learner import Learner
 
-    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig(dtype="fp32"))
+    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp, expert_parallel=ep), OptimConfig(),
+                              PolicyTrainConfig(dtype="fp32"))
     path = save_checkpoint(learner, out, step=0, model_only=True, keep_last=0)
     if dist.get_rank() == 0:
         copy_hf_metadata(hf_dir, os.path.join(out, HF_META_DIR))
@@ -119,8 +121,8 @@ def convert_from_hf(hf_dir: str, out: str, tp: int, pp: int) -> str:
     return path
 
 
-def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None) -> None:
-    """A checkpoint (root or step directory) -> HF safetensors directory, at any TP x PP."""
+def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None, ep: int = 1) -> None:
+    """A checkpoint (root or step directory) -> HF safetensors directory, at any TP x PP (x EP)."""
     from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint
     from spice_megatron.policy.learner import Learner
     from spice_megatron.policy.model import model_spec_from_hf
@@ -132,6 +134,7 @@ def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     step_dir = latest_checkpoint(ckpt) if os.path.isdir(os.path.join(ckpt, HF_META_DIR)) else ckpt
     if step_dir is None:
         raise FileNotFoundError(f"{ckpt}: no complete checkpoint")
-    learner = Learner(model_spec_from_hf(meta), ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig(dtype="fp32"))
+    learner = Learner(model_spec_from_hf(meta), ParallelConfig(tp, pp, expert_parallel=ep), OptimConfig(),
+                      PolicyTrainConfig(dtype="fp32"))
     load_checkpoint(learner, step_dir, model_only=True)
     save_hf_checkpoint(learner, out_dir, meta, dtype={"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[dtype])

@@ -41,6 +41,13 @@ def stage_hf_outputs(learner) -> Iterator[tuple[str, torch.Tensor, list[tuple[st
         yield name, param, outputs
 
 
+def holds_unique_weights(layout, spec) -> bool:
+    """Whether this rank holds shards that no data-parallel peer sends in its place: data-parallel
+    rank 0 for the dense weights, expert-data-parallel rank 0 for the experts. Only such ranks
+    take part in gather_stage_tensors."""
+    return layout.dp_rank == 0 or (spec.moe is not None and layout.edp_rank == 0)
+
+
 def _expert_members(group) -> list[tuple[int, int]]:
     """(EP rank, ETP rank) of each member of the expert tensor x model parallel group, by group rank."""
     from megatron.core import parallel_state as ps

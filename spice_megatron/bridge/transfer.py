@@ -64,9 +64,9 @@ class MegatronStageSource:
         return set(self._held)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from spice_megatron.bridge.export import gather_stage_tensors
+        from spice_megatron.bridge.export import gather_stage_tensors, holds_unique_weights
 
-        if self.learner.layout.dp_rank == 0:
+        if holds_unique_weights(self.learner.layout, self.learner.spec):
             yield from gather_stage_tensors(self.learner)
 
     @property

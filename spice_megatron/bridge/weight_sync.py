@@ -476,17 +476,18 @@ def compare_checksums(held: dict[str, int], manifest: ReceivedManifest) -> int:
 
 def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport | None:
-    """Collective over the learner: every rank calls it. The TP ranks of data-parallel rank 0
-    gather each stage's tensors onto the stage's TP rank 0 (its member of the sync group), which
+    """Collective over the learner: every rank calls it. The TP ranks of data-parallel rank 0 (and
+    for experts the EP x ETP ranks of expert-data-parallel rank 0) gather each stage's tensors
+    onto the stage's TP rank 0 of DP rank 0 (its member of the sync group), which
     places them straight into its send buckets. Returns the stage sender's report (None on other
     ranks). A failed send is raised only after the stage's gathers have all run, so that the
     learner stays in step and can retry."""
-    from spice_megatron.bridge.export import gather_stage_tensors
+    from spice_megatron.bridge.export import gather_stage_tensors, holds_unique_weights
 
     lay = learner.layout
-    if lay.dp_rank != 0:
+    if not holds_unique_weights(lay, learner.spec):
         return None
-    if lay.tp_rank != 0:
+    if lay.tp_rank != 0 or lay.dp_rank != 0:
         for _ in gather_stage_tensors(learner):  # sends this rank's shards
             pass
         return None
