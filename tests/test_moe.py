@@ -208,3 +208,82 @@ def test_an_ep2_checkpoint_exports_bit_exact_on_one_rank(moe_dir, tmp_path):
         exported.update(load_file(f))
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def _hf_routing(model_dir, tokens, noise: float = 0.0):
+    """Top-2 experts per token and MoE layer from transformers' router logits: [b, s, layers, k].
+    noise > 0 perturbs the logits first: an engine whose numerics pick other experts for some tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(tokens, output_router_logits=True).router_logits
+    g = torch.Generator().manual_seed(11)
+    per_layer = []
+    for lg in logits:
+        lg = lg.view(tokens.shape[0], tokens.shape[1], -1)
+        lg = lg + noise * torch.randn(lg.shape, generator=g)
+        per_layer.append(lg.topk(2, dim=-1).indices)
+    return torch.stack(per_layer, dim=2)
+
+
+def _replay_rank(model_dir, layouts):
+    """Per layout and case: (completion log-probs, routing_differs) with engine routing given."""
+    from spice_megatron.policy.learner import Learner
+
+    tokens = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(5))
+    exact, noisy = _hf_routing(model_dir, tokens), _hf_routing(model_dir, tokens, noise=0.5)
+    out = {}
+    for tp, ep in layouts:
+        for replay in ("on", "off"):
+            learner = Learner.from_hf(model_dir, ParallelConfig(tp, 1, expert_parallel=ep), OptimConfig(lr=0.0),
+                                      PolicyTrainConfig(routing_replay=replay, micro_batch_tokens=26))
+            for case, routing in (("exact", exact), ("noisy", noisy)):
+                seqs = [TrainSequence(t[:5].tolist(), t[5:].tolist(), advantage=0.5,
+                                      routed_experts=routing[i, :-1].numpy()) for i, t in enumerate(tokens)]
+                lp = learner.compute_logprobs(seqs)
+                (m,) = learner.train_on_batch(seqs)  # lr 0: the weights stay; the metric is the step's
+                out[(tp, ep, replay, case)] = (lp, m.routing_differs)
+    differs = (exact.sort(-1).values != noisy.sort(-1).values).any(-1)[:, :-1]  # top-2 sets, per token and layer
+    share = {"noisy": differs.float().mean().item()}
+    return out, share
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_routing_replay_uses_the_engines_experts_and_measures_the_difference(moe_dir, tmp_path):
+    layouts = [(1, 2), (2, 2)]  # EP=2; TP=2 x EP=2 with sequence parallelism (the router sees a chunk)
+    (res, share), _ = run_ranks(_replay_rank, 2, moe_dir, layouts, tmp_path=tmp_path)
+    (single, _), = run_ranks(_replay_rank, 1, moe_dir, [(1, 1)], tmp_path=tmp_path)
+    res.update(single)
+    assert share["noisy"] > 0.05  # the perturbed engine picked other experts for some tokens
+
+    def close(a, b):
+        return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+    for tp, ep in [(1, 1), *layouts]:
+        exact_on, exact_off = res[(tp, ep, "on", "exact")], res[(tp, ep, "off", "exact")]
+        noisy_on, noisy_off = res[(tp, ep, "on", "noisy")], res[(tp, ep, "off", "noisy")]
+        # the engine's routing equals the learner's own: replaying it changes nothing
+        assert close(exact_on[0], exact_off[0]) < 1e-5 and exact_on[1] == 0.0 and exact_off[1] == 0.0
+        # replay off ignores the engine's routing; on, its experts change the log-probs
+        assert close(noisy_off[0], exact_off[0]) < 1e-5
+        assert close(noisy_on[0], exact_on[0]) > 1e-3
+        # the metric: how often the learner's own choice differs from the engine's, either way
+        assert abs(noisy_off[1] - share["noisy"]) < 1e-6 and abs(noisy_on[1] - share["noisy"]) < 1e-6
+
+
+def test_replay_refuses_sequences_without_engine_routing():
+    from spice_megatron.policy.routing_replay import check_routing
+
+    seq = TrainSequence([1, 2, 3], [4, 5], role="reasoner")
+    with pytest.raises(ValueError, match=r"sequence 0 \(reasoner\).*returned no routing"):
+        check_routing([seq], 2, 2, 8)
+    seq.routed_experts = torch.zeros(4, 2, 2, dtype=torch.int16).numpy()
+    check_routing([seq], 2, 2, 8)
+    seq.routed_experts = torch.full((4, 2, 2), 9, dtype=torch.int16).numpy()
+    with pytest.raises(ValueError, match="outside 0..7"):
+        check_routing([seq], 2, 2, 8)
+    seq.routed_experts = torch.zeros(4, 3, 2, dtype=torch.int16).numpy()
+    with pytest.raises(ValueError, match=r"shape \(4, 3, 2\), expected \(4, 2, 2\)"):
+        check_routing([seq], 2, 2, 8)

@@ -9,6 +9,7 @@ question have similar lengths.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +23,9 @@ class TrainSequence:
     role: str = ""  # challenger | reasoner, for per-role metrics
     # [[weights version, first token, end)] of the policy that sampled completion_ids (vLLM's spans)
     versions: list[list[int]] | None = None
+    # mixture-of-experts: the engine's expert indices [tokens, MoE layers, top-k] of prompt and
+    # completion (all but the last sampled token, which the engine never ran); routing replay
+    routed_experts: Any = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -41,6 +45,8 @@ class MicroBatch:
     has_rollout: torch.Tensor  # [b] bool: rollout_logprobs were given
     index: list[int]  # positions of these sequences in the caller's list (-1: filler)
     roles: list[str]  # each row's role ("" for a filler)
+    routing: torch.Tensor | None = None  # [b, s, MoE layers, k] the engine's experts (routing_replay.py)
+    routing_valid: torch.Tensor | None = None  # [b, s] bool: routing given by the engine
 
 
 def _completion_aligned(values: list[float], x: TrainSequence, what: str, where: int) -> torch.Tensor:
@@ -74,7 +80,15 @@ def collate(seqs: list[TrainSequence], index: list[int], pad_id: int = 0,
     positions = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
     adv = torch.tensor([x.advantage for x in seqs], dtype=torch.float32)
     has_rollout = torch.tensor([x.rollout_logprobs is not None for x in seqs])
-    return MicroBatch(tokens, positions, labels, mask, adv, rollout, old_t, has_rollout, index, [x.role for x in seqs])
+    routed = next((x.routed_experts for x in seqs if x.routed_experts is not None), None)
+    routing = valid = None
+    if routed is not None:
+        from spice_megatron.policy.routing_replay import routing_tensor
+
+        _, layers, top_k = torch.as_tensor(routed).shape
+        routing, valid = routing_tensor(seqs, s, layers, top_k)
+    return MicroBatch(tokens, positions, labels, mask, adv, rollout, old_t, has_rollout, index, [x.role for x in seqs],
+                      routing, valid)
 
 
 def split_data_parallel(lengths: list[int], dp: int) -> list[list[int]]:

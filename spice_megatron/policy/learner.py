@@ -22,6 +22,7 @@ from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches
 from spice_megatron.policy.model import ModelSpec, build_model, model_spec_from_hf, transformer_config
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
+from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class StepMetrics:
     seconds: float
     # per role: learner vs engine on the sampled tokens (logprob_gap_mean / _max, k3_kl, tis_capped)
     mismatch: dict[str, float] | None = None
+    # mixture-of-experts: share of (token, MoE layer) pairs where the learner's own top-k differs
+    # from the engine's routing (with replay on, the experts actually used are the engine's)
+    routing_differs: float | None = None
 
     def as_dict(self) -> dict[str, float]:
         out = {k: v for k, v in self.__dict__.items() if v is not None and k != "mismatch"}
@@ -87,9 +91,11 @@ class Learner:
         self.routing_replay = spec.moe is not None and train.routing_replay != "off"
         if spec.moe is None and train.routing_replay == "on":
             raise ConfigError(f"train.routing_replay: on, but {spec.architecture} has no experts to route")
+        # megatron's RouterReplay hooks exist in every MoE model: with replay off they still measure
+        # how often the learner's routing differs from the engine's
         self.tconfig = transformer_config(spec, self.layout.tp, self.layout.pp, self.dtype, ep=self.layout.ep,
                                           etp=self.layout.etp, aux_loss_coeff=train.moe_aux_loss_coeff,
-                                          routing_replay=self.routing_replay,
+                                          routing_replay=spec.moe is not None,
                                           sequence_parallel=parallel.use_sequence_parallel and self.layout.tp > 1)
         # micro-batches are padded to a multiple of TP under sequence parallelism
         self.seq_multiple = self.layout.tp if self.tconfig.sequence_parallel else 1
@@ -99,6 +105,12 @@ class Learner:
         # spec (no Transformer Engine) builds its RMSNorms in fp32 next to bf16 linears, and the
         # bf16 optimizer's checkpoint mapping cannot handle the mix. (TE builds norms in bf16.)
         self.model = model.to(device=self.device, dtype=self.dtype)
+        self.replay: RoutingReplay | None = None
+        if spec.moe is not None:
+            from spice_megatron.bridge.hf_io import layer_offset
+
+            self.replay = RoutingReplay(self.model, spec.moe.moe_layers, layer_offset(self.model), self.routing_replay,
+                                        self.layout.tp_rank, self.layout.tp, bool(self.tconfig.sequence_parallel))
         if load_weights is not None:
             load_weights(self)
         with cpu_compat.cuda_to_cpu():
@@ -157,6 +169,8 @@ class Learner:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.replay is not None:
+                self.replay.set(mb.routing, mb.routing_valid)
             out = model(mb.tokens.to(self.device), mb.position_ids.to(self.device), attention_mask=None)
             return out, lambda output: loss_fn(mb, output)
 
@@ -177,6 +191,7 @@ class Learner:
     def compute_logprobs(self, seqs: list[TrainSequence]) -> list[list[float]]:
         """Log-probs of each sequence's completion tokens under the current weights (every rank
         gets the full result)."""
+        self._check_routing(seqs)
         self.model.eval()
         mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens, self.pad_id,
                                 pad_to=self.seq_multiple)
@@ -211,12 +226,28 @@ class Learner:
                 raise ValueError(f"sequence {i} ({x.role or 'no role'}): sampled by weights version {oldest}, the "
                                  f"learner is at {version}; train.max_staleness={bound}")
 
+    def _check_routing(self, seqs: list[TrainSequence]) -> None:
+        if self.routing_replay:
+            moe = self.spec.moe
+            check_routing(seqs, moe.num_moe_layers, moe.top_k, moe.num_experts)
+
+    def _routing_differs(self) -> float | None:
+        """Share of engine-routed (token, MoE layer) pairs whose learner routing differs from the
+        engine's, over every rank since the last call (collective)."""
+        if self.replay is None:
+            return None
+        counts = torch.tensor([float(self.replay.differ), float(self.replay.tokens)])
+        self.replay.take_metric()
+        dist.all_reduce(counts)
+        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+
     def train_on_batch(self, seqs: list[TrainSequence], version: int | None = None) -> list[StepMetrics]:
         """Several optimiser steps on one rollout batch (mini-batches seqs[j::k], k = steps_for(n));
         from the second on, the PPO ratio is clipped against the log-probs before the first.
         `version`: the learner's weights version, checked against the sequences' (check_staleness)."""
         if version is not None:
             self.check_staleness(seqs, version)
+        self._check_routing(seqs)
         k = self.steps_for(len(seqs))
         old_all: list[list[float]] | None = None
         if k > 1 or self.train_cfg.old_logprobs == "rollout":
@@ -285,7 +316,8 @@ class Learner:
             clip_fraction=sum(p["clipped"] for p in parts) / max(tokens, 1),
             approx_kl=sum(p["kl"] for p in parts) / max(tokens, 1),
             logprob_gap=sum(p["gap"] for p in parts) / gap_tokens if gap_tokens else None,
-            seconds=time.perf_counter() - t0, mismatch=_mismatch_metrics([p["mismatch"] for p in parts]))
+            seconds=time.perf_counter() - t0, mismatch=_mismatch_metrics([p["mismatch"] for p in parts]),
+            routing_differs=self._routing_differs())
 
 
 def _mismatch_sums(lp: torch.Tensor, old_lp: torch.Tensor | None, engine_lp: torch.Tensor, mask: torch.Tensor,

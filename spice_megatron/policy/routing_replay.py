@@ -1,0 +1,128 @@
+"""Rollout routing replay ("R3") for mixture-of-experts learners, on megatron's RouterReplay.
+
+An MoE engine samples a token through the experts its router picked; the learner, in a different
+numeric setting (other kernels, dtype, batch), can pick other experts for the same token and then
+trains experts that never produced the sample. With replay on, each learner forward takes the
+engine's top-k expert indices for every prompt and sampled token (megatron's REPLAY_FORWARD
+action: the router's probabilities are its own scores gathered at the replayed experts, so the
+router still gets a gradient).
+
+The engine's routing of a sequence is [tokens, MoE layers, top-k] (vLLM's `routed_experts`). The
+last sampled token is never fed back through the engine, and padding never was: those positions
+get experts 0..k-1, harmless because causal attention keeps a position's hidden state out of every
+earlier one and the loss masks them.
+
+Metric: the share of tokens with engine routing whose learner routing (its own top-k on the same
+scores) picks other experts, with or without replay.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+_ROUTER = re.compile(r"^(?:.*\.)?decoder\.layers\.(\d+)\.mlp\.router$")
+
+
+def routing_tensor(seqs, length: int, num_moe_layers: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([b, length, layers, k] int16 expert indices, [b, length] bool: given by the engine) for a
+    micro-batch; positions without engine routing hold experts 0..k-1."""
+    routing = torch.arange(top_k, dtype=torch.int16).expand(len(seqs), length, num_moe_layers, top_k).clone()
+    valid = torch.zeros(len(seqs), length, dtype=torch.bool)
+    for row, seq in enumerate(seqs):
+        if seq.routed_experts is None:
+            continue
+        r = torch.as_tensor(seq.routed_experts, dtype=torch.int16)
+        n = r.shape[0]
+        routing[row, :n] = r
+        valid[row, :n] = True
+    return routing, valid
+
+
+def check_routing(seqs, num_moe_layers: int, top_k: int, num_experts: int) -> None:
+    """Every sequence carries the engine's routing of its tokens (all but the last sampled one,
+    which the engine never ran), in range; the error names the sequence."""
+    for i, seq in enumerate(seqs):
+        where = f"sequence {i} ({seq.role or 'unnamed role'})"
+        if seq.routed_experts is None:
+            raise ValueError(f"train.routing_replay is on but {where} came from an engine that returned no "
+                             "routing (vLLM needs enable_return_routed_experts; turn replay off to train "
+                             "without it)")
+        r = torch.as_tensor(seq.routed_experts)
+        expected = (len(seq) - 1, num_moe_layers, top_k)
+        if tuple(r.shape) != expected and tuple(r.shape) != (len(seq), num_moe_layers, top_k):
+            raise ValueError(f"{where}: routed_experts has shape {tuple(r.shape)}, expected {expected} "
+                             "(tokens but the last, MoE layers, top-k)")
+        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= num_experts):
+            raise ValueError(f"{where}: routed_experts names an expert outside 0..{num_experts - 1}")
+
+
+class RoutingReplay:
+    """The learner's routers with their global MoE-layer index; sets each micro-batch's engine
+    routing before its forward and counts where the learner's own choice differs."""
+
+    def __init__(self, model, moe_layers: tuple[bool, ...], layer_offset: int, replay: bool,
+                 tp_rank: int, tp: int, sequence_parallel: bool):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self.replay, self.tp_rank, self.tp, self.sp = replay, tp_rank, tp, sequence_parallel
+        self._action = RouterReplayAction.REPLAY_FORWARD
+        ordinal = {layer: sum(moe_layers[:layer]) for layer in range(len(moe_layers)) if moe_layers[layer]}
+        self.routers = []  # (router's RouterReplay, index among the model's MoE layers)
+        for name, module in model.named_modules():
+            m = _ROUTER.match(name)
+            if m and getattr(module, "router_replay", None) is not None:
+                self.routers.append((module.router_replay, ordinal[int(m.group(1)) + layer_offset]))
+                self._wrap(module.router_replay)
+        self.differ = 0
+        self.tokens = 0
+        self._valid: torch.Tensor | None = None
+
+    def _wrap(self, rr) -> None:
+        """Around megatron's get_replay_topk: also the learner's own top-k, for the metric."""
+        original = rr.get_replay_topk
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            probs, indices = original(scores, topk, num_groups, group_topk, default_compute_topk)
+            target = rr.target_topk_idx
+            if target is not None and self._valid is not None:
+                own = indices if not self.replay else default_compute_topk(scores, topk, num_groups=num_groups,
+                                                                          group_topk=group_topk)[1]
+                valid = self._valid.to(scores.device)
+                changed = (own.sort(-1).values != target.to(own.device).long().sort(-1).values).any(-1)
+                self.differ += int((changed & valid).sum())
+                self.tokens += int(valid.sum())
+            return probs, indices
+
+        rr.get_replay_topk = get_replay_topk
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, s, ...] -> the router's token order: sequence-first, this rank's sequence chunk under SP."""
+        x = x.transpose(0, 1)
+        if self.sp and self.tp > 1:
+            chunk = x.shape[0] // self.tp
+            x = x[self.tp_rank * chunk:(self.tp_rank + 1) * chunk]
+        return x.reshape(-1, *x.shape[2:])
+
+    def set(self, routing: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+        """Before a micro-batch's forward: its [b, s, layers, k] engine routing (None: none given)."""
+        if routing is None:
+            self._valid = None
+            for rr, _ in self.routers:
+                rr.clear_indices()
+                rr.clear_router_replay_action()
+            return
+        self._valid = self._local(valid)
+        for rr, layer in self.routers:
+            rr.clear_indices()  # REPLAY_FORWARD reads the target only; its backward list would grow
+            rr.set_target_indices(self._local(routing[:, :, layer]).long())
+            if self.replay:
+                rr.set_router_replay_action(self._action)
+            else:  # measure only: the router picks its own experts
+                rr.clear_router_replay_action()
+
+    def take_metric(self) -> float | None:
+        """Share of engine-routed tokens whose learner routing differs, since the last call (this rank)."""
+        share = self.differ / self.tokens if self.tokens else None
+        self.differ = self.tokens = 0
+        return share
