@@ -4,6 +4,7 @@ started, verification, rewards and the logs. `Driver.selfplay` is steps 1-4 of o
 broadcasts to every learner rank."""
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import math
@@ -15,6 +16,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
+
+import numpy as np
 
 from spice_megatron.config import SpiceConfig
 from spice_megatron.policy.batching import TrainSequence
@@ -49,11 +52,24 @@ class RolloutBatch:
     seqs: list[TrainSequence]
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "seqs": [dataclasses.asdict(x) for x in self.seqs]}
+        seqs = []
+        for x in self.seqs:
+            d = dataclasses.asdict(x)
+            if x.routed_experts is not None:  # int16 [tokens, layers, k]: base64, not a list of lists
+                r = np.ascontiguousarray(x.routed_experts, dtype=np.int16)
+                d["routed_experts"] = {"shape": list(r.shape), "int16": base64.b64encode(r.tobytes()).decode("ascii")}
+            seqs.append(d)
+        return {**dataclasses.asdict(self), "seqs": seqs}
 
     @classmethod
     def from_json(cls, d: dict) -> "RolloutBatch":
-        return cls(d["iteration"], d["version"], d["stats"], d["records"], [TrainSequence(**x) for x in d["seqs"]])
+        seqs = []
+        for x in d["seqs"]:
+            r = x.get("routed_experts")
+            if r is not None:
+                x = {**x, "routed_experts": np.frombuffer(base64.b64decode(r["int16"]), np.int16).reshape(r["shape"])}
+            seqs.append(TrainSequence(**x))
+        return cls(d["iteration"], d["version"], d["stats"], d["records"], seqs)
 
 
 class Driver:
@@ -221,7 +237,8 @@ class Driver:
                                    weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed,
                                    max_model_len=self.cfg.rollout.max_model_len)
         seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
-                              s.completion.logprobs or None, s.role, s.completion.versions or None)
+                              s.completion.logprobs or None, s.role, s.completion.versions or None,
+                              s.completion.routed_experts)
                 for s in result.samples if s.completion.token_ids]
         stats = {**result.stats, "time/rollouts": time.perf_counter() - t0}  # self-play wall time, all phases
         return RolloutBatch(iteration, version, stats, result.records, seqs)

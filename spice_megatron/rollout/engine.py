@@ -51,7 +51,9 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
-                 kv_cache_gib: float | None = None, weight_transfer: str = "spice"):
+                 kv_cache_gib: float | None = None, weight_transfer: str = "spice", return_routing: str = "auto"):
+        """`return_routing`: each completion carries the experts the engine's routers chose for its
+        tokens (routing replay); auto: on for mixture-of-experts models."""
         on_cpu = not torch.cuda.is_available()
         # In-process engine core: `step()` drives it, so a pause between two steps is exact, and it
         # starts in seconds instead of ~45 s on CPU. GPU-only difference: none in this code path;
@@ -74,6 +76,16 @@ class VLLMEngine:
             # prefill with Generator.set_offset, which CPU generators lack ("CPU Generator does not use
             # offset"); a large seeded batch then kills the engine. Whole prompts only on CPU.
             extra.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
+        top_k = _moe_top_k(model_dir)
+        if return_routing not in ("auto", "on", "off"):
+            raise ValueError(f"return_routing: must be auto, on or off, got {return_routing!r}")
+        if return_routing == "on" and top_k is None:
+            raise ValueError(f"return_routing: on, but {model_dir} is not a mixture-of-experts model")
+        self.returns_routing = top_k is not None and return_routing != "off"
+        if self.returns_routing and not on_cpu:
+            extra["enable_return_routed_experts"] = True  # vLLM's own; needs Model Runner V2
+        elif self.returns_routing:
+            extra["enable_prefix_caching"] = False  # a cached prompt would run through no router
         t0 = time.perf_counter()
         self.model_dir = model_dir
         self.workers = tensor_parallel_size  # one weight-sync receiver per worker
@@ -88,10 +100,16 @@ class VLLMEngine:
                        weight_transfer_config={"backend": weight_transfer}, **extra)
         self.engine = self.llm.llm_engine
         self.engine.set_weight_version("0")
+        self.capture = None
+        if self.returns_routing and on_cpu:  # the CPU stand-in for vLLM's routed_experts (routing_capture.py)
+            from spice_megatron.rollout.routing_capture import RoutingCapture
+
+            self.capture = RoutingCapture(self._inproc_core().model_executor.driver_worker.worker.model_runner, top_k)
         self.start_seconds = time.perf_counter() - t0
         self._inbox: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._waiting: dict[str, tuple[_Submission, tuple[int, int]]] = {}  # request id -> (submission, (r, i))
+        self._internal: dict[str, tuple[str, int]] = {}  # request id -> (vLLM's request id, n)
         self.paused = False  # by a weight update (or /pause): no decoding step runs
         self.updating = False  # between start_weight_update and a successful finish
         self.steps = 0
@@ -176,8 +194,9 @@ class VLLMEngine:
             for r, ((prompts, _), request_params) in enumerate(zip(requests, params)):
                 for i, (prompt, sp) in enumerate(zip(prompts, request_params)):
                     rid = str(next(self._ids))
-                    self.engine.add_request(rid, {"prompt_token_ids": list(prompt)} if isinstance(prompt, list)
-                                            else prompt, sp)
+                    internal = self.engine.add_request(rid, {"prompt_token_ids": list(prompt)} if isinstance(prompt, list)
+                                                       else prompt, sp)
+                    self._internal[rid] = (internal, sp.n)
                     added.append(rid)
                     self._waiting[rid] = (submission, (r, i))
         except Exception:
@@ -185,6 +204,7 @@ class VLLMEngine:
                 self.engine.abort_request(added, internal=False)
             for rid in added:
                 self._waiting.pop(rid, None)
+                self._forget_routing(rid)
             raise
 
     def _step(self) -> None:
@@ -202,10 +222,29 @@ class VLLMEngine:
             if not out.finished or out.request_id not in self._waiting:
                 continue
             submission, (r, i) = self._waiting.pop(out.request_id)
-            submission.slots[r][i] = [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            submission.slots[r][i] = [_completion(c, self._routing(out, c)) for c in sorted(out.outputs,
+                                                                                         key=lambda c: c.index)]
+            self._internal.pop(out.request_id, None)
             submission.left -= 1
             if submission.left == 0:
                 submission.done.set_result(submission.slots)
+
+    def _routing(self, out, c):
+        """A finished completion's routing: vLLM's on GPU, the capture's on CPU, None without."""
+        if not self.returns_routing:
+            return None
+        if self.capture is None:
+            return c.routed_experts
+        internal, n = self._internal[out.request_id]
+        # vLLM's child requests (n > 1) are "{index}_{parent id}" (v1/engine/parallel_sampling.py)
+        rid = internal if n == 1 else f"{c.index}_{internal}"
+        return self.capture.take(rid, len(out.prompt_token_ids) + len(c.token_ids) - 1)
+
+    def _forget_routing(self, rid: str) -> None:
+        internal, n = self._internal.pop(rid, (None, 0))
+        if self.capture is not None and internal is not None:
+            for i in range(n):
+                self.capture.forget(internal if n == 1 else f"{i}_{internal}")
 
     # ------------------------------------------------------------------------- weight updates (engine thread)
 
@@ -283,8 +322,18 @@ class VLLMEngine:
         return self.engine.get_weight_version()
 
 
-def _completion(c) -> Completion:
+def _moe_top_k(model_dir: str) -> int | None:
+    """Experts per token of a mixture-of-experts model directory, None for a dense one."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    return int(config["num_experts_per_tok"]) if experts and "num_experts_per_tok" in config else None
+
+
+def _completion(c, routing=None) -> Completion:
     spans = [[version_label(s.version), s.start, s.end] for s in (c.weight_versions or [])]
     return Completion(c.text, list(c.token_ids),
                       [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else [],
-                      c.finish_reason or "", spans)
+                      c.finish_reason or "", spans, routing)

@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: 1 GiB on CPU)")
     ap.add_argument("--weight-transfer", default="spice",
                     help="vLLM weight-transfer backend (rollout.weight_transfer): spice, nccl, ipc, nccl_m2n")
+    ap.add_argument("--return-routing", choices=["auto", "on", "off"], default="auto",
+                    help="completions carry the experts chosen per token (routing replay); auto: for MoE models")
     ap.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                     help="exit when process PID is gone (a trainer that started this engine and was killed)")
     args = ap.parse_args(argv)
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             started["engine"] = VLLMEngine(args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
                                            args.gpu_memory_utilization, args.seed, None, args.kv_cache_gib,
-                                           args.weight_transfer)
+                                           args.weight_transfer, args.return_routing)
         except BaseException as e:  # noqa: BLE001
             started["error"] = e
         finally:

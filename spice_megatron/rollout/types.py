@@ -16,9 +16,15 @@ class Completion:
     # [[weights version, first token, end)]: which weights sampled which tokens (vLLM's spans); a
     # completion that was in flight during a weight update has two
     versions: list[list[int]] = field(default_factory=list)
+    # mixture-of-experts engines: the experts chosen for each token the engine ran (prompt and
+    # completion but the last sampled token), int16 [tokens, MoE layers, top-k]; routing replay
+    routed_experts: np.ndarray | None = None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.routed_experts is not None:
+            d["routed_experts"] = np.asarray(self.routed_experts).tolist()
+        return d
 
 
 @dataclass(frozen=True)
@@ -73,11 +79,17 @@ def pack_completions(out: list[list[Completion]]) -> dict:
     flat = [c for comps in out for c in comps]
     ids = np.fromiter((t for c in flat for t in c.token_ids), dtype=np.int32)
     logprobs = np.fromiter((x for c in flat for x in c.logprobs), dtype=np.float32)
-    return {"encoding": PACKED,
+    routed = [np.ascontiguousarray(c.routed_experts, dtype=np.int16) for c in flat if c.routed_experts is not None]
+    body = {"encoding": PACKED,
             "completions": [[{"text": c.text, "finish_reason": c.finish_reason, "versions": c.versions,
-                              "tokens": len(c.token_ids), "logprobs": len(c.logprobs)} for c in comps] for comps in out],
+                              "tokens": len(c.token_ids), "logprobs": len(c.logprobs),
+                              "routing": None if c.routed_experts is None else list(np.shape(c.routed_experts))}
+                             for c in comps] for comps in out],
             "token_ids": base64.b64encode(ids.tobytes()).decode("ascii"),
             "logprobs": base64.b64encode(logprobs.tobytes()).decode("ascii")}
+    if routed:  # int16 expert indices, completion after completion
+        body["routed_experts"] = base64.b64encode(b"".join(r.tobytes() for r in routed)).decode("ascii")
+    return body
 
 
 def unpack_completions(body: dict) -> list[list[Completion]]:
@@ -86,14 +98,21 @@ def unpack_completions(body: dict) -> list[list[Completion]]:
         return [[Completion(**c) for c in comps] for comps in body["completions"]]
     ids = np.frombuffer(base64.b64decode(body["token_ids"]), dtype=np.int32).tolist()
     logprobs = np.frombuffer(base64.b64decode(body["logprobs"]), dtype=np.float32).tolist()
-    out, i, j = [], 0, 0
+    routed = np.frombuffer(base64.b64decode(body.get("routed_experts", "")), dtype=np.int16)
+    out, i, j, k = [], 0, 0, 0
     for comps in body["completions"]:
         row = []
         for c in comps:
+            routing = None
+            if c.get("routing") is not None:
+                size = int(np.prod(c["routing"]))
+                routing = routed[k:k + size].reshape(c["routing"]).copy()
+                k += size
             row.append(Completion(c["text"], ids[i:i + c["tokens"]], logprobs[j:j + c["logprobs"]], c["finish_reason"],
-                                  c["versions"]))
+                                  c["versions"], routing))
             i, j = i + c["tokens"], j + c["logprobs"]
         out.append(row)
-    if i != len(ids) or j != len(logprobs):
-        raise ValueError(f"packed response: {len(ids)} token ids and {len(logprobs)} log-probs for {i} and {j} declared")
+    if i != len(ids) or j != len(logprobs) or k != routed.size:
+        raise ValueError(f"packed response: {len(ids)} token ids, {len(logprobs)} log-probs and {routed.size} expert "
+                         f"indices for {i}, {j} and {k} declared")
     return out
