@@ -14,7 +14,9 @@ def _registry() -> dict[str, Callable[[], SpiceConfig]]:
             "octothinker_3b": paper.octothinker_3b, "octothinker_8b": paper.octothinker_8b,
             "qwen3_14b": paper.qwen3_14b, "qwen3_32b": paper.qwen3_32b, "llama3_70b": paper.llama3_70b,
             "qwen3_4b_strong_challenger": paper.qwen3_4b_strong_challenger,
-            "qwen3_8b_strong_challenger": paper.qwen3_8b_strong_challenger}
+            "qwen3_8b_strong_challenger": paper.qwen3_8b_strong_challenger,
+            "qwen3_30b_a3b": paper.qwen3_30b_a3b, "qwen3_30b_a3b_multinode": paper.qwen3_30b_a3b_multinode,
+            "qwen3_235b_a22b": paper.qwen3_235b_a22b}
 
 
 def get_recipe(name: str) -> SpiceConfig:
@@ -32,3 +34,4 @@ def recipe_names() -> list[str]:
 PAPER_RECIPES = ("qwen3_4b", "qwen3_8b", "octothinker_3b", "octothinker_8b")
 LARGE_RECIPES = ("qwen3_14b", "qwen3_32b", "llama3_70b")
 BASELINE_RECIPES = ("qwen3_4b_strong_challenger", "qwen3_8b_strong_challenger")  # fixed challenger, reasoner only
+MOE_RECIPES = ("qwen3_30b_a3b", "qwen3_30b_a3b_multinode", "qwen3_235b_a22b")  # expert parallel, routing replay

@@ -216,7 +216,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"  {cfg.run.iterations} iterations: {step['total'] * cfg.run.iterations / 3600:.1f} h")
     if args.choose:
         print(f"to use it: parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
-              f"rollout.engine_tensor_parallel={plan.engine_tp}")
+              + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")
+              + f"rollout.engine_tensor_parallel={plan.engine_tp}")
     return 0
 
 

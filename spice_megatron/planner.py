@@ -46,6 +46,13 @@ KNOWN_MODELS: dict[str, dict] = {
                                                    **_LLAMA3_ROPE),
     "meta-llama/Llama-3.3-70B-Instruct": _cfg("LlamaForCausalLM", 8192, 80, 64, 8, 28672, 128256, False, 5e5,
                                               **_LLAMA3_ROPE),
+    # mixture-of-experts: 128 experts, 8 per token, no shared expert, every layer sparse
+    "Qwen/Qwen3-30B-A3B-Base": _cfg("Qwen3MoeForCausalLM", 2048, 48, 32, 4, 6144, 151936, False, 1e6,
+                                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "Qwen/Qwen3-235B-A22B": _cfg("Qwen3MoeForCausalLM", 4096, 94, 64, 4, 12288, 151936, False, 1e6,
+                                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+                                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
 }
 
 
@@ -72,6 +79,10 @@ class LearnerMemory:
     activations: float
     logits: float
     overhead: float
+    # mixture-of-experts: the share of weights + gradients + optimizer that are experts (included
+    # in the three terms above), and the all-to-all bytes one GPU sends per micro-batch
+    experts: float = 0.0
+    all_to_all_gib: float = 0.0
 
     @property
     def total(self) -> float:
@@ -79,21 +90,50 @@ class LearnerMemory:
 
 
 def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_tokens: int,
-                   distributed_optimizer: bool = True, overhead_gib: float = 4.0) -> LearnerMemory:
+                   distributed_optimizer: bool = True, overhead_gib: float = 4.0, ep: int = 1,
+                   etp: int = 1) -> LearnerMemory:
     """Per-GPU memory of the learner. Activations follow Korthikanti et al. (2022) with sequence
     parallelism and flash attention (34 x hidden bytes per token per layer, divided by TP); 1F1B
     keeps up to PP micro-batches in flight on the first stage. The last stage holds fp32 logits
-    (and their gradient) for one micro-batch."""
+    (and their gradient) for one micro-batch.
+
+    Mixture-of-experts: the experts are split over EP x ETP ranks instead of TP, and their
+    optimizer state over the expert-data-parallel ranks (TP x DP / (EP x ETP)); the 34h figure
+    keeps its attention and norm part (~18h: its 16h MLP share is a dense MLP's), plus per routed
+    copy of a token (top-k of them) the dispatcher's permuted input and the expert's fc1 output,
+    SwiGLU output and combine buffer (2h + 3 x moe_ffn/ETP bf16 values). All-to-all: each routed
+    copy crosses once to its expert and once back, h bf16 values each way, in the forward and
+    twice in the backward; (EP-1)/EP of them leave the GPU."""
     h, layers_per_stage = spec.hidden_size, math.ceil(spec.num_layers / pp)
-    per_layer = spec.num_parameters - spec.vocab_size * h * (1 if spec.tied_embeddings else 2) - h
-    per_layer //= spec.num_layers
     embedding = spec.vocab_size * h  # the first stage's input embedding or the last stage's output layer
-    params = (layers_per_stage * per_layer + embedding * (2 if pp == 1 and not spec.tied_embeddings else 1)) / tp
-    shard = dp if distributed_optimizer else 1
-    activations = 34 * h * micro_batch_tokens * layers_per_stage * pp / tp
+    moe = spec.moe
+    expert_params = 0.0
+    if moe is None:
+        per_layer = spec.num_parameters - spec.vocab_size * h * (1 if spec.tied_embeddings else 2) - h
+        per_layer //= spec.num_layers
+        dense = layers_per_stage * per_layer + embedding * (2 if pp == 1 and not spec.tied_embeddings else 1)
+    else:
+        experts_total = moe.num_moe_layers * moe.num_experts * 3 * h * moe.expert_ffn_hidden_size
+        non_expert = spec.num_parameters - experts_total - spec.vocab_size * h * (1 if spec.tied_embeddings else 2) - h
+        dense = non_expert / spec.num_layers * layers_per_stage + embedding * (
+            2 if pp == 1 and not spec.tied_embeddings else 1)
+        expert_params = experts_total / pp / (ep * etp)
+    dense /= tp
+    edp = max(1, tp * dp // (ep * etp))
+    shard, expert_shard = (dp, edp) if distributed_optimizer else (1, 1)
+    weights, grads = 2 * (dense + expert_params), 4 * (dense + expert_params)
+    optimizer = 12 * dense / shard + 12 * expert_params / expert_shard
+    per_token_layer = 34 * h / tp
+    a2a = 0.0
+    if moe is not None:
+        routed = micro_batch_tokens / tp * moe.top_k  # this GPU's tokens (sequence parallel) times k
+        per_token_layer = 18 * h / tp + moe.top_k * 2 * (2 * h + 3 * moe.expert_ffn_hidden_size / etp) / tp
+        a2a = routed * h * 2 * 2 * 3 * (ep - 1) / ep * moe.num_moe_layers / pp
+    activations = per_token_layer * micro_batch_tokens * layers_per_stage * pp
     logits = 2 * 4 * micro_batch_tokens * spec.vocab_size / tp
-    return LearnerMemory(weights=2 * params / GiB, gradients=4 * params / GiB, optimizer=12 * params / shard / GiB,
-                         activations=activations / GiB, logits=logits / GiB, overhead=overhead_gib)
+    return LearnerMemory(weights=weights / GiB, gradients=grads / GiB, optimizer=optimizer / GiB,
+                         activations=activations / GiB, logits=logits / GiB, overhead=overhead_gib,
+                         experts=expert_params * (6 + 12 / expert_shard) / GiB, all_to_all_gib=a2a / GiB)
 
 
 @dataclass
@@ -146,6 +186,8 @@ class Plan:
     learner: LearnerMemory
     engine: EngineMemory
     notes: list[str] = field(default_factory=list)
+    ep: int = 1
+    active_params_billion: float = 0.0
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -154,13 +196,18 @@ class Plan:
 
     def describe(self) -> str:
         m, e = self.learner, self.engine
+        active = (f" ({self.active_params_billion:.2f}B active per token)"
+                  if self.active_params_billion < self.params_billion else "")
         lines = [
-            f"model {self.model}: {self.params_billion:.2f}B parameters",
+            f"model {self.model}: {self.params_billion:.2f}B parameters{active}",
             f"cluster: {self.nodes} node(s) x {self.gpus_per_node} GPUs of {self.gpu_memory_gib:.0f} GiB",
-            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp} DP={self.dp}",
+            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp} DP={self.dp}"
+            + (f" EP={self.ep}" if self.ep > 1 else ""),
             f"  per GPU: weights {m.weights:.1f} + grads {m.gradients:.1f} + optimizer {m.optimizer:.1f} + activations "
             f"{m.activations:.1f} + logits {m.logits:.1f} + overhead {m.overhead:.1f} = {m.total:.1f} GiB "
             f"of {self.gpu_memory_gib:.0f}",
+            *([f"  experts: {m.experts:.1f} GiB of those weights, grads and optimizer state; all-to-all "
+               f"{m.all_to_all_gib:.2f} GiB sent per GPU per micro-batch"] if m.experts else []),
             f"rollout: {self.engines} vLLM engine(s) x TP={self.engine_tp} on {self.rollout_gpus} GPUs",
             f"  per GPU: weights {e.weights:.1f} GiB, KV cache {e.kv_cache:.1f} GiB "
             f"({e.kv_bytes_per_token // 1024} KiB/token: {e.max_sequences} full-length sequences per engine)",
@@ -197,6 +244,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     budget = cluster.gpu_memory_gib * headroom
     tokens = cfg.train.micro_batch_tokens
     fixed = not choose
+    ep = cfg.parallel.expert_parallel if spec.moe is not None else 1
     candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)] if fixed else
                   sorted(((tp, pp) for tp in _powers_of_two(min(8, cluster.gpus_per_node))
                           for pp in range(1, spec.num_layers + 1) if spec.num_layers % pp == 0),
@@ -208,7 +256,15 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                 raise PlanError(f"parallel: TP={tp} x PP={pp} does not fit {learner_gpus} learner GPUs "
                                 f"({cluster.gpus_per_node} per node) or the model's head/layer counts")
             continue
-        mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), tokens, cfg.optim.use_distributed_optimizer)
+        if spec.moe is not None and not fixed:
+            # as many experts apart as a node holds: the all-to-all stays on NVLink
+            ep = max(e for e in _powers_of_two(min(spec.moe.num_experts, cluster.gpus_per_node))
+                     if (learner_gpus // pp) % e == 0 and spec.moe.num_experts % e == 0)
+        if spec.moe is not None and ((learner_gpus // pp) % ep or spec.moe.num_experts % ep):
+            raise PlanError(f"parallel.expert_parallel: EP={ep} must divide num_experts={spec.moe.num_experts} and the "
+                            f"{learner_gpus // pp} learner GPUs of a pipeline stage")
+        mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), tokens, cfg.optim.use_distributed_optimizer,
+                             ep=ep)
         if mem.total <= budget:
             break
         tried.append(f"TP={tp} PP={pp}: {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads {mem.gradients:.1f}, "
@@ -239,8 +295,11 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         notes.append("one node: learner and engines share it (GPUs split in half)")
     if tp > 1 and cluster.nodes > 1:
         notes.append("TP stays within a node; PP and DP cross nodes")
+    if ep > cluster.gpus_per_node:
+        notes.append(f"EP={ep} spans nodes: the experts' all-to-all crosses the inter-node fabric")
     return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
-                learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp), etp, rollout_gpus // etp, mem, em, notes)
+                learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp), etp, rollout_gpus // etp, mem, em, notes,
+                ep, spec.active_parameters / 1e9)
 
 
 def challenger_engine_tp(cfg: SpiceConfig) -> int:
@@ -279,6 +338,7 @@ class Throughput:
     hbm_tb_s: float = 3.35
     decode_bandwidth_efficiency: float = 0.6  # share of HBM bandwidth a decode step achieves
     sync_gb_s: float = 20.0  # per pipeline stage sender, inter-node (NCCL over 400 Gb/s IB)
+    all_to_all_gb_s: float = 100.0  # per GPU, expert all-to-all within an NVLink node
     # the self-play workload per document (paper settings B=128, G=8; lengths are assumptions)
     doc_tokens: int = 3000  # mean; segments are at most 5992
     # challenger rounds: each pending document gets selfplay.attempts_per_round attempts per round (the
@@ -300,7 +360,9 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     old log-probs, then forward and backward)."""
     t = t or Throughput()
     sp = cfg.selfplay
-    p = spec.num_parameters
+    # decode reads every weight once per step (a batch of hundreds of tokens touches every expert);
+    # FLOPs follow the parameters a token goes through (its top-k experts)
+    p, active = spec.num_parameters, spec.active_parameters
     bw = t.hbm_tb_s * 1e12 * t.decode_bandwidth_efficiency
 
     def generate(prompts: float, prompt_tokens: int, gen_tokens: int, max_gen: int) -> float:
@@ -311,7 +373,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
         step = (2 * p / plan.engine_tp + kv_read) / bw
         waves = math.ceil(per_engine / concurrency)
         decode = max(waves * gen_tokens, max_gen) * step
-        prefill = 2 * p * per_engine * prompt_tokens / (plan.engine_tp * t.peak_tflops * 1e12 * t.prefill_mfu)
+        prefill = 2 * active * per_engine * prompt_tokens / (plan.engine_tp * t.peak_tflops * 1e12 * t.prefill_mfu)
         return decode + prefill
 
     docs = sp.batch_docs
@@ -328,7 +390,10 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     challenger_trained = docs * (sp.group_size if sp.challenger_group == "document" else 1)
     train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
                     + answers * (t.question_tokens + t.reasoner_gen_tokens))
-    train = 8 * p * train_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
+    train = 8 * active * train_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
+    if plan.learner.all_to_all_gib:  # the experts' all-to-all, not overlapped with compute
+        micro_batches = train_tokens / cfg.train.micro_batch_tokens / plan.dp
+        train += micro_batches * plan.learner.all_to_all_gib * GiB / (t.all_to_all_gb_s * 1e9)
     sync = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
     out = {"challenger_rollout": challenger, "reasoner_rollout": reasoner, "train": train, "weight_sync": sync}
     out["total"] = sum(out.values())

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from recipes import BASELINE_RECIPES, LARGE_RECIPES, PAPER_RECIPES, get_recipe, recipe_names
+from recipes import BASELINE_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES, get_recipe, recipe_names
 from spice_megatron.config import ConfigError, apply_overrides
 from spice_megatron.planner import PlanError, Throughput, estimate_step_time, learner_memory, model_spec, plan_layout
 
@@ -31,7 +31,7 @@ def test_paper_recipes_carry_the_paper_settings(name):
     cfg.validate()
 
 
-@pytest.mark.parametrize("name", PAPER_RECIPES + LARGE_RECIPES)
+@pytest.mark.parametrize("name", PAPER_RECIPES + LARGE_RECIPES + MOE_RECIPES)
 def test_cluster_recipes_fit_their_cluster(name):
     cfg = get_recipe(name)
     plan = plan_layout(cfg)
@@ -43,7 +43,35 @@ def test_cluster_recipes_fit_their_cluster(name):
 def test_large_recipes_use_tensor_and_pipeline_parallelism():
     layouts = {n: (get_recipe(n).parallel.tensor_parallel, get_recipe(n).parallel.pipeline_parallel) for n in LARGE_RECIPES}
     assert all(tp > 1 for tp, _ in layouts.values()) and any(pp > 1 for _, pp in layouts.values())
-    assert set(PAPER_RECIPES + LARGE_RECIPES + BASELINE_RECIPES + ("tiny_cpu",)) == set(recipe_names())
+    assert set(PAPER_RECIPES + LARGE_RECIPES + BASELINE_RECIPES + MOE_RECIPES + ("tiny_cpu",)) == set(recipe_names())
+
+
+@pytest.mark.parametrize("name", MOE_RECIPES)
+def test_moe_recipes_split_experts_and_replay_routing(name):
+    cfg = get_recipe(name)
+    plan = plan_layout(cfg)
+    spec = model_spec(cfg.run.model)
+    assert plan.ep == cfg.parallel.expert_parallel > 1 and cfg.train.routing_replay == "auto"
+    assert (plan.tp * plan.dp) % plan.ep == 0 and spec.moe.num_experts % plan.ep == 0
+    assert cfg.parallel.use_sequence_parallel  # megatron requires it for MoE with TP > 1
+    assert plan.active_params_billion < plan.params_billion / 7  # A3B / A22B: ~10% active
+    assert plan.learner.experts > 0 and plan.learner.all_to_all_gib > 0
+
+
+def test_planner_expert_terms_by_hand():
+    spec = model_spec("Qwen/Qwen3-30B-A3B-Base")
+    assert 30.0e9 < spec.num_parameters < 31.0e9 and 3.0e9 < spec.active_parameters < 3.5e9  # 30.5B, 3.3B active
+    h, ffn, experts, k = 2048, 768, 128, 8
+    expert_total = 48 * experts * 3 * h * ffn
+    m = learner_memory(spec, tp=2, pp=1, dp=8, micro_batch_tokens=8192, ep=16)
+    dense = (spec.num_parameters - expert_total) / 2  # untied, PP=1: embedding and output layer on each stage
+    per_gpu_experts = expert_total / 16
+    assert m.weights == pytest.approx(2 * (dense + per_gpu_experts) / 2**30, rel=1e-6)
+    # dense optimizer state over DP=8, experts' over TP x DP / EP = 1 replica
+    assert m.optimizer == pytest.approx((12 * dense / 8 + 12 * per_gpu_experts) / 2**30, rel=1e-6)
+    per_token_layer = 18 * h / 2 + k * 2 * (2 * h + 3 * ffn) / 2
+    assert m.activations == pytest.approx(per_token_layer * 8192 * 48 / 2**30, rel=1e-6)
+    assert m.all_to_all_gib == pytest.approx(8192 / 2 * k * h * 2 * 2 * 3 * 15 / 16 * 48 / 2**30, rel=1e-6)
 
 
 def test_overrides_are_validated_and_name_the_key():
@@ -107,7 +135,7 @@ def test_spice_plan_command(capsys):
     assert "does not fit 8 learner GPUs" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", PAPER_RECIPES)
+@pytest.mark.parametrize("name", PAPER_RECIPES + ("qwen3_30b_a3b",))
 def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     import nemo_run as run
 
