@@ -29,7 +29,13 @@ TINY = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=5
             torch_dtype="float32")
 
 
-def make_tiny_qwen3(out: str, seed: int = 7) -> str:
+# the same with 8 experts of 64, top-2 (Qwen3-MoE): grouped GEMMs and their parameter names with TE
+TINY_MOE = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
+
+
+def make_tiny_qwen3(out: str, seed: int = 7, config: dict = TINY) -> str:
     from safetensors.torch import save_file
 
     from spice_megatron.bridge.mapping import expected_hf_shapes
@@ -38,14 +44,16 @@ def make_tiny_qwen3(out: str, seed: int = 7) -> str:
     os.makedirs(out, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in expected_hf_shapes(model_spec_from_hf(TINY)).items():
-        if name.endswith("norm.weight"):
+    for name, shape in expected_hf_shapes(model_spec_from_hf(config)).items():
+        if name.endswith("mlp.gate.weight"):  # a router far from uniform: no near-ties between experts
+            tensors[name] = 0.5 * torch.randn(shape, generator=g)
+        elif name.endswith("norm.weight"):
             tensors[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
         else:
             tensors[name] = 0.05 * torch.randn(shape, generator=g)
     save_file(tensors, os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(TINY, f)
+        json.dump(config, f)
     return out
 
 
@@ -64,8 +72,10 @@ def learner(model_dir: str, dtype: str, lr: float):
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
     from spice_megatron.policy.learner import Learner
 
+    # routing replay needs an engine's routing; these checks have no engine
     return Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=lr, adam_eps=1e-5, weight_decay=0.0),
-                           PolicyTrainConfig(max_gen_len=16, micro_batch_tokens=256, dtype=dtype))
+                           PolicyTrainConfig(max_gen_len=16, micro_batch_tokens=256, dtype=dtype,
+                                             routing_replay="off"))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -94,7 +104,7 @@ def _cpu_logprobs(model_dir: str, out: str) -> None:
 
 
 def check_logprobs_gpu_vs_cpu(model_dir: str, work: str) -> tuple[bool, str]:
-    ref_path = os.path.join(work, "cpu_logprobs.pt")
+    ref_path = os.path.join(work, os.path.basename(model_dir) + "_cpu_logprobs.pt")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": str(_free_port())}
     subprocess.run([sys.executable, __file__, "--cpu-logprobs", model_dir, ref_path], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -214,7 +224,11 @@ def main() -> int:
     failed = 0
     with tempfile.TemporaryDirectory(prefix="spice_gpu_check_") as work:
         model_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3"))
+        moe_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3_moe"), config=TINY_MOE)
         checks = [("bf16_hf_load_then_step", lambda: check_hf_load_then_step(model_dir)),
+                  # Qwen3-MoE: TE's grouped-GEMM expert names (linear_fc1.weight<i>) on GPU, SequentialMLP on CPU
+                  ("moe_bf16_hf_load_then_step", lambda: check_hf_load_then_step(moe_dir)),
+                  ("moe_logprobs_gpu_vs_cpu", lambda: check_logprobs_gpu_vs_cpu(moe_dir, work)),
                   ("logprobs_gpu_vs_cpu", lambda: check_logprobs_gpu_vs_cpu(model_dir, work)),
                   ("bf16_checkpoint_resume", lambda: check_checkpoint_resume(model_dir, work)),
                   ("weight_sync_gloo_to_cpu_receiver", lambda: check_weight_sync(model_dir, work, "gloo")),
