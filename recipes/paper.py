@@ -52,7 +52,8 @@ MAX_MODEL_LEN = 12288
 
 
 def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: int, pp: int, engine_tp: int,
-                 template: str, micro_batch_tokens: int = 8192, gpu_memory_gib: float = 80.0, ep: int = 1) -> SpiceConfig:
+                 template: str, micro_batch_tokens: int = 8192, gpu_memory_gib: float = 80.0,
+                 ep: int = 1) -> SpiceConfig:
     """Algorithm 1 as published: the selection + JSON protocol, challenger groups of G=8 per document
     (invalid attempts trained, advantages centred per document), the family's prompt template, and
     updates of 128 trajectories (an iteration's ~2,048 in ~16 optimiser steps, PPO clip after the first)."""

@@ -200,7 +200,8 @@ class ParallelConfig:
         _require(self.pipeline_parallel >= 1, f"{prefix}.pipeline_parallel", "must be >= 1")
         _require(self.expert_parallel >= 1, f"{prefix}.expert_parallel", "must be >= 1")
         _require(self.expert_tensor_parallel >= 1, f"{prefix}.expert_tensor_parallel", "must be >= 1")
-        _require(self.sequence_parallel in ("auto", "on", "off"), f"{prefix}.sequence_parallel", "must be auto, on or off")
+        _require(self.sequence_parallel in ("auto", "on", "off"), f"{prefix}.sequence_parallel",
+                 "must be auto, on or off")
         _require(self.backend in ("auto", "nccl", "gloo"), f"{prefix}.backend", "must be auto, nccl or gloo")
 
 

@@ -35,7 +35,8 @@ def tiny_hf_config(family: str = "qwen3", tied: bool = False, vocab_size: int = 
         return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1000000.0}
     if family == "qwen3_moe":
         return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "rope_theta": 1000000.0,
-                "num_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_intermediate_size,
+                "num_experts": num_experts, "num_experts_per_tok": top_k,
+                "moe_intermediate_size": moe_intermediate_size,
                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": list(mlp_only_layers),
                 "router_aux_loss_coef": 0.001}
     if family == "llama":

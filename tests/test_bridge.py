@@ -273,35 +273,72 @@ def test_a_receiver_dying_mid_sync_fails_the_sender_and_keeps_tp_ranks_in_step(t
     assert peer == ("sent", 2.0)
 
 
+def _placed_back(name: str, hf_name: str, shards: list, spec) -> dict:
+    """The HF tensors rebuilt from the TP (or ETP) `shards` of megatron parameter `name`, placed in
+    reverse rank order into NaN-filled tensors; `hf_name`: its global name (layer, expert)."""
+    from spice_megatron.bridge.mapping import full_shape, hf_outputs, place_shard
+
+    n = len(shards)
+    outputs = hf_outputs(hf_name, full_shape(name, tuple(shards[0].shape), n), spec)
+    full = [torch.full(shape, float("nan")) for _, shape in outputs]
+    for r in reversed(range(n)):
+        place_shard(name, shards[r], r, n, spec, full)
+    return dict(zip((x for x, _ in outputs), full))
+
+
+def _random_hf(spec, keep=lambda name: True) -> dict:
+    from spice_megatron.bridge.mapping import expected_hf_shapes
+
+    torch.manual_seed(0)
+    return {name: torch.randn(shape) for name, shape in expected_hf_shapes(spec).items() if keep(name)}
+
+
+def _reader(hf: dict):
+    return lambda name, dim, start, stop: hf[name] if dim is None else hf[name].narrow(dim, start, stop - start)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_tp4_shards_placed_back_rebuild_every_hf_tensor(family):
     """Export's placement is the exact inverse of import's slicing, at a TP wider than the
     multi-process tests use (4 KV groups over 4 ranks, 2 query heads per group)."""
-    from spice_megatron.bridge.mapping import (ShardRanks, expected_hf_shapes, full_shape, hf_outputs, megatron_shard,
-                                               place_shard)
+    from spice_megatron.bridge.mapping import ShardRanks, megatron_shard
     from spice_megatron.policy.model import model_spec_from_hf
 
     spec = model_spec_from_hf(tiny_hf_config(family, num_heads=8, num_kv_heads=4, head_dim=8, intermediate_size=96))
-    torch.manual_seed(0)
-    hf = {name: torch.randn(shape) for name, shape in expected_hf_shapes(spec).items()}
-
-    def read(name, dim, start, stop):
-        return hf[name] if dim is None else hf[name].narrow(dim, start, stop - start)
-
+    hf = _random_hf(spec)
     names = ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"]
     per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
                  "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     if spec.family.qk_norm:
         per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
     names += [f"decoder.layers.{i}.{rest}" for i in range(spec.num_layers) for rest in per_layer]
-    tp, rebuilt = 4, {}
+    rebuilt = {}
     for name in names:
-        shards = [megatron_shard(name, spec, ShardRanks(r, tp), 0, read) for r in range(tp)]
-        outputs = hf_outputs(name, full_shape(name, tuple(shards[0].shape), tp), spec)
-        full = [torch.full(shape, float("nan")) for _, shape in outputs]
-        for r in reversed(range(tp)):
-            place_shard(name, shards[r], r, tp, spec, full)
-        rebuilt.update(zip((n for n, _ in outputs), full))
+        rebuilt.update(_placed_back(name, name, [megatron_shard(name, spec, ShardRanks(r, 4), 0, _reader(hf))
+                                                 for r in range(4)], spec))
+    assert rebuilt.keys() == hf.keys()
+    assert all(torch.equal(rebuilt[k], hf[k]) for k in hf), [k for k in hf if not torch.equal(rebuilt[k], hf[k])]
+
+
+def test_expert_shards_placed_back_rebuild_every_hf_tensor():
+    """The same for experts and routers at EP=4 x ETP=2, under both megatron namings (the local
+    spec's local_experts.{i}.linear_fc1 and TE's grouped linear_fc1.weight{i})."""
+    from spice_megatron.bridge.mapping import ShardRanks, megatron_shard, renumber_expert
+    from spice_megatron.policy.model import model_spec_from_hf
+
+    spec = model_spec_from_hf(tiny_hf_config("qwen3_moe", num_layers=2, mlp_only_layers=(1,)))
+    hf = _random_hf(spec, keep=lambda n: ".mlp." in n and "layers.0." in n)
+    ep, etp, per = 4, 2, 2
+    fcs = ("linear_fc1", "linear_fc2")
+    names = ["decoder.layers.0.mlp.router.weight"]
+    names += [f"decoder.layers.0.mlp.experts.local_experts.{i}.{fc}.weight" for i in range(per) for fc in fcs]
+    names += [f"decoder.layers.0.mlp.experts.{fc}.weight{i}" for i in range(per) for fc in fcs]
+    rebuilt = {}
+    for name in names:
+        for e in range(ep):
+            shards = [megatron_shard(name, spec, ShardRanks(ep_rank=e, ep=ep, etp_rank=r, etp=etp), 0, _reader(hf))
+                      for r in range(etp)]
+            rebuilt.update(_placed_back(name, renumber_expert(name, e * per), shards, spec))
     assert rebuilt.keys() == hf.keys()
     assert all(torch.equal(rebuilt[k], hf[k]) for k in hf), [k for k in hf if not torch.equal(rebuilt[k], hf[k])]
 

@@ -35,7 +35,8 @@ def stage_hf_outputs(learner) -> Iterator[tuple[str, torch.Tensor, list[tuple[st
         global_name = global_param_name(name, offset)
         if is_expert(name):
             shape = full_shape(name, tuple(param.shape), lay.etp)
-            outputs = [o for r in range(lay.ep) for o in hf_outputs(renumber_expert(global_name, r * per_rank), shape, spec)]
+            outputs = [o for r in range(lay.ep)
+                       for o in hf_outputs(renumber_expert(global_name, r * per_rank), shape, spec)]
         else:
             outputs = hf_outputs(global_name, full_shape(name, tuple(param.shape), lay.tp), spec)
         yield name, param, outputs

@@ -193,8 +193,8 @@ class Learner:
         gets the full result)."""
         self._check_routing(seqs)
         self.model.eval()
-        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens, self.pad_id,
-                                pad_to=self.seq_multiple)
+        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens,
+                                self.pad_id, pad_to=self.seq_multiple)
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             lp = token_logprobs(logits, mb.labels.to(logits.device), self.train_cfg.temperature).cpu()

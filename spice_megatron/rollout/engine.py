@@ -194,8 +194,8 @@ class VLLMEngine:
             for r, ((prompts, _), request_params) in enumerate(zip(requests, params)):
                 for i, (prompt, sp) in enumerate(zip(prompts, request_params)):
                     rid = str(next(self._ids))
-                    internal = self.engine.add_request(rid, {"prompt_token_ids": list(prompt)} if isinstance(prompt, list)
-                                                       else prompt, sp)
+                    request = {"prompt_token_ids": list(prompt)} if isinstance(prompt, list) else prompt
+                    internal = self.engine.add_request(rid, request, sp)
                     self._internal[rid] = (internal, sp.n)
                     added.append(rid)
                     self._waiting[rid] = (submission, (r, i))
