@@ -71,10 +71,10 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes))
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if (world // cfg.pipeline_parallel) % (cfg.expert_parallel * cfg.expert_tensor_parallel):
-        raise ConfigError(f"parallel.expert_parallel: expert_parallel x expert_tensor_parallel = "
-                          f"{cfg.expert_parallel} x {cfg.expert_tensor_parallel} must divide the {world // cfg.pipeline_parallel} ranks of a "
-                          "pipeline stage")
+    stage = world // cfg.pipeline_parallel
+    if stage % (cfg.expert_parallel * cfg.expert_tensor_parallel):
+        raise ConfigError(f"parallel.expert_parallel: expert_parallel x expert_tensor_parallel = {cfg.expert_parallel} "
+                          f"x {cfg.expert_tensor_parallel} must divide the {stage} ranks of a pipeline stage")
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
                                  pipeline_model_parallel_size=cfg.pipeline_parallel,
                                  expert_model_parallel_size=cfg.expert_parallel,
