@@ -1,5 +1,7 @@
 """Qwen3-MoE on the Megatron learner: experts over expert-parallel ranks, against transformers,
 and the bridge for experts and routers (gloo, CPU)."""
+import math
+
 import pytest
 import torch
 
@@ -212,7 +214,7 @@ def _replay_rank(model_dir, layouts):
                                       routed_experts=routing[i, :-1].numpy()) for i, t in enumerate(tokens)]
                 lp = learner.compute_logprobs(seqs)
                 (m,) = learner.train_on_batch(seqs)  # lr 0: the weights stay; the metric is the step's
-                out[(tp, ep, replay, case)] = (lp, m.routing_differs)
+                out[(tp, ep, replay, case)] = (lp, m.routing_differs, m.router)
     differs = (exact.sort(-1).values != noisy.sort(-1).values).any(-1)[:, :-1]  # top-2 sets, per token and layer
     share = {"noisy": differs.float().mean().item()}
     return out, share
@@ -240,6 +242,11 @@ def test_routing_replay_uses_the_engines_experts_and_measures_the_difference(moe
         assert close(noisy_on[0], exact_on[0]) > 1e-3
         # the metric: how often the learner's own choice differs from the engine's, either way
         assert abs(noisy_off[1] - share["noisy"]) < 1e-6 and abs(noisy_on[1] - share["noisy"]) < 1e-6
+        # per MoE layer: the busiest expert's load over the mean, the router's entropy (<= ln 8)
+        router = exact_off[2]
+        assert sorted(router) == ["router/entropy/0", "router/entropy/1", "router/max_load/0", "router/max_load/1"]
+        assert all(1.0 <= router[f"router/max_load/{i}"] <= 8.0 for i in (0, 1))
+        assert all(0.0 < router[f"router/entropy/{i}"] <= math.log(8) for i in (0, 1))
 
 
 def test_replay_refuses_sequences_without_engine_routing():

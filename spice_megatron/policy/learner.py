@@ -59,10 +59,11 @@ class StepMetrics:
     # mixture-of-experts: share of (token, MoE layer) pairs where the learner's own top-k differs
     # from the engine's routing (with replay on, the experts actually used are the engine's)
     routing_differs: float | None = None
+    router: dict[str, float] | None = None  # per MoE layer: router/max_load/{l}, router/entropy/{l}
 
     def as_dict(self) -> dict[str, float]:
-        out = {k: v for k, v in self.__dict__.items() if v is not None and k != "mismatch"}
-        return {**out, **(self.mismatch or {})}
+        out = {k: v for k, v in self.__dict__.items() if v is not None and k not in ("mismatch", "router")}
+        return {**out, **(self.mismatch or {}), **(self.router or {})}
 
 
 class Learner:
@@ -231,15 +232,33 @@ class Learner:
             moe = self.spec.moe
             check_routing(seqs, moe.num_moe_layers, moe.top_k, moe.num_experts)
 
-    def _routing_differs(self) -> float | None:
-        """Share of engine-routed (token, MoE layer) pairs whose learner routing differs from the
-        engine's, over every rank since the last call (collective)."""
+    def _routing_metrics(self) -> tuple[float | None, dict[str, float] | None]:
+        """Since the last call, over every rank (collective): the share of engine-routed (token,
+        MoE layer) pairs whose learner routing differs from the engine's, and per MoE layer its
+        busiest expert's load over the mean and its router's mean entropy. A token is counted by
+        each TP rank that routes it; the shares are unchanged by that."""
         if self.replay is None:
-            return None
-        counts = torch.tensor([float(self.replay.differ), float(self.replay.tokens)])
+            return None, None
+        moe = self.spec.moe
+        load = torch.zeros(moe.num_moe_layers, moe.num_experts + 2)
+        mine = self.replay.take_load()
+        if mine is not None:
+            load[:mine.shape[0]] += mine
+        # on the device: the default group is NCCL on GPU
+        counts = torch.cat([torch.tensor([float(self.replay.differ), float(self.replay.tokens)]), load.reshape(-1)])
+        counts = counts.to(self.device)
         self.replay.take_metric()
         dist.all_reduce(counts)
-        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+        counts = counts.cpu()
+        differs = float(counts[0] / counts[1]) if counts[1] > 0 else None
+        load = counts[2:].view(moe.num_moe_layers, moe.num_experts + 2)
+        router = {}
+        for layer, row in enumerate(load):
+            experts, entropy, tokens = row[:-2], row[-2], row[-1]
+            if tokens > 0:
+                router[f"router/max_load/{layer}"] = float(experts.max() / experts.mean())
+                router[f"router/entropy/{layer}"] = float(entropy / tokens)
+        return differs, router or None
 
     def train_on_batch(self, seqs: list[TrainSequence], version: int | None = None) -> list[StepMetrics]:
         """Several optimiser steps on one rollout batch (mini-batches seqs[j::k], k = steps_for(n));
@@ -310,6 +329,7 @@ class Learner:
         gap_tokens = sum(p["gap_tokens"] for p in parts)
         if not ok:
             log.warning("optimizer step %d skipped (non-finite gradients)", self.steps)
+        differs, router = self._routing_metrics()
         return StepMetrics(
             loss=sum(p["loss"] for p in parts), grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"], tokens=int(tokens), sequences=n_global,
@@ -317,7 +337,7 @@ class Learner:
             approx_kl=sum(p["kl"] for p in parts) / max(tokens, 1),
             logprob_gap=sum(p["gap"] for p in parts) / gap_tokens if gap_tokens else None,
             seconds=time.perf_counter() - t0, mismatch=_mismatch_metrics([p["mismatch"] for p in parts]),
-            routing_differs=self._routing_differs())
+            routing_differs=differs, router=router)
 
 
 def _mismatch_sums(lp: torch.Tensor, old_lp: torch.Tensor | None, engine_lp: torch.Tensor, mask: torch.Tensor,

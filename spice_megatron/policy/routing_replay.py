@@ -12,8 +12,10 @@ last sampled token is never fed back through the engine, and padding never was: 
 get experts 0..k-1, harmless because causal attention keeps a position's hidden state out of every
 earlier one and the loss masks them.
 
-Metric: the share of tokens with engine routing whose learner routing (its own top-k on the same
-scores) picks other experts, with or without replay.
+Metrics: the share of tokens with engine routing whose learner routing (its own top-k on the same
+scores) picks other experts, with or without replay; per MoE layer the load of its busiest expert
+against the mean (1.0: balanced) and the router's entropy (nats; ln E when uniform) over the tokens
+of the step. Tokens dropped: none, the layers are dropless (no moe_expert_capacity_factor).
 """
 from __future__ import annotations
 
@@ -77,13 +79,17 @@ class RoutingReplay:
         self.differ = 0
         self.tokens = 0
         self._valid: torch.Tensor | None = None
+        # per router: [expert counts..., entropy sum, tokens], summed over the step's forwards
+        self.load: dict[int, torch.Tensor] = {}
 
     def _wrap(self, rr) -> None:
         """Around megatron's get_replay_topk: also the learner's own top-k, for the metric."""
         original = rr.get_replay_topk
+        layer = len(self.routers) - 1
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             probs, indices = original(scores, topk, num_groups, group_topk, default_compute_topk)
+            self._count(layer, scores, indices)
             target = rr.target_topk_idx
             if target is not None and self._valid is not None:
                 own = indices if not self.replay else default_compute_topk(scores, topk, num_groups=num_groups,
@@ -95,6 +101,26 @@ class RoutingReplay:
             return probs, indices
 
         rr.get_replay_topk = get_replay_topk
+
+    def _count(self, layer: int, scores: torch.Tensor, indices: torch.Tensor) -> None:
+        with torch.no_grad():
+            n = scores.shape[-1]
+            p = torch.softmax(scores.detach().float(), dim=-1)
+            entropy = -(p * torch.log(p.clamp_min(1e-30))).sum()
+            row = torch.cat([torch.bincount(indices.reshape(-1), minlength=n).float(), entropy.reshape(1),
+                             torch.tensor([float(scores.shape[0])], device=scores.device)]).cpu()
+        self.load[layer] = self.load[layer] + row if layer in self.load else row
+
+    def take_load(self) -> torch.Tensor | None:
+        """[routers, experts + 2] (expert counts, entropy sum, tokens) since the last call (this
+        rank's routers, by global MoE-layer index), or None."""
+        if not self.load:
+            return None
+        out = torch.zeros(max(ordinal for _, ordinal in self.routers) + 1, next(iter(self.load.values())).numel())
+        for i, row in self.load.items():
+            out[self.routers[i][1]] = row
+        self.load = {}
+        return out
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, ...] -> the router's token order: sequence-first, this rank's sequence chunk under SP."""
