@@ -277,3 +277,18 @@ def test_step_time_models_the_selection_step_and_the_challenger_rounds():
     assert paper > 1.5 * one_round and one_round > 1.2 * no_selection  # a round lasts at least its longest output
     # the challenger trains G trajectories per document, not one
     assert estimate_step_time(plan, spec, cfg)["train_tokens"] == 128 * 8 * (3000 + 600) + 128 * 8 * (200 + 1000)
+
+
+@pytest.mark.multiprocess
+def test_activation_measurement_reports_bytes_per_token_against_the_planner():
+    """tools/measure_activations.py: saved tensors of a forward, per token per layer, beside the
+    planner's term (the local spec saves more than the planner's 34h: the ratio is printed)."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "measure_activations.py"), "--hidden", "128"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    per_token = float(re.search(r"\(([\d.]+) h in bf16\)", r.stdout).group(1))
+    ratio = float(re.search(r"measured / planned ([\d.]+)", r.stdout).group(1))
+    assert 20 < per_token < 200 and ratio > 0.5, r.stdout
