@@ -211,9 +211,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"estimated seconds per iteration (B={cfg.selfplay.batch_docs}, G={cfg.selfplay.group_size}; "
           f"assumptions in spice_megatron/planner.py:Throughput):")
     for k, v in step.items():
-        if k != "train_tokens":
+        if k not in ("train_tokens", "tokens_per_s_per_gpu", "tokens_per_s_per_gpu_one_step_off"):
             print(f"  {k:20s} {v:8.1f}")
     print(f"  {cfg.run.iterations} iterations: {step['total'] * cfg.run.iterations / 3600:.1f} h")
+    from spice_megatron.planner import NEMO_RL_TOKENS_PER_S_PER_GPU as nemo
+
+    print(f"tokens/s/GPU (trained tokens, all {plan.learner_gpus + plan.rollout_gpus} GPUs): "
+          f"{step['tokens_per_s_per_gpu']:,.0f} on-policy, {step['tokens_per_s_per_gpu_one_step_off']:,.0f} one step "
+          f"off (train.max_staleness=1); NeMo-RL publishes {nemo['synchronous']:,.0f} and {nemo['one step off']:,.0f} "
+          "for GRPO on Llama-3.1-8B, 16 H100s (other workload: its math prompts are short, SPICE's challenger reads "
+          "~3,000-token documents)")
     if args.choose:
         print(f"to use it: parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
               + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")

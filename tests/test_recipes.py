@@ -292,3 +292,16 @@ def test_activation_measurement_reports_bytes_per_token_against_the_planner():
     per_token = float(re.search(r"\(([\d.]+) h in bf16\)", r.stdout).group(1))
     ratio = float(re.search(r"measured / planned ([\d.]+)", r.stdout).group(1))
     assert 20 < per_token < 200 and ratio > 0.5, r.stdout
+
+
+def test_spice_plan_prints_tokens_per_gpu_beside_nemo_rl(capsys):
+    from spice_megatron.cli import main
+
+    cfg = get_recipe("qwen3_8b")
+    plan = plan_layout(cfg)
+    step = estimate_step_time(plan, model_spec(cfg.run.model), cfg, Throughput())
+    gpus = plan.learner_gpus + plan.rollout_gpus
+    assert step["tokens_per_s_per_gpu"] == pytest.approx(step["train_tokens"] / step["total"] / gpus)
+    assert step["tokens_per_s_per_gpu_one_step_off"] > step["tokens_per_s_per_gpu"]
+    assert main(["plan", "--recipe", "qwen3_8b"]) == 0
+    assert "NeMo-RL publishes 1,581 and 2,478" in capsys.readouterr().out
