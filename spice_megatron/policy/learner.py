@@ -117,8 +117,11 @@ class Learner:
         with cpu_compat.cuda_to_cpu():
             self.ddp = DistributedDataParallel(
                 config=self.tconfig, module=self.model,
+                # the data-parallel gradient reduce runs bucket by bucket during the backward pass
+                # (finalize_model_grads waits for the last buckets)
                 ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=optim.use_distributed_optimizer,
-                                                         overlap_grad_reduce=False, grad_reduce_in_fp32=True))
+                                                         overlap_grad_reduce=self.layout.dp > 1,
+                                                         grad_reduce_in_fp32=True))
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
@@ -310,11 +313,13 @@ class Learner:
                                         num_sequences=n_global, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                         engine_logprobs=engine_lp if tis_cap is not None else None, tis_cap=tis_cap)
             gap = ((lp.detach() - mb.rollout_logprobs.to(dev)).abs() * rollout_mask).sum()
-            stats = {"loss": loss.detach().item(), "tokens": m["tokens"].item(),
-                     "clipped": (m["clip_fraction"] * m["tokens"]).item(), "kl": (m["approx_kl"] * m["tokens"]).item(),
-                     "gap": gap.item(), "gap_tokens": rollout_mask.sum().item(),
-                     "mismatch": _mismatch_sums(lp.detach(), old_lp, mb.rollout_logprobs.to(dev), rollout_mask,
-                                                mb.roles, cfg.tis_cap)}
+            scalars = torch.stack([loss.detach(), m["tokens"], m["clip_fraction"] * m["tokens"],
+                                   m["approx_kl"] * m["tokens"], gap, rollout_mask.sum()]).float()
+            rows = _mismatch_rows(lp.detach(), old_lp, mb.rollout_logprobs.to(dev), rollout_mask, cfg.tis_cap)
+            # one device-to-host copy per micro-batch for all of its metrics
+            host = torch.cat([scalars, rows.reshape(-1).float()]).tolist()
+            stats = dict(zip(("loss", "tokens", "clipped", "kl", "gap", "gap_tokens"), host[:6]))
+            stats["mismatch"] = _mismatch_by_role([host[6 + 5 * i:11 + 5 * i] for i in range(len(mb.roles))], mb.roles)
             return loss * scale, stats
 
         self.ddp.zero_grad_buffer()
@@ -340,17 +345,20 @@ class Learner:
             routing_differs=differs, router=router)
 
 
-def _mismatch_sums(lp: torch.Tensor, old_lp: torch.Tensor | None, engine_lp: torch.Tensor, mask: torch.Tensor,
-                   roles: list[str], cap: float) -> dict[str, list[float]]:
-    """Per role: [sum |lp - engine|, max |lp - engine|, sum of k3, tokens over the TIS cap, tokens],
+def _mismatch_rows(lp: torch.Tensor, old_lp: torch.Tensor | None, engine_lp: torch.Tensor, mask: torch.Tensor,
+                   cap: float) -> torch.Tensor:
+    """Per sequence: [sum |lp - engine|, max |lp - engine|, sum of k3, tokens over the TIS cap, tokens],
     over the sampled tokens the engine gave log-probs for. k3 = r - 1 - log r with r = pi / mu
-    estimates KL(engine || learner) from the engine's samples. One device-to-host copy."""
+    estimates KL(engine || learner) from the engine's samples."""
     diff = (lp - engine_lp) * mask
     k3 = (torch.exp(diff) - 1 - diff) * mask
     over = ((((lp if old_lp is None else old_lp) - engine_lp) > math.log(cap)).to(mask.dtype) * mask)
-    rows = torch.stack([diff.abs().sum(-1), diff.abs().amax(-1), k3.sum(-1), over.sum(-1), mask.sum(-1)], -1)
+    return torch.stack([diff.abs().sum(-1), diff.abs().amax(-1), k3.sum(-1), over.sum(-1), mask.sum(-1)], -1)
+
+
+def _mismatch_by_role(rows: list[list[float]], roles: list[str]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
-    for role, row in zip(roles, rows.tolist()):
+    for role, row in zip(roles, rows):
         if row[4]:
             _add_mismatch(out, role or "all", row)
     return out
