@@ -201,16 +201,46 @@ class Learner:
                                 self.pad_id, pad_to=self.seq_multiple)
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            lp = token_logprobs(logits, mb.labels.to(logits.device), self.train_cfg.temperature).cpu()
-            rows = [(i, lp[r][mb.loss_mask[r] > 0].tolist()) for r, i in enumerate(mb.index) if i >= 0]
-            return torch.zeros((), device=logits.device), {"rows": rows}
+            lp = token_logprobs(logits, mb.labels.to(logits.device), self.train_cfg.temperature)
+            keep = torch.tensor([i >= 0 for i in mb.index])
+            mask = (mb.loss_mask > 0) & keep.unsqueeze(-1)
+            # this micro-batch's sequences, their completion lengths and log-probs, kept on the device
+            index = torch.tensor([i for i in mb.index if i >= 0], dtype=torch.long)
+            return torch.zeros((), device=logits.device), {"index": index, "counts": mask.sum(-1)[keep],
+                                                           "values": lp[mask.to(lp.device)].float()}
 
         outs = self._run(mbs, loss_fn, forward_only=True)
-        rows = self._gather([row for o in outs for row in o["rows"]])
         result: list[list[float]] = [[] for _ in seqs]
-        for i, values in rows:
-            result[i] = values
+        index, counts, values = self._gather_logprobs(outs)
+        for i, part in zip(index.tolist(), values.split(counts.tolist())):
+            result[i] = part.tolist()
         return result
+
+    def _gather_logprobs(self, outs: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every (sequence index, count, log-probs) that the last stages' TP rank 0 hold, on every
+        rank, as tensors: two all-gathers of sizes and padded tensors on the device (NCCL on GPU)
+        instead of pickled lists, then one copy to the host."""
+        dev = self.device
+        mine = outs if (self.layout.is_last_stage and self.layout.tp_rank == 0) else []
+        index = torch.cat([o["index"] for o in mine]).to(dev) if mine else torch.zeros(0, dtype=torch.long, device=dev)
+        counts = torch.cat([o["counts"].long().to(dev) for o in mine]) if mine else torch.zeros_like(index)
+        values = torch.cat([o["values"].to(dev) for o in mine]) if mine else torch.zeros(0, device=dev)
+        world = self.layout.world_size
+        sizes = [torch.zeros(2, dtype=torch.long, device=dev) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([index.numel(), values.numel()], device=dev))
+        rows, vals = (max(int(sz[k]) for sz in sizes) for k in (0, 1))
+        packed = torch.zeros(world, 2 * rows, dtype=torch.long, device=dev)
+        flat = torch.zeros(world, vals, dtype=torch.float32, device=dev)
+        mine_packed = torch.zeros(2 * rows, dtype=torch.long, device=dev)
+        mine_packed[:index.numel()], mine_packed[rows:rows + counts.numel()] = index, counts
+        mine_flat = torch.zeros(vals, dtype=torch.float32, device=dev)
+        mine_flat[:values.numel()] = values
+        dist.all_gather(list(packed.unbind(0)), mine_packed)
+        dist.all_gather(list(flat.unbind(0)), mine_flat)
+        packed, flat = packed.cpu(), flat.cpu()
+        parts = [(packed[r, :int(sz[0])], packed[r, rows:rows + int(sz[0])], flat[r, :int(sz[1])])
+                 for r, sz in enumerate(s.cpu() for s in sizes)]
+        return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
 
     def steps_for(self, num_sequences: int) -> int:
         """Optimiser steps for a batch: ceil(n / trajectories_per_update) (the paper's updates of
