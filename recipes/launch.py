@@ -114,6 +114,7 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
                         "SPICE_MAX_MODEL_LEN": str(cfg.rollout.max_model_len), "SPICE_GPUS_PER_NODE": str(gpus),
                         "SPICE_GPU_MEMORY_UTILIZATION": str(cfg.rollout.gpu_memory_utilization),
                         "SPICE_WEIGHT_TRANSFER": cfg.rollout.weight_transfer,
+                        **({"SPICE_ENGINE_EXPERT_PARALLEL": "1"} if cfg.rollout.engine_expert_parallel else {}),
                         "SPICE_LOG_DIR": f"{output_dir}/logs"}, rollout_container_image or container_image)
     # One task per GPU (srun, not torchrun): Megatron's init reads SLURM_PROCID / SLURM_NTASKS.
     learner = executor([f"--nodes={learner_nodes}", f"--ntasks={learner_nodes * gpus}", f"--ntasks-per-node={gpus}",

@@ -119,6 +119,13 @@ def llama3_70b() -> SpiceConfig:
 # follow-up trains Qwen3-30B-A3B with EP=8. Experts hold ~96% of the parameters: split over EP they
 # fit where the dense layout would not (`spice plan --recipe NAME` prints the expert and all-to-all
 # terms).
+def _engine_experts(cfg: SpiceConfig) -> SpiceConfig:
+    """vLLM's expert parallelism in each engine: its TP GPUs hold whole experts (as vLLM serves
+    Qwen3-MoE) instead of a slice of every expert."""
+    cfg.rollout.engine_expert_parallel = True
+    return cfg
+
+
 def qwen3_30b_a3b() -> SpiceConfig:
     """The smallest layout that fits: two learner nodes (TP=2 with sequence parallelism, EP=16: the
     experts' all-to-all crosses the two nodes), one node of four engines x TP=2. A single 8-GPU
@@ -126,15 +133,15 @@ def qwen3_30b_a3b() -> SpiceConfig:
     Adam state are ~550 GB before activations, and top-8 routing saves ~100 KB per token per layer
     (planner: 86 GiB per GPU at TP=2, EP=8 with 4,096-token micro-batches); that needs selective
     recompute of the experts, not built yet."""
-    return paper_config("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B-Base", nodes=3, learner_nodes=2, tp=2, pp=1, ep=16,
-                        engine_tp=2, template="qwen3")
+    return _engine_experts(paper_config("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B-Base", nodes=3, learner_nodes=2, tp=2,
+                                        pp=1, ep=16, engine_tp=2, template="qwen3"))
 
 
 def qwen3_30b_a3b_multinode() -> SpiceConfig:
     """Four learner nodes (EP=8 inside each node's NVLink domain; four expert-data-parallel replicas
     shard the experts' optimizer state) and two engine nodes."""
-    return paper_config("qwen3_30b_a3b_multinode", "Qwen/Qwen3-30B-A3B-Base", nodes=6, learner_nodes=4, tp=2, pp=1,
-                        ep=8, engine_tp=2, template="qwen3")
+    return _engine_experts(paper_config("qwen3_30b_a3b_multinode", "Qwen/Qwen3-30B-A3B-Base", nodes=6,
+                                        learner_nodes=4, tp=2, pp=1, ep=8, engine_tp=2, template="qwen3"))
 
 
 def qwen3_235b_a22b() -> SpiceConfig:
@@ -142,8 +149,8 @@ def qwen3_235b_a22b() -> SpiceConfig:
     EP=16 (the all-to-all crosses two nodes); 8 engine nodes of one TP=8 engine each (470 GB of bf16
     weights leave 58 GB of KV cache per GPU; on 80 GB parts no TP=8 engine holds a useful cache).
     Qwen3-235B-A22B has no published base checkpoint: the post-trained model stands in."""
-    return paper_config("qwen3_235b_a22b", "Qwen/Qwen3-235B-A22B", nodes=24, learner_nodes=16, tp=4, pp=2, ep=16,
-                        engine_tp=8, template="qwen3", gpu_memory_gib=141.0)
+    return _engine_experts(paper_config("qwen3_235b_a22b", "Qwen/Qwen3-235B-A22B", nodes=24, learner_nodes=16, tp=4,
+                                        pp=2, ep=16, engine_tp=8, template="qwen3", gpu_memory_gib=141.0))
 
 
 # The paper's "Strong Challenger" baseline (and its figure 4a ablation): a fixed Qwen3-32B writes the

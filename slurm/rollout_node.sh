@@ -25,7 +25,7 @@ for (( i = 0; i < gpus / engine_tp; i++ )); do
   devices=$(seq -s, $(( i * engine_tp )) $(( (i + 1) * engine_tp - 1 )))
   CUDA_VISIBLE_DEVICES=$devices python -m spice_megatron.rollout.serve \
     --model "$SPICE_MODEL" --host 0.0.0.0 --port $(( port + i )) \
-    --tensor-parallel-size "$engine_tp" \
+    --tensor-parallel-size "$engine_tp" ${SPICE_ENGINE_EXPERT_PARALLEL:+--enable-expert-parallel} \
     --max-model-len "${SPICE_MAX_MODEL_LEN:-12288}" \
     --gpu-memory-utilization "${SPICE_GPU_MEMORY_UTILIZATION:-0.85}" \
     --weight-transfer "${SPICE_WEIGHT_TRANSFER:-spice}" \

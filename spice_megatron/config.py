@@ -306,6 +306,9 @@ class RolloutConfig:
     # wait for buckets from a sender that failed (an engine died mid-sync) before the sync is retried.
     sync_timeout: float = 300.0
     engine_tensor_parallel: int = 1  # GPUs per vLLM engine (cluster launchers start engines with it)
+    # mixture-of-experts engines: vLLM's expert parallelism over the engine's GPUs (its MoE layers
+    # split experts instead of slicing every expert over TP); GPU only
+    engine_expert_parallel: bool = False
     challenger_engine_tensor_parallel: int = 0  # a local fixed challenger's engine (0: engine_tensor_parallel)
     gpu_memory_utilization: float = 0.85  # vLLM's share of each engine GPU (weights + KV cache)
     # vLLM weight-transfer backend the engines receive through (see WEIGHT_TRANSFER_REFUSED and the README):

@@ -148,7 +148,8 @@ class Driver:
             if torch.cuda.is_available():  # refuse an engine that cannot hold the model, before it loads
                 check_challenger_engine(self.cfg)
         extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=tp,
-                            gpu_memory_utilization=ro.gpu_memory_utilization, weight_transfer=ro.weight_transfer)
+                            gpu_memory_utilization=ro.gpu_memory_utilization, weight_transfer=ro.weight_transfer,
+                            expert_parallel=ro.engine_expert_parallel and not challenger)
         # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier engines
         reserved = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + len(self.engines) * ro.engine_tensor_parallel
         started = start_engines(model, self.token, os.path.join(self.cfg.run.output_dir, "logs"), extra,

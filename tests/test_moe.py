@@ -308,3 +308,12 @@ def test_a_vllm_cpu_moe_engine_returns_the_experts_its_routers_chose(tmp_path):
     # the routing crosses the service in the packed encoding
     back = unpack_completions(pack_completions(out["sampled"]))
     assert all((a.routed_experts == b.routed_experts).all() for x, y in zip(back, out["sampled"]) for a, b in zip(x, y))
+
+
+def test_moe_engines_take_vllms_expert_parallelism_on_gpu_only():
+    from recipes import MOE_RECIPES, get_recipe
+    from spice_megatron.rollout.local import engine_args
+
+    assert "--enable-expert-parallel" in engine_args(4096, 1.0, 0, on_gpu=True, tensor_parallel=2, expert_parallel=True)
+    assert "--enable-expert-parallel" not in engine_args(4096, 1.0, 0, on_gpu=False, expert_parallel=True)
+    assert all(get_recipe(name).rollout.engine_expert_parallel for name in MOE_RECIPES)

@@ -115,6 +115,7 @@ def test_sbatch_matches_its_recipe(script):
     assert int(s["LEARNER_NODES"]) == cfg.cluster.split()[0]
     assert int(s["ENGINE_TP"]) == cfg.rollout.engine_tensor_parallel
     assert int(s["MAX_MODEL_LEN"]) == cfg.rollout.max_model_len
+    assert s.get("ENGINE_EP", "0") == ("1" if cfg.rollout.engine_expert_parallel else "0")
     assert int(s["gpus-per-node"]) == cfg.cluster.gpus_per_node
     plan = plan_layout(cfg)  # the recipe's layout fits the nodes the script asks for
     assert plan.learner_gpus == int(s["LEARNER_NODES"]) * cfg.cluster.gpus_per_node
@@ -250,6 +251,19 @@ def test_rollout_node_starts_one_engine_per_gpu_group_and_fails_with_any(fake_bi
         ("0,1", "8100"), ("2,3", "8101"), ("4,5", "8102"), ("6,7", "8103")]
     assert all(c["argv"][c["argv"].index("--tensor-parallel-size") + 1] == "2" for c in engines)
     assert all("t" * 32 not in c["argv"] for c in engines)
+    assert not any("--enable-expert-parallel" in c["argv"] for c in engines)
+
+
+def test_rollout_node_passes_expert_parallelism_to_moe_engines(fake_bin, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_EXIT_PORT": "8100",
+           "SPICE_MODEL": "/models/moe", "SPICE_ROLLOUT_TOKEN": "t" * 32, "SPICE_ENGINE_TP": "8",
+           "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": "8100", "SPICE_LOG_DIR": str(tmp_path / "logs"),
+           "SPICE_ENGINE_EXPERT_PARALLEL": "1"}
+    subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], env=env, capture_output=True, text=True,
+                   timeout=60)
+    (engine,) = [c for c in _records(log) if c["cmd"] == "python"]
+    assert "--enable-expert-parallel" in engine["argv"]
 
 
 def test_nccl_mismatch_names_a_remedy_that_reaches_torchs_nccl(tmp_path):

@@ -51,9 +51,11 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
-                 kv_cache_gib: float | None = None, weight_transfer: str = "spice", return_routing: str = "auto"):
+                 kv_cache_gib: float | None = None, weight_transfer: str = "spice", return_routing: str = "auto",
+                 enable_expert_parallel: bool = False):
         """`return_routing`: each completion carries the experts the engine's routers chose for its
-        tokens (routing replay); auto: on for mixture-of-experts models."""
+        tokens (routing replay); auto: on for mixture-of-experts models. `enable_expert_parallel`:
+        vLLM's expert parallelism over the engine's tensor-parallel GPUs."""
         on_cpu = not torch.cuda.is_available()
         # In-process engine core: `step()` drives it, so a pause between two steps is exact, and it
         # starts in seconds instead of ~45 s on CPU. GPU-only difference: none in this code path;
@@ -82,6 +84,10 @@ class VLLMEngine:
         if return_routing == "on" and top_k is None:
             raise ValueError(f"return_routing: on, but {model_dir} is not a mixture-of-experts model")
         self.returns_routing = top_k is not None and return_routing != "off"
+        if enable_expert_parallel:
+            if top_k is None:
+                raise ValueError(f"enable_expert_parallel: {model_dir} is not a mixture-of-experts model")
+            extra["enable_expert_parallel"] = True
         if self.returns_routing and not on_cpu:
             extra["enable_return_routed_experts"] = True  # vLLM's own; needs Model Runner V2
         elif self.returns_routing:

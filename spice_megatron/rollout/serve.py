@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: 1 GiB on CPU)")
     ap.add_argument("--weight-transfer", default="spice",
                     help="vLLM weight-transfer backend (rollout.weight_transfer): spice, nccl, ipc, nccl_m2n")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="vLLM's expert parallelism over this engine's GPUs (mixture-of-experts models)")
     ap.add_argument("--return-routing", choices=["auto", "on", "off"], default="auto",
                     help="completions carry the experts chosen per token (routing replay); auto: for MoE models")
     ap.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             started["engine"] = VLLMEngine(args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
                                            args.gpu_memory_utilization, args.seed, None, args.kv_cache_gib,
-                                           args.weight_transfer, args.return_routing)
+                                           args.weight_transfer, args.return_routing, args.enable_expert_parallel)
         except BaseException as e:  # noqa: BLE001
             started["error"] = e
         finally:
