@@ -54,16 +54,22 @@ def saved_bytes(learner, seq: int) -> int:
     return total
 
 
-def build(hidden: int, layers: int, moe: bool, dtype: str):
+def build(hidden: int, layers: int, moe: bool, dtype: str, model: str = ""):
+    """A few layers of `model`'s widths (a known hub id or an HF directory), or a small Qwen3."""
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
     from spice_megatron.offline_assets import tiny_hf_config
     from spice_megatron.policy.learner import Learner
     from spice_megatron.policy.model import model_spec_from_hf
 
-    heads = max(4, hidden // 64)
-    cfg = tiny_hf_config("qwen3_moe" if moe else "qwen3", vocab_size=1024, hidden_size=hidden, num_layers=layers,
-                         num_heads=heads, num_kv_heads=heads // 4 or 1, head_dim=64, intermediate_size=3 * hidden,
-                         num_experts=16, top_k=4, moe_intermediate_size=hidden // 2)
+    if model:
+        from spice_megatron.planner import model_spec
+
+        cfg = dict(model_spec(model).hf_config, num_hidden_layers=layers, vocab_size=1024, tie_word_embeddings=False)
+    else:
+        heads = max(4, hidden // 64)
+        cfg = tiny_hf_config("qwen3_moe" if moe else "qwen3", vocab_size=1024, hidden_size=hidden, num_layers=layers,
+                             num_heads=heads, num_kv_heads=heads // 4 or 1, head_dim=64, intermediate_size=3 * hidden,
+                             num_experts=16, top_k=4, moe_intermediate_size=hidden // 2)
     return Learner(model_spec_from_hf(cfg), ParallelConfig(), OptimConfig(),
                    PolicyTrainConfig(dtype=dtype, routing_replay="off"))
 
@@ -74,6 +80,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--moe", action="store_true", help="Qwen3-MoE layers (16 experts of hidden/2, top-4)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--model", default="", help="a recipe model's widths, e.g. Qwen/Qwen3-4B-Base (planner's "
+                    "known models) or an HF directory; --hidden and --moe are then ignored")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     from spice_megatron.launch import free_port
@@ -84,19 +92,19 @@ def main() -> int:
     if args.layers < 2:
         ap.error("--layers: at least 2 (one layer's model is the baseline taken out)")
     s1, s2 = 64, 128
-    full = build(args.hidden, args.layers, args.moe, args.dtype)
+    full = build(args.hidden, args.layers, args.moe, args.dtype, args.model)
     spec = full.spec
     measured = {s: saved_bytes(full, s) for s in (s1, s2)}
     # embedding, final norm and logits: the same in a one-layer model, removed by the difference
-    one = build(args.hidden, 1, args.moe, args.dtype)
+    one = build(args.hidden, 1, args.moe, args.dtype, args.model)
     base = {s: saved_bytes(one, s) for s in (s1, s2)}
     y1, y2 = ((measured[s] - base[s]) / (args.layers - 1) for s in (s1, s2))
     b = (y2 / s2 - y1 / s1) / (s2 - s1)  # y = a s + b s^2 through both points
     a = y1 / s1 - b * s1
-    h = args.hidden
+    h = spec.hidden_size
     in_bf16 = a if args.dtype == "bf16" else a / 2  # the planner counts bf16 activations
     planned = learner_memory(spec, 1, 1, 1, 1).activations * 2**30 / spec.num_layers
-    print(f"{'Qwen3-MoE' if args.moe else 'Qwen3'} hidden {h}, {args.dtype}: per token per layer {a:.0f} bytes "
+    print(f"{args.model or ('Qwen3-MoE' if args.moe else 'Qwen3')} hidden {h}, {args.dtype}: per token per layer {a:.0f} bytes "
           f"({in_bf16 / h:.1f} h in bf16); attention scores {b:.1f} bytes x s^2 (none with flash attention)")
     print(f"planner: {planned:.0f} bytes = {planned / h:.1f} h per token per layer; measured / planned "
           f"{in_bf16 / planned:.2f}")

@@ -98,8 +98,11 @@ class Learner:
                                           etp=self.layout.etp, aux_loss_coeff=train.moe_aux_loss_coeff,
                                           routing_replay=spec.moe is not None,
                                           sequence_parallel=parallel.use_sequence_parallel and self.layout.tp > 1)
-        # micro-batches are padded to a multiple of TP under sequence parallelism
-        self.seq_multiple = self.layout.tp if self.tconfig.sequence_parallel else 1
+        # micro-batches are padded to a multiple of TP under sequence parallelism; on GPU of 128 too,
+        # the alignment Transformer Engine's kernels want (on CPU the padding would cost the tests)
+        self.seq_multiple = 1
+        if self.tconfig.sequence_parallel:
+            self.seq_multiple = math.lcm(self.layout.tp, 128) if torch.cuda.is_available() else self.layout.tp
         with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
             model = build_model(spec, self.tconfig, self.layout.is_first_stage, self.layout.is_last_stage)
         # Uniformly in the training dtype, as megatron's Float16Module makes it: the local layer
