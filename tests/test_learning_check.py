@@ -46,3 +46,13 @@ def test_the_challenger_verdict_compares_the_last_third_with_the_control():
     assert not challenger_verdict([learned], None)["learned"]
     nan = float("nan")  # an iteration without the metric does not count
     assert challenger_verdict([run("t", [0.1, 0.1, 0.1, 0.1, 0.9, nan], [0.1] * 6)], control)["learned"]
+
+
+def test_a_finished_run_is_reused_only_under_the_same_settings(tmp_path, capsys):
+    settings = {"iterations": 4, "lr": 1e-5, "extra": ["selfplay.invalid_penalty=-0.5"]}
+    assert learning_check._finished(str(tmp_path), "trained_b", settings) is None
+    learning_check._keep(str(tmp_path), "trained_b", settings, {"after": 32.5})
+    assert learning_check._finished(str(tmp_path), "trained_b", settings) == {"after": 32.5}
+    assert learning_check._finished(str(tmp_path), "trained_b", {**settings, "lr": 2e-5}) is None
+    assert "has other settings" in capsys.readouterr().out
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]  # written whole, then renamed
