@@ -18,7 +18,9 @@ Why these settings (measured with the base model, README "Self-play learning che
 - invalid_penalty (rho) = -0.5, the paper's -0.1 five times over: with leak_check="all" a leak is
   invalid, but at -0.1 it cost little against the 0.04 of a valid task nobody solves, and copying
   more of the story into the question is also what makes valid tasks answerable; in the lr 1e-5
-  check seed 4321's leak attempts grew from 12.5% to 25% of attempts (README "Does it learn?").
+  check seed 4321's leak attempts grew from 12.5% to 25% of attempts; at -0.5 they stayed at
+  10-15% (seed 1234's fell to 2%), and held-out accuracy after 4 iterations was 44.5% (seed 1234)
+  and 32.5% (seed 4321) from 25% (README "Does it learn?").
 - Four documents x G=8 per iteration: the main job's three iterations fit in minutes (the learner's
   step on 64 + 32 sequences dominates); the learning check takes 6 per iteration.
 """
