@@ -59,7 +59,8 @@ class RolloutBatch:
                 r = np.ascontiguousarray(x.routed_experts, dtype=np.int16)
                 d["routed_experts"] = {"shape": list(r.shape), "int16": base64.b64encode(r.tobytes()).decode("ascii")}
             seqs.append(d)
-        return {**dataclasses.asdict(self), "seqs": seqs}
+        # the other fields as they are: asdict(self) would deep-copy every sequence only to drop it
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seqs"}, "seqs": seqs}
 
     @classmethod
     def from_json(cls, d: dict) -> "RolloutBatch":

@@ -276,14 +276,9 @@ class Learner:
         if self.replay is None:
             return None, None
         moe = self.spec.moe
-        load = torch.zeros(moe.num_moe_layers, moe.num_experts + 2)
-        mine = self.replay.take_load()
-        if mine is not None:
-            load[:mine.shape[0]] += mine
+        differ, load = self.replay.take_counts(moe.num_moe_layers, moe.num_experts)
         # on the device: the default group is NCCL on GPU
-        counts = torch.cat([torch.tensor([float(self.replay.differ), float(self.replay.tokens)]), load.reshape(-1)])
-        counts = counts.to(self.device)
-        self.replay.take_metric()
+        counts = torch.cat([differ, load.reshape(-1)]).to(self.device)
         dist.all_reduce(counts)
         counts = counts.cpu()
         differs = float(counts[0] / counts[1]) if counts[1] > 0 else None

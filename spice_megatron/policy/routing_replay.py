@@ -76,10 +76,11 @@ class RoutingReplay:
             if m and getattr(module, "router_replay", None) is not None:
                 self.routers.append((module.router_replay, ordinal[int(m.group(1)) + layer_offset]))
                 self._wrap(module.router_replay)
-        self.differ = 0
-        self.tokens = 0
         self._valid: torch.Tensor | None = None
-        # per router: [expert counts..., entropy sum, tokens], summed over the step's forwards
+        # summed over the step's forwards on the router's device, copied to the host once per step
+        # (take_counts): [differing, engine-routed] (token, layer) pairs, and per router
+        # [expert counts..., entropy sum, tokens]
+        self._differ: torch.Tensor | None = None
         self.load: dict[int, torch.Tensor] = {}
 
     def _wrap(self, rr) -> None:
@@ -96,8 +97,8 @@ class RoutingReplay:
                                                                           group_topk=group_topk)[1]
                 valid = self._valid.to(scores.device)
                 changed = (own.sort(-1).values != target.to(own.device).long().sort(-1).values).any(-1)
-                self.differ += int((changed & valid).sum())
-                self.tokens += int(valid.sum())
+                pair = torch.stack([(changed & valid).sum(), valid.sum()]).float()
+                self._differ = pair if self._differ is None else self._differ + pair
             return probs, indices
 
         rr.get_replay_topk = get_replay_topk
@@ -108,19 +109,19 @@ class RoutingReplay:
             p = torch.softmax(scores.detach().float(), dim=-1)
             entropy = -(p * torch.log(p.clamp_min(1e-30))).sum()
             row = torch.cat([torch.bincount(indices.reshape(-1), minlength=n).float(), entropy.reshape(1),
-                             torch.tensor([float(scores.shape[0])], device=scores.device)]).cpu()
+                             torch.tensor([float(scores.shape[0])], device=scores.device)])
         self.load[layer] = self.load[layer] + row if layer in self.load else row
 
-    def take_load(self) -> torch.Tensor | None:
-        """[routers, experts + 2] (expert counts, entropy sum, tokens) since the last call (this
-        rank's routers, by global MoE-layer index), or None."""
-        if not self.load:
-            return None
-        out = torch.zeros(max(ordinal for _, ordinal in self.routers) + 1, next(iter(self.load.values())).numel())
+    def take_counts(self, num_moe_layers: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Since the last call, this rank's ([differing, engine-routed] (token, layer) pairs,
+        [MoE layers, experts + 2] expert counts, entropy sum and tokens by global MoE-layer index),
+        on the host; resets them."""
+        differ = self._differ.cpu() if self._differ is not None else torch.zeros(2)
+        load = torch.zeros(num_moe_layers, num_experts + 2)
         for i, row in self.load.items():
-            out[self.routers[i][1]] = row
-        self.load = {}
-        return out
+            load[self.routers[i][1]] = row.cpu()
+        self._differ, self.load = None, {}
+        return differ, load
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """[b, s, ...] -> the router's token order: sequence-first, this rank's sequence chunk under SP."""
@@ -146,9 +147,3 @@ class RoutingReplay:
                 rr.set_router_replay_action(self._action)
             else:  # measure only: the router picks its own experts
                 rr.clear_router_replay_action()
-
-    def take_metric(self) -> float | None:
-        """Share of engine-routed tokens whose learner routing differs, since the last call (this rank)."""
-        share = self.differ / self.tokens if self.tokens else None
-        self.differ = self.tokens = 0
-        return share
