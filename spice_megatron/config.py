@@ -243,6 +243,9 @@ class PolicyTrainConfig:
     trajectories_per_update: int = 0
     clip_low: float = 0.2
     clip_high: float = 0.2
+    # leave sequences whose advantage is zero out of the forward and backward: their DrGRPO gradient
+    # is exactly zero (the loss's normaliser counts them all the same); off: train them anyway
+    skip_zero_advantage: bool = True
     old_logprobs: str = "forward"  # forward: recompute before the update | rollout: the engine's
     temperature: float = 1.0  # logits are divided by the sampling temperature before log-softmax
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
@@ -262,6 +265,13 @@ class PolicyTrainConfig:
     # token (megatron's RouterReplay), so the gradient flows through the experts that produced the
     # samples. "auto": on for mixture-of-experts models.
     routing_replay: str = "auto"
+    # Activation memory (policy/activation_memory.py; the planner counts the same): megatron's fused
+    # SwiGLU (auto: on GPU), and recomputing in the backward what the forward would keep: off,
+    # selective (the recompute_modules of each layer: mlp, core_attn) or full (each layer
+    # from its input, about a third more compute)
+    fused_swiglu: str = "auto"
+    recompute: str = "off"
+    recompute_modules: list[str] = field(default_factory=lambda: ["mlp"])
 
     @property
     def use_tis(self) -> bool:
@@ -271,6 +281,13 @@ class PolicyTrainConfig:
         _require(self.max_staleness in (0, 1), f"{prefix}.max_staleness", "must be 0 (on-policy) or 1 (one step off)")
         _require(self.importance_sampling in ("auto", "on", "off"), f"{prefix}.importance_sampling",
                  "must be auto, on or off")
+        _require(self.fused_swiglu in ("auto", "on", "off"), f"{prefix}.fused_swiglu", "must be auto, on or off")
+        _require(self.recompute in ("off", "selective", "full"), f"{prefix}.recompute", "must be off, selective or full")
+        # megatron's "layernorm" recompute needs TE, whose layers fuse the norms into the linears: moot
+        allowed = ("mlp", "core_attn")
+        bad = [m for m in self.recompute_modules if m not in allowed]
+        _require(not bad and (self.recompute != "selective" or bool(self.recompute_modules)),
+                 f"{prefix}.recompute_modules", f"{bad or 'none given'}: choose from {', '.join(allowed)}")
         _require(self.tis_cap >= 1.0, f"{prefix}.tis_cap", "must be >= 1 (a cap below 1 down-weights on-policy tokens)")
         _require(not (self.use_tis and self.old_logprobs == "rollout"), f"{prefix}.importance_sampling",
                  "with train.old_logprobs=rollout the learner's old policy is the engine's: the weights would all be 1")
@@ -298,6 +315,8 @@ class RolloutConfig:
     kv_cache_gib: float = 1.0  # per local CPU engine
     request_timeout: float = 900.0
     health_timeout: float = 1800.0  # how long to wait for the engines to come up (large models load slowly)
+    # sequences (prompts x n) per /generate request at most; a phase is cut into one near-equal unit
+    # per healthy engine, or more of this size: the engine merges the requests that wait into one batch
     chunk_size: int = 64
     sync_host: str = ""  # where the stage senders meet the engines ("": loopback for local engines, else rank 0's host)
     sync_port: int = 0  # 0: pick a free port
@@ -323,6 +342,7 @@ class RolloutConfig:
         _require(bool(self.engines) or self.local_engines >= 1, f"{prefix}.local_engines",
                  "needs >= 1 when no rollout.engines are given")
         _require(self.bucket_mb > 0, f"{prefix}.bucket_mb", "must be > 0")
+        _require(self.chunk_size >= 1, f"{prefix}.chunk_size", "must be >= 1 (sequences per request)")
         _require(self.sync_timeout > 0, f"{prefix}.sync_timeout", "must be > 0")
         _require(self.engine_tensor_parallel >= 1, f"{prefix}.engine_tensor_parallel", "must be >= 1")
         _require(self.challenger_engine_tensor_parallel >= 0, f"{prefix}.challenger_engine_tensor_parallel",

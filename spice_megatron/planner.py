@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from spice_megatron.config import ClusterConfig, SpiceConfig
+from spice_megatron.config import ClusterConfig, ParallelConfig, PolicyTrainConfig, SpiceConfig
+from spice_megatron.policy.activation_memory import ActivationFlags, activation_flags, activation_terms
 from spice_megatron.policy.model import ModelSpec, model_spec_from_hf
 
 GiB = 2**30
@@ -91,19 +92,21 @@ class LearnerMemory:
 
 def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_tokens: int,
                    distributed_optimizer: bool = True, overhead_gib: float = 4.0, ep: int = 1,
-                   etp: int = 1) -> LearnerMemory:
-    """Per-GPU memory of the learner. Activations follow Korthikanti et al. (2022) with sequence
-    parallelism and flash attention (34 x hidden bytes per token per layer, divided by TP); 1F1B
-    keeps up to PP micro-batches in flight on the first stage. The last stage holds fp32 logits
-    (and their gradient) for one micro-batch.
+                   etp: int = 1, flags: ActivationFlags | None = None) -> LearnerMemory:
+    """Per-GPU memory of the learner. Activations: the saved tensors of each layer for the flags
+    the learner sets (`policy/activation_memory.py`; default: a GPU with Transformer Engine and
+    the default train config, sequence parallel when TP > 1); 1F1B keeps up to PP micro-batches in
+    flight on the first stage. The last stage holds fp32 logits (and their gradient) for one
+    micro-batch.
 
     Mixture-of-experts: the experts are split over EP x ETP ranks instead of TP, and their
-    optimizer state over the expert-data-parallel ranks (TP x DP / (EP x ETP)); the 34h figure
-    keeps its attention and norm part (~18h: its 16h MLP share is a dense MLP's), plus per routed
-    copy of a token (top-k of them) the dispatcher's permuted input and the expert's fc1 output,
-    SwiGLU output and combine buffer (2h + 3 x moe_ffn/ETP bf16 values). All-to-all: each routed
-    copy crosses once to its expert and once back, h bf16 values each way, in the forward and
-    twice in the backward; (EP-1)/EP of them leave the GPU."""
+    optimizer state over the expert-data-parallel ranks (TP x DP / (EP x ETP)); a MoE layer's
+    activations have expert terms for its MLP's. All-to-all: each routed copy crosses once to its
+    expert and once back, h bf16 values each way, in the forward and twice in the backward;
+    (EP-1)/EP of them leave the GPU."""
+    if flags is None:
+        flags = activation_flags(ParallelConfig(tensor_parallel=tp), PolicyTrainConfig(), tp, on_gpu=True,
+                                 transformer_engine=True)
     h, layers_per_stage = spec.hidden_size, math.ceil(spec.num_layers / pp)
     embedding = spec.vocab_size * h  # the first stage's input embedding or the last stage's output layer
     moe = spec.moe
@@ -123,11 +126,13 @@ def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_token
     shard, expert_shard = (dp, edp) if distributed_optimizer else (1, 1)
     weights, grads = 2 * (dense + expert_params), 4 * (dense + expert_params)
     optimizer = 12 * dense / shard + 12 * expert_params / expert_shard
-    per_token_layer = 34 * h / tp
+    per_token_layer = sum(activation_terms(spec, tp, flags).values())
     a2a = 0.0
     if moe is not None:
         routed = micro_batch_tokens / tp * moe.top_k  # this GPU's tokens (sequence parallel) times k
-        per_token_layer = 18 * h / tp + moe.top_k * 2 * (2 * h + 3 * moe.expert_ffn_hidden_size / etp) / tp
+        share = moe.num_moe_layers / spec.num_layers
+        per_token_layer = (1 - share) * per_token_layer + share * sum(
+            activation_terms(spec, tp, flags, moe_layer=True, etp=etp).values())
         a2a = routed * h * 2 * 2 * 3 * (ep - 1) / ep * moe.num_moe_layers / pp
     activations = per_token_layer * micro_batch_tokens * layers_per_stage * pp
     logits = 2 * 4 * micro_batch_tokens * spec.vocab_size / tp
@@ -263,8 +268,10 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         if spec.moe is not None and ((learner_gpus // pp) % ep or spec.moe.num_experts % ep):
             raise PlanError(f"parallel.expert_parallel: EP={ep} must divide num_experts={spec.moe.num_experts} and the "
                             f"{learner_gpus // pp} learner GPUs of a pipeline stage")
+        flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), cfg.train, tp, on_gpu=True,
+                                 transformer_engine=True)
         mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), tokens, cfg.optim.use_distributed_optimizer,
-                             ep=ep)
+                             ep=ep, flags=flags)
         if mem.total <= budget:
             break
         tried.append(f"TP={tp} PP={pp}: {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads {mem.gradients:.1f}, "

@@ -246,6 +246,71 @@ def test_two_steps_per_batch_use_the_ppo_clip(tiny_models, tmp_path):
     assert first_gap == pytest.approx(0.0, abs=1e-6)
 
 
+def _zero_advantage_rank(model_dir):
+    """The same batch with half its advantages zero, trained with and without skipping them, in one
+    and in two steps (the PPO path recomputes old log-probs for the trained ones only)."""
+    from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.policy.learner import Learner
+
+    out = {}
+    for steps in (1, 2):
+        for skip in (True, False):
+            train = PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, steps_per_batch=steps,
+                                      skip_zero_advantage=skip)
+            learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
+            seqs = train_batch()
+            for x in seqs[::2]:
+                x.advantage = 0.0
+            metrics = learner.train_on_batch(seqs)
+            out[(steps, skip)] = ([m.as_dict() for m in metrics], gathered_hf_state_dict(learner))
+        zero = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-2, adam_eps=1e-5),
+                               PolicyTrainConfig(max_gen_len=8, steps_per_batch=steps))
+        batch = train_batch()
+        for x in batch:
+            x.advantage = 0.0
+        out[(steps, "all zero")] = [m.as_dict() for m in zero.train_on_batch(batch)]  # a filler step, no error
+    return out
+
+
+@pytest.mark.multiprocess
+def test_zero_advantage_sequences_are_skipped_without_changing_the_step(tiny_models, tmp_path):
+    (res,) = run_ranks(_zero_advantage_rank, 1, tiny_models["qwen3_untied"], tmp_path=tmp_path)
+    for steps in (1, 2):
+        (skipped, w_skip), (full, w_full) = res[(steps, True)], res[(steps, False)]
+        assert [m["sequences"] for m in skipped] == [m["sequences"] for m in full] == [6 // steps] * steps
+        assert sum(m["trained_sequences"] for m in skipped) == 3 and sum(m["trained_sequences"] for m in full) == 6
+        for a, b in zip(skipped, full):  # the DrGRPO loss and gradient are those of the whole mini-batch
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert max((w_skip[k] - w_full[k]).abs().max().item() for k in w_full) < 1e-6, steps
+        assert all(m["trained_sequences"] == 0 and m["loss"] == 0.0 for m in res[(steps, "all zero")])
+
+
+def _recompute_rank(model_dir):
+    """One step with the MLPs, core attention or whole layers recomputed in the backward."""
+    from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.policy.learner import Learner
+
+    out = {}
+    for recompute, modules in (("off", ["mlp"]), ("selective", ["mlp"]), ("selective", ["core_attn"]), ("full", ["mlp"])):
+        train = PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, recompute=recompute, recompute_modules=modules)
+        learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
+        (m,) = learner.train_on_batch(train_batch())
+        out[f"{recompute} {modules[0]}"] = (m.loss, m.grad_norm, gathered_hf_state_dict(learner),
+                                            learner.tconfig.recompute_granularity)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_recomputed_layers_give_the_same_step(tiny_models, tmp_path):
+    (res,) = run_ranks(_recompute_rank, 1, tiny_models["qwen3_untied"], tmp_path=tmp_path)
+    loss, norm, weights, granularity = res.pop("off mlp")
+    assert granularity is None
+    for name, (l2, n2, w2, g2) in res.items():
+        assert g2 == name.split()[0], name
+        assert l2 == pytest.approx(loss, abs=1e-6) and n2 == pytest.approx(norm, rel=1e-5), name
+        assert max((w2[k] - weights[k]).abs().max().item() for k in weights) < 1e-6, name
+
+
 def _tiny_lr_and_direction_rank(model_dir, layouts):
     """bf16 and fp32 at each layout: (a) a step at lr=1e-9 leaves the loaded HF weights where they
     were; (b) one DrGRPO step at a real lr raises the log-probs of positive-advantage completions

@@ -9,7 +9,7 @@ import requests
 
 from dist_utils import free_port, run_ranks
 from spice_megatron.offline_assets import make_tiny_engine_model
-from spice_megatron.rollout.fleet import RolloutFleet
+from spice_megatron.rollout.fleet import Request, RolloutFleet
 from spice_megatron.rollout.local import start_engine, wait_healthy
 from spice_megatron.rollout.types import SamplingSpec
 
@@ -69,7 +69,8 @@ def test_greedy_through_the_service_equals_in_process_vllm(models, services, fam
 
 
 def test_seeded_sampling_is_reproducible_and_batching_independent(services):
-    fleet = RolloutFleet([services["qwen3"].url, services["qwen3_2"].url], TOKEN, chunk_size=1)
+    # chunk_size = n: one whole prompt per request (a prompt's samples split only when a unit needs it)
+    fleet = RolloutFleet([services["qwen3"].url, services["qwen3_2"].url], TOKEN, chunk_size=3)
     spec = SamplingSpec(n=3, temperature=1.0, max_tokens=10, seed=1234)
     try:
         a = fleet.generate(PROMPTS, spec)
@@ -82,7 +83,7 @@ def test_seeded_sampling_is_reproducible_and_batching_independent(services):
     # many concurrent chunks on one engine join the running batch together, same results
     url = services["qwen3"].url
     before = requests.get(url + "/health").json()
-    one_engine = RolloutFleet([url], TOKEN, chunk_size=1)
+    one_engine = RolloutFleet([url], TOKEN, chunk_size=3)
     try:
         d = one_engine.generate(PROMPTS * 4, spec)
     finally:
@@ -374,32 +375,56 @@ def test_pause_lets_the_batches_already_scheduled_finish_first():
 
 def test_every_healthy_engine_gets_a_near_equal_share_of_a_phase(monkeypatch):
     """N12: chunks of rollout.chunk_size prompts left engines idle (128 selections in chunks of 32:
-    4 of qwen3_8b's 8 engines; a later round of 3 pending documents: one). The HTTP call is stood in
-    for; the chunking and engine choice are the fleet's."""
+    4 of qwen3_8b's 8 engines; a later round of 3 pending documents: 3). Units of near-equal numbers
+    of sequences, a prompt's samples split where needed. The HTTP call is stood in for; the plan,
+    engine choice, seeds and reassembly are the fleet's."""
     from spice_megatron.rollout.types import Completion
 
-    fleet = RolloutFleet([f"http://engine{i}:8000" for i in range(8)], TOKEN, chunk_size=32)
+    fleet = RolloutFleet([f"http://engine{i}:8000" for i in range(8)], TOKEN, chunk_size=64)
     calls = []
 
     def post(engine, prompts, spec):
-        calls.append((engine.url, len(prompts)))
-        time.sleep(0.05)  # generating: the other chunks are submitted meanwhile
-        with fleet._lock:
-            engine.in_flight -= 1
-        return [[Completion(p)] * spec.n for p in prompts]
+        calls.append((engine.url, len(prompts) * spec.n, spec.seed))
+        time.sleep(0.05)  # generating: the other requests are submitted meanwhile
+        return [[Completion(f"{p}/{spec.seed + i}/{j}") for j in range(spec.n)] for i, p in enumerate(prompts)]
 
     monkeypatch.setattr(fleet, "_post_generate", post)
     spec = SamplingSpec(n=8, seed=1)
-    for prompts, chunk in ((128, 16), (3, 1), (1000, 32)):
+    for prompts, spread in ((128, 0), (3, 0), (1000, 64)):  # 1000 x 8: 125 units of 64 over 8 engines
         calls.clear()
         out = fleet.generate([f"p{i}" for i in range(prompts)], spec)
-        assert [c[0].text for c in out] == [f"p{i}" for i in range(prompts)]
-        assert max(n for _, n in calls) == chunk
-        assert len({url for url, _ in calls}) == min(8, prompts)  # every engine busy when there is work for it
-    fleet.engines[0].healthy = False  # 7 healthy engines share 128 prompts: chunks of 19
+        assert [len(c) for c in out] == [8] * prompts
+        assert all(c.text.startswith(f"p{i}/") for i, comps in enumerate(out) for c in comps)
+        texts = [c.text for comps in out for c in comps]
+        assert len(set(texts)) == len(texts)  # a split prompt's samples never share a seed
+        load = {}
+        for url, sequences, _ in calls:
+            load[url] = load.get(url, 0) + sequences
+        assert len(load) == 8 and max(load.values()) - min(load.values()) <= spread, load
+        assert max(sequences for _, sequences, _ in calls) <= 64  # the per-request cap
+    fleet.engines[0].healthy = False  # 7 healthy engines share 128 x 8
     calls.clear()
     fleet.generate([f"p{i}" for i in range(128)], spec)
-    assert max(n for _, n in calls) == 19 and "http://engine0:8000" not in {url for url, _ in calls}
+    assert "http://engine0:8000" not in {url for url, _, _ in calls}
+
+
+def test_a_phase_plan_covers_every_sample_once_in_near_equal_units():
+    from spice_megatron.rollout.fleet import plan_requests
+
+    for prompts, n, engines, cap in ((3, 8, 8, 64), (128, 8, 8, 64), (5, 3, 4, 2), (1, 16, 8, 64), (10, 8, 7, 9)):
+        plan = plan_requests(prompts, n, engines, cap)
+        seen = [(r.first + i, r.offset + j) for r in plan for i in range(r.count) for j in range(r.n)]
+        assert sorted(seen) == [(p, j) for p in range(prompts) for j in range(n)]
+        units = {}
+        for r in plan:
+            units[r.unit] = units.get(r.unit, 0) + r.sequences
+        size = max(units.values())
+        assert size <= cap and all(v == size for v in list(units.values())[:-1])  # the last unit may be short
+        seeds = [r.seed_offset(prompts) + i for r in plan for i in range(r.count)]
+        assert len(seeds) == len(set(seeds))
+    assert plan_requests(3, 8, 8, 64)[:3] == [Request(0, 1, 3, 0, 0), Request(0, 1, 3, 3, 1), Request(0, 1, 2, 6, 2)]
+    with pytest.raises(ValueError, match="engines 0"):
+        plan_requests(3, 8, 0, 64)
 
 
 def test_packed_responses_round_trip_and_old_engines_still_parse():

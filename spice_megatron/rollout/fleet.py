@@ -1,13 +1,15 @@
 """The fleet client: many generation requests across R rollout engines.
 
-Prompts are cut into chunks, as many as there are healthy engines (at most rollout.chunk_size
-prompts each), so that every engine holds a near-equal share of a phase: the selection step of 128
-documents, a later challenger round of a few pending documents, the reasoner's answers. Each chunk
-goes to the healthy engine with the fewest requests in flight. A chunk whose engine dies, errors or
-times out is retried on another engine; the first answer for a chunk is kept and any later one
-dropped, so every prompt is answered exactly once.
-Sampling seeds are per prompt (seed + global index), so results do not depend on which engine
-or chunk served a prompt.
+A phase's sequences (prompts x n) are cut into units of near-equal size, one per healthy engine
+(at most rollout.chunk_size sequences each), so that every engine holds a near-equal share of a
+phase: the selection step of 128 documents x 8, a later challenger round of a few pending documents
+(their samples split over the engines), the reasoner's answers. Each unit goes to the healthy engine
+with the fewest sequences in flight. A request whose engine dies, errors or times out is retried on
+another engine; the first answer for a request is kept and any later one dropped, so every sample
+is answered exactly once.
+Sampling seeds are per prompt (seed + global index; a split prompt's later samples seeds of their
+own), so results do not depend on which engine served a request; they do depend on how many
+engines were healthy when a prompt's samples had to be split.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ class EngineStats:
     url: str
     healthy: bool = True
     workers: int = 1  # vLLM workers (engine tensor parallel size): each one receives weights
-    in_flight: int = 0
+    in_flight: int = 0  # sequences (prompts x n) of its requests not answered yet
     requests: int = 0
     failures: int = 0
     tokens: int = 0
@@ -49,6 +51,52 @@ class EngineStats:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.busy_seconds if self.busy_seconds else 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One /generate request of a phase: prompts[first:first + count], each sampled n times. A prompt
+    whose samples are split over engines sends samples offset.. of its n as a request of its own."""
+    first: int
+    count: int
+    n: int
+    offset: int = 0
+    unit: int = 0  # requests of one unit go to one engine: a unit is one engine's share
+
+    @property
+    def sequences(self) -> int:
+        return self.count * self.n
+
+    def seed_offset(self, num_prompts: int) -> int:
+        """Prompt i of a request samples with seed + i (the engine's rule), so the request's seed is
+        seed + first; the later samples of a split prompt take seeds past every prompt's first."""
+        return self.first + self.offset * num_prompts
+
+
+def plan_requests(num_prompts: int, n: int, engines: int, cap: int) -> list[Request]:
+    """Cut a phase of num_prompts x n sequences into units of near-equal size, one per healthy engine
+    (at most `cap` sequences each: then several per engine), whole prompts where they fit and a
+    prompt's samples split between units where they do not."""
+    if num_prompts < 1 or n < 1 or engines < 1 or cap < 1:
+        raise ValueError(f"plan_requests: num_prompts {num_prompts}, n {n}, engines {engines}, cap {cap}")
+    size = max(1, min(cap, math.ceil(num_prompts * n / engines)))
+    plan: list[Request] = []
+    unit = fill = prompt = taken = 0  # taken: samples of `prompt` already planned
+    while prompt < num_prompts:
+        room = size - fill
+        if taken == 0 and n <= room:
+            count = min(room // n, num_prompts - prompt)
+            plan.append(Request(prompt, count, n, 0, unit))
+            prompt, fill = prompt + count, fill + count * n
+        else:
+            part = min(n - taken, room)
+            plan.append(Request(prompt, 1, part, taken, unit))
+            taken, fill = taken + part, fill + part
+            if taken == n:
+                prompt, taken = prompt + 1, 0
+        if fill == size:
+            unit, fill = unit + 1, 0
+    return plan
 
 
 class RolloutFleet:
@@ -102,7 +150,8 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------------- generation
 
-    def _pick(self, exclude: set[str]) -> EngineStats | None:
+    def _pick(self, exclude: set[str], sequences: int) -> EngineStats | None:
+        """The healthy engine (outside `exclude` if it can be) holding the fewest sequences in flight."""
         with self._lock:
             candidates = [e for e in self.engines if e.healthy and e.url not in exclude]
             if not candidates:
@@ -110,23 +159,18 @@ class RolloutFleet:
             if not candidates:
                 return None
             engine = min(candidates, key=lambda e: (e.in_flight, e.requests))
-            engine.in_flight += 1
+            engine.in_flight += sequences
             return engine
 
     def _post_generate(self, engine: EngineStats, prompts: list, spec: SamplingSpec) -> list[list[Completion]]:
         t0 = time.perf_counter()
-        try:
-            r = requests.post(engine.url + "/generate", json={"prompts": prompts, "sampling": spec.to_json(),
-                                                              "packed": True},
-                              headers=self._headers(), timeout=self.request_timeout)
-            if r.status_code >= 400:
-                raise FleetError(f"engine {engine.url}: HTTP {r.status_code}: {r.text[:300]}")
-            body = r.json()
-        finally:
-            with self._lock:
-                engine.in_flight -= 1
+        r = requests.post(engine.url + "/generate", json={"prompts": prompts, "sampling": spec.to_json(),
+                                                          "packed": True},
+                          headers=self._headers(), timeout=self.request_timeout)
+        if r.status_code >= 400:
+            raise FleetError(f"engine {engine.url}: HTTP {r.status_code}: {r.text[:300]}")
+        out = unpack_completions(r.json())
         dt = time.perf_counter() - t0
-        out = unpack_completions(body)
         with self._lock:
             engine.requests += 1
             engine.busy_seconds += dt
@@ -134,52 +178,73 @@ class RolloutFleet:
             engine.tokens += sum(len(c.token_ids) for comps in out for c in comps)
         return out
 
+    def plan(self, num_prompts: int, n: int, engines: int) -> list[Request]:
+        """A phase's requests: see `plan_requests`; a method so that a benchmark can compare policies."""
+        return plan_requests(num_prompts, n, engines, self.chunk_size)
+
     def generate(self, prompts: list[str | list[int]], spec: SamplingSpec) -> list[list[Completion]]:
         """For each prompt, spec.n completions, in prompt order."""
         if not prompts:
             return []
         healthy = sum(e.healthy for e in self.engines) or len(self.engines)
-        size = max(1, min(self.chunk_size, math.ceil(len(prompts) / healthy)))
-        chunks = [(start, prompts[start:start + size]) for start in range(0, len(prompts), size)]
+        plan = self.plan(len(prompts), spec.n, healthy)
         results: dict[int, list[list[Completion]]] = {}
-        attempts: dict[int, int] = {start: 0 for start, _ in chunks}
-        tried: dict[int, set[str]] = {start: set() for start, _ in chunks}
+        attempts = [0] * len(plan)
+        tried: list[set[str]] = [set() for _ in plan]
+        unit_engine: dict[int, EngineStats] = {}
         running: dict[Future, tuple[int, EngineStats]] = {}
 
-        def submit(start: int, chunk: list) -> None:
-            engine = self._pick(tried[start])
-            if engine is None:
-                raise NoEngineLeft("no healthy rollout engine left")
-            attempts[start] += 1
-            tried[start].add(engine.url)
-            chunk_spec = replace(spec, seed=None if spec.seed is None else spec.seed + start)
-            running[self._pool.submit(self._post_generate, engine, chunk, chunk_spec)] = (start, engine)
+        def submit(k: int) -> None:
+            req = plan[k]
+            engine = unit_engine.get(req.unit) if not attempts[k] else None
+            if engine is not None and engine.healthy:  # a unit's requests share its engine
+                with self._lock:
+                    engine.in_flight += req.sequences
+            else:
+                engine = self._pick(tried[k], req.sequences)
+                if engine is None:
+                    raise NoEngineLeft("no healthy rollout engine left")
+                unit_engine.setdefault(req.unit, engine)
+            attempts[k] += 1
+            tried[k].add(engine.url)
+            seed = None if spec.seed is None else spec.seed + req.seed_offset(len(prompts))
+            request_spec = replace(spec, n=req.n, seed=seed)
+            chunk = prompts[req.first:req.first + req.count]
+            running[self._pool.submit(self._post_generate, engine, chunk, request_spec)] = (k, engine)
 
-        by_start = dict(chunks)
-        for start, chunk in chunks:
-            submit(start, chunk)
+        def describe(k: int) -> str:
+            req = plan[k]
+            what = f"prompts {req.first}..{req.first + req.count - 1}"
+            return what if req.n == spec.n else f"{what} (samples {req.offset}..{req.offset + req.n - 1})"
+
+        for k in range(len(plan)):
+            submit(k)
         while running:
             done, _ = wait(list(running), return_when=FIRST_COMPLETED)
             for fut in done:
-                start, engine = running.pop(fut)
+                k, engine = running.pop(fut)
+                with self._lock:
+                    engine.in_flight -= plan[k].sequences
                 try:
                     out = fut.result()
+                    if len(out) != plan[k].count or any(len(comps) != plan[k].n for comps in out):
+                        raise FleetError(f"engine {engine.url} answered {[len(c) for c in out]} completions "
+                                         f"for {describe(k)}, {plan[k].n} each asked")
                 except (requests.RequestException, FleetError, ValueError) as e:
                     with self._lock:
                         engine.failures += 1
                         engine.healthy = False  # until a health check says otherwise
-                    log.warning("engine %s failed on prompts %d..%d (%s); retrying elsewhere",
-                                engine.url, start, start + len(by_start[start]) - 1, e)
-                    if attempts[start] >= self.max_attempts:
-                        raise FleetError(f"prompts {start}..{start + len(by_start[start]) - 1} failed on "
-                                         f"{attempts[start]} engines; last error: {e}") from e
-                    submit(start, by_start[start])
+                    log.warning("engine %s failed on %s (%s); retrying elsewhere", engine.url, describe(k), e)
+                    if attempts[k] >= self.max_attempts:
+                        raise FleetError(f"{describe(k)} failed on {attempts[k]} engines; last error: {e}") from e
+                    submit(k)
                     continue
-                if start not in results:  # exactly once: the first answer wins
-                    if len(out) != len(by_start[start]):
-                        raise FleetError(f"engine {engine.url} answered {len(out)} of {len(by_start[start])} prompts")
-                    results[start] = out
-        return [comps for start, _ in chunks for comps in results[start]]
+                results.setdefault(k, out)  # exactly once: the first answer wins
+        answers: list[list[Completion]] = [[] for _ in prompts]
+        for k, req in enumerate(plan):  # in plan order: a prompt's samples in offset order
+            for i, comps in enumerate(results[k]):
+                answers[req.first + i].extend(comps)
+        return answers
 
     # ------------------------------------------------------------------------- weight updates
 
