@@ -192,6 +192,62 @@ def check_vocab_parallel_peak(seq: int = 4096, vocab: int = 151_936) -> tuple[bo
 
 # ----------------------------------------------------------------------------- driver
 
+def check_activation_memory(on_gpu: bool) -> tuple[bool, str]:
+    """What a learner layer saves (saved-tensor hooks, tools/measure_activations.py) against the
+    planner's terms for the flags the learner sets: on GPU at Qwen3-4B widths with megatron's
+    compiled fused SwiGLU and with the MLPs recomputed; on CPU (the smoke run) at a small width."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from measure_activations import hf_config, measure
+
+    config = hf_config(0, 2, False, "Qwen/Qwen3-4B-Base") if on_gpu else hf_config(128, 2, False)
+    parts, worst = [], 0.0
+    for name, train in (("default", {}), ("recompute_mlp", dict(recompute="selective", recompute_modules=["mlp"]))):
+        r = measure(config, 1, "bf16", train)
+        planned = sum(r["terms"].values())
+        worst = max(worst, abs(r["a"] / planned - 1))
+        parts.append(f"{name} {r['a'] / r['hidden']:.1f}h vs planner {planned / r['hidden']:.1f}h "
+                     f"(fused SwiGLU {r['flags'].fused_swiglu}, TE {r['flags'].transformer_engine})")
+    return worst <= 0.15, "; ".join(parts) + f"; largest |measured/planned - 1| {worst:.2f} (<= 0.15)"
+
+
+def _fragmentation(out: str) -> None:
+    """In a child process (the allocator reads PYTORCH_CUDA_ALLOC_CONF once): train steps on
+    micro-batches of lengths that change every step, as RL batches do; peak reserved / allocated."""
+    from spice_megatron.policy.batching import TrainSequence
+
+    model_dir = make_tiny_qwen3(os.path.join(os.path.dirname(out), "frag_model"), config=dict(
+        TINY, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64))
+    lr = learner(model_dir, "bf16", 1e-6)
+    lr.train_cfg.micro_batch_tokens = 16384
+    g = torch.Generator().manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(12):
+        seqs = []
+        for _ in range(8):
+            n = int(torch.randint(64, 2048, (1,), generator=g))
+            ids = torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist()
+            seqs.append(TrainSequence(ids[:32], ids[32:], advantage=0.5))
+        lr.train_on_batch(seqs)
+    json.dump({"reserved": torch.cuda.max_memory_reserved(), "allocated": torch.cuda.max_memory_allocated()},
+              open(out, "w"))
+
+
+def check_fragmentation(work: str) -> tuple[bool, str]:
+    """Peak reserved over peak allocated with and without expandable segments (what the learner sets)."""
+    ratios = {}
+    for conf in ("", "expandable_segments:True"):
+        out = os.path.join(work, f"frag_{bool(conf)}.json")
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf, "MASTER_PORT": str(_free_port())}
+        subprocess.run([sys.executable, __file__, "--fragmentation", out], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        r = json.load(open(out))
+        ratios[conf or "default"] = r["reserved"] / r["allocated"]
+    ok = ratios["expandable_segments:True"] <= ratios["default"] + 0.01
+    return ok, ("peak reserved / allocated over 12 steps of changing lengths: default allocator "
+                f"{ratios['default']:.2f}, expandable segments {ratios['expandable_segments:True']:.2f}")
+
+
 def _free_port() -> int:
     from spice_megatron.launch import free_port
 
@@ -203,6 +259,7 @@ def main() -> int:
     ap.add_argument("--allow-cpu", action="store_true", help="run on CPU (GPU-only checks are skipped)")
     ap.add_argument("--cpu-logprobs", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--receiver", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--fragmentation", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -211,6 +268,9 @@ def main() -> int:
         return 0
     if args.receiver:
         _receiver(int(args.receiver[0]), args.receiver[1], args.receiver[2])
+        return 0
+    if args.fragmentation:
+        _fragmentation(args.fragmentation)
         return 0
     import megatron.core
 
@@ -234,7 +294,9 @@ def main() -> int:
                   ("weight_sync_gloo_to_cpu_receiver", lambda: check_weight_sync(model_dir, work, "gloo")),
                   ("weight_sync_nccl", lambda: check_weight_sync(model_dir, work, "nccl") if on_gpu
                    else (None, "needs GPUs")),
-                  ("vocab_parallel_logprob_peak", check_vocab_parallel_peak)]
+                  ("vocab_parallel_logprob_peak", check_vocab_parallel_peak),
+                  ("activation_memory_vs_planner", lambda: check_activation_memory(on_gpu)),
+                  ("allocator_fragmentation", lambda: check_fragmentation(work) if on_gpu else (None, "needs a GPU"))]
         for name, fn in checks:
             t0 = time.perf_counter()
             try:

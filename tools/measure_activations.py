@@ -57,7 +57,7 @@ def saved_bytes(learner, seq: int) -> int:
         return t
 
     tokens = torch.randint(0, learner.spec.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
-    positions = torch.arange(seq).unsqueeze(0)
+    tokens, positions = tokens.to(learner.device), torch.arange(seq, device=learner.device).unsqueeze(0)
     learner.model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cpu_compat.cuda_to_cpu():
         out = learner.model(tokens, positions, attention_mask=None)

@@ -59,6 +59,10 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
                           f"= {cfg.tensor_parallel} x {cfg.pipeline_parallel}")
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
+        # RL micro-batches change length every step and fragment the caching allocator; its
+        # expandable segments grow in place instead (read once, at CUDA's first allocation; a
+        # setting of the user's is kept). tools/gpu_check.py allocator_fragmentation measures it.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         # modulo: a launcher that starts one task per node with CUDA_VISIBLE_DEVICES per task
         # leaves each task fewer devices than its local rank suggests
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
