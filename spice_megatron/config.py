@@ -218,6 +218,10 @@ class OptimConfig:
     decay_steps: int | None = None  # None: constant after warmup
     decay_style: str = "constant"  # constant | linear | cosine
     use_distributed_optimizer: bool = False
+    # How the distributed optimizer's state is checkpointed: dp_reshardable, each data-parallel rank
+    # writes its own shard (no exchange; resumes at the same TP x PP x EP, any DP); fully_reshardable,
+    # gathered per model-parallel group first (resumes at any layout: set it for the save before one)
+    checkpoint_sharding: str = "dp_reshardable"
 
     def validate(self, prefix: str = "optim") -> None:
         _require(self.lr >= 0, f"{prefix}.lr", f"must be >= 0 (0 freezes the weights: a negative control), got {self.lr}")
@@ -227,6 +231,8 @@ class OptimConfig:
         _require(self.warmup_steps >= 0, f"{prefix}.warmup_steps", "must be >= 0")
         _require(self.decay_style in ("constant", "linear", "cosine"), f"{prefix}.decay_style",
                  "must be constant, linear or cosine")
+        _require(self.checkpoint_sharding in ("dp_reshardable", "fully_reshardable"), f"{prefix}.checkpoint_sharding",
+                 "must be dp_reshardable or fully_reshardable")
         _require(self.decay_style == "constant" or (self.decay_steps or 0) > self.warmup_steps,
                  f"{prefix}.decay_steps", "must exceed warmup_steps for a decaying schedule")
 

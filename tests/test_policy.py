@@ -405,18 +405,39 @@ class _DistOptimizerStandIn:
 def test_distributed_optimizer_checkpoints_ask_for_a_supported_sharding():
     from types import SimpleNamespace
 
-    from spice_megatron.policy.checkpoint import DIST_OPTIMIZER_SHARDING, _sharded_state
+    from spice_megatron.policy.checkpoint import _sharded_state, optimizer_metadata
 
     optimizer = _DistOptimizerStandIn()
     learner = SimpleNamespace(optimizer=optimizer, optim_cfg=OptimConfig(use_distributed_optimizer=True),
                               layout=None, model=SimpleNamespace(sharded_state_dict=lambda: {}))
-    assert _sharded_state(learner, False, True, False)["optimizer"] == {
-        "param_state_sharding_type": DIST_OPTIMIZER_SHARDING}
-    _sharded_state(learner, True, True, False, "dp_reshardable")  # a load uses the type the save recorded
-    assert optimizer.calls == [(False, "fully_reshardable"), (True, "dp_reshardable")]
-    plain = SimpleNamespace(optim_cfg=OptimConfig())
-    from spice_megatron.policy.checkpoint import optimizer_metadata
-    assert optimizer_metadata(plain) is None
+    assert learner.optim_cfg.checkpoint_sharding == "dp_reshardable"  # routine saves: no gather
+    assert _sharded_state(learner, False, True, False, "dp_reshardable")["optimizer"] == {
+        "param_state_sharding_type": "dp_reshardable"}
+    _sharded_state(learner, True, True, False, "fully_reshardable")  # a load uses the type the save recorded
+    assert optimizer.calls == [(False, "dp_reshardable"), (True, "fully_reshardable")]
+    assert optimizer_metadata(SimpleNamespace(optim_cfg=OptimConfig()), "dp_reshardable") is None
+    with pytest.raises(ConfigError, match="optim.checkpoint_sharding"):
+        OptimConfig(checkpoint_sharding="fully_sharded_model_space").validate()
+
+
+def test_a_dp_sharded_optimizer_state_loads_only_at_its_model_parallel_layout():
+    from types import SimpleNamespace
+
+    from spice_megatron.policy.checkpoint import check_optimizer_resharding
+
+    saved = {"tp": 2, "pp": 1, "dp": 4, "ep": 1, "distributed_optimizer": True, "optimizer_sharding": "dp_reshardable"}
+    at = lambda tp, pp, dp, ep=1: SimpleNamespace(tp=tp, pp=pp, dp=dp, ep=ep)  # noqa: E731
+    check_optimizer_resharding("ck", saved, at(2, 1, 8), True)  # DP changes: megatron reshards the DP shards
+    with pytest.raises(ConfigError, match=r"ck: .*dp_reshardable.*TP=2 PP=1 EP=1.*this run is TP=4 PP=1") as e:
+        check_optimizer_resharding("ck", saved, at(4, 1, 2), True)
+    assert "fully_reshardable for one checkpoint" in str(e.value)
+    with pytest.raises(ConfigError, match="distributed optimizer False"):
+        check_optimizer_resharding("ck", saved, at(2, 1, 4), False)
+    check_optimizer_resharding("ck", {**saved, "optimizer_sharding": "fully_reshardable"}, at(4, 2, 1), True)
+    legacy = {"tp": 2, "pp": 1, "dp": 4}  # before the setting: gathered, loads anywhere
+    check_optimizer_resharding("ck", legacy, at(1, 2, 4), True)
+    plain = {**saved, "distributed_optimizer": False}  # a non-distributed optimizer's state reshards itself
+    check_optimizer_resharding("ck", plain, at(1, 1, 8), False)
 
 
 def _updates_rank(model_dir, layouts):

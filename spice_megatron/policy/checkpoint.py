@@ -21,17 +21,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from spice_megatron.config import ConfigError
 from spice_megatron.policy import cpu_compat
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-# How megatron's distributed optimizer lays out its state in a checkpoint. megatron-core 0.16.1
-# defaults to 'fully_sharded_model_space', which raises "ShardedTensor.flattened_range is not
-# supported" at the first save. 'fully_reshardable' keeps this module's promise that a checkpoint
-# loads at any TP x PP x DP (DP rank 0 of each model-parallel group gathers its state on save);
-# Megatron-LM's faster 'dp_reshardable' would restrict resharding to DP.
-DIST_OPTIMIZER_SHARDING = "fully_reshardable"
+# How megatron's distributed optimizer lays out its state in a checkpoint (optim.checkpoint_sharding).
+# megatron-core 0.16.1 defaults to 'fully_sharded_model_space', which raises "ShardedTensor.flattened_range
+# is not supported" at the first save. 'dp_reshardable' writes each DP rank's shard as it is, fully in
+# parallel; 'fully_reshardable' all-gathers the state within each DP group first (the whole optimizer
+# state in every rank's host memory: tools/bench_checkpoint.py) so that any TP x PP x DP can load it.
+# Checkpoints from before the setting existed were fully_reshardable (layout.json says which).
+LEGACY_OPTIMIZER_SHARDING = "fully_reshardable"
 
 
 def _step_dir(step: int) -> str:
@@ -59,15 +61,14 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def optimizer_metadata(learner, sharding: str = DIST_OPTIMIZER_SHARDING) -> dict | None:
+def optimizer_metadata(learner, sharding: str) -> dict | None:
     """The `metadata` megatron's optimizers take in sharded_state_dict (None: not distributed)."""
     if not learner.optim_cfg.use_distributed_optimizer:
         return None
     return {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
 
 
-def _sharded_state(learner, is_loading: bool, with_optimizer: bool, with_rng: bool,
-                   sharding: str = DIST_OPTIMIZER_SHARDING) -> dict:
+def _sharded_state(learner, is_loading: bool, with_optimizer: bool, with_rng: bool, sharding: str) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     lay = learner.layout
@@ -97,13 +98,16 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
         os.makedirs(tmp)
     dist.barrier()
     with cpu_compat.cuda_to_cpu():
-        dist_checkpointing.save(_sharded_state(learner, False, not model_only, not model_only), tmp)
+        dist_checkpointing.save(_sharded_state(learner, False, not model_only, not model_only,
+                                               learner.optim_cfg.checkpoint_sharding), tmp)
     dist.barrier()
     if rank == 0:
         lay = learner.layout
         with open(os.path.join(tmp, "layout.json"), "w") as f:
-            json.dump({"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "step": step, "learner_steps": learner.steps,
-                       "model_only": model_only, "optimizer_sharding": DIST_OPTIMIZER_SHARDING}, f)
+            json.dump({"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "step": step,
+                       "learner_steps": learner.steps, "model_only": model_only,
+                       "distributed_optimizer": learner.optim_cfg.use_distributed_optimizer,
+                       "optimizer_sharding": learner.optim_cfg.checkpoint_sharding}, f)
         if not model_only:
             with open(os.path.join(tmp, "scheduler.json"), "w") as f:
                 json.dump(learner.scheduler.state_dict(), f)
@@ -156,13 +160,15 @@ def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, A
     lay = learner.layout
     same_layout = (saved["tp"], saved["pp"], saved["dp"]) == (lay.tp, lay.pp, lay.dp)
     with_optimizer = not (model_only or saved.get("model_only", False))
+    sharding = saved.get("optimizer_sharding", LEGACY_OPTIMIZER_SHARDING)
+    if with_optimizer:
+        check_optimizer_resharding(path, saved, lay, learner.optim_cfg.use_distributed_optimizer)
     if not same_layout and with_optimizer and dist.get_rank() == 0:
         log.warning("checkpoint %s was saved at TP=%d PP=%d DP=%d; resharding to TP=%d PP=%d DP=%d "
                     "(RNG states are not restored)", path, saved["tp"], saved["pp"], saved["dp"], lay.tp, lay.pp, lay.dp)
     with cpu_compat.cuda_to_cpu():
         state = dist_checkpointing.load(
-            _sharded_state(learner, True, with_optimizer, with_optimizer and same_layout,
-                           saved.get("optimizer_sharding", DIST_OPTIMIZER_SHARDING)), path)
+            _sharded_state(learner, True, with_optimizer, with_optimizer and same_layout, sharding), path)
         learner.model.load_state_dict(state["model"])
         if with_optimizer:
             learner.optimizer.load_state_dict(state["optimizer"])
@@ -176,6 +182,23 @@ def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, A
         learner.scheduler.load_state_dict(json.load(f))
     learner.steps = saved.get("learner_steps", 0)
     return read_trainer_state(path)
+
+
+def check_optimizer_resharding(path: str, saved: dict, layout, distributed: bool) -> None:
+    """A dp_reshardable optimizer state loads only where each DP shard means the same parameters:
+    the same TP x PP x EP (any DP) and the distributed optimizer on both sides."""
+    if saved.get("optimizer_sharding", LEGACY_OPTIMIZER_SHARDING) != "dp_reshardable" or not (
+            saved.get("distributed_optimizer") or distributed):
+        return
+    was = (saved["tp"], saved["pp"], saved.get("ep", 1), bool(saved.get("distributed_optimizer")))
+    now = (layout.tp, layout.pp, layout.ep, distributed)
+    if was != now:
+        raise ConfigError(
+            f"checkpoint {path}: its optimizer state was saved per data-parallel shard (optim.checkpoint_sharding="
+            f"dp_reshardable) at TP={was[0]} PP={was[1]} EP={was[2]}, distributed optimizer {was[3]}; this run is "
+            f"TP={now[0]} PP={now[1]} EP={now[2]}, distributed optimizer {now[3]}. Resume at the saved layout (with "
+            "optim.checkpoint_sharding=fully_reshardable for one checkpoint, which any layout loads), or take the "
+            "weights alone (tools/convert_to_hf.py) and start a fresh optimizer")
 
 
 def read_trainer_state(path: str) -> dict[str, Any]:

@@ -27,6 +27,9 @@ from spice_megatron.policy.parallel import Layout, current_layout, init_distribu
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
 
 log = logging.getLogger(__name__)
+# tools/bench_checkpoint.py measures the distributed optimizer's saves on CPU, where its restore is
+# broken (below): it alone turns the refusal off
+ALLOW_TORCH_DISTRIBUTED_OPTIMIZER = False
 ZERO_ADVANTAGE = 1e-12  # |advantage| at or below it: a group's rewards were equal (rounding aside)
 
 
@@ -82,7 +85,7 @@ class Learner:
 
         for c in (parallel, optim, train):
             c.validate()
-        if optim.use_distributed_optimizer and USING_PYTORCH_OPTIMIZER:
+        if optim.use_distributed_optimizer and USING_PYTORCH_OPTIMIZER and not ALLOW_TORCH_DISTRIBUTED_OPTIMIZER:
             # megatron-core 0.16.1's torch fallback restores one shared Adam `step` tensor for all
             # parameters on load, silently corrupting resumed runs (notes/megatron-core-on-cpu.md).
             raise ConfigError("optim.use_distributed_optimizer: needs Transformer Engine or apex; the torch "
