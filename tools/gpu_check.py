@@ -192,6 +192,66 @@ def check_vocab_parallel_peak(seq: int = 4096, vocab: int = 151_936) -> tuple[bo
 
 # ----------------------------------------------------------------------------- driver
 
+def check_versions_and_checksums(on_gpu: bool) -> tuple[bool, str]:
+    """G0 of the review: the APIs the sync relies on, and checksums equal on GPU and CPU (the engines
+    checksum what they load on their device, the senders on theirs)."""
+    import torch.distributed as dist
+    from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
+
+    from spice_megatron.bridge.weight_sync import tensor_checksum
+    from spice_megatron.policy.model import have_transformer_engine
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=g).to(dtype) for n in (1, 3, 4099, 65_537, (1 << 21) + 5, 1 << 22)
+               for dtype in (torch.float32, torch.bfloat16)]
+    device = "cuda" if on_gpu else "cpu"
+    equal = sum(tensor_checksum(t.to(device)) == tensor_checksum(t) for t in tensors)
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else "-"
+    options = hasattr(dist, "ProcessGroupNCCL") and hasattr(dist.ProcessGroupNCCL, "Options")
+    return equal == len(tensors), (f"checksums {device} == cpu {equal}/{len(tensors)} (up to 16 MiB, fp32/bf16); "
+                                   f"nccl {nccl}; ProcessGroupNCCL.Options {options}; TE {have_transformer_engine()}; "
+                                   f"torch optimizer fallback {USING_PYTORCH_OPTIMIZER}")
+
+
+def check_stream_handover() -> tuple[bool, str]:
+    """G1: a bucket written on the receiving thread's stream (NCCL's broadcast, modelled by a sleep
+    then a fill) and read on another thread's current stream (vLLM's worker). Without the handover
+    the read races the write; with weight_sync.StreamHandover it waits."""
+    import queue
+    import threading
+
+    from spice_megatron.bridge.weight_sync import StreamHandover
+
+    def race(handover: bool) -> bool:
+        box: queue.Queue = queue.Queue()
+
+        def receive() -> None:
+            x = torch.zeros(1 << 24, device="cuda")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # the broadcast still writing
+                x.fill_(1)
+            torch.cuda.current_stream().wait_stream(side)  # what work.wait() does: this thread's stream only
+            box.put((x, StreamHandover.mark(x.device)))
+
+        torch.cuda.set_stream(torch.cuda.Stream())  # the consumer's own stream, as vLLM's worker has
+        t = threading.Thread(target=receive)
+        t.start()
+        x, mark = box.get()
+        t.join()
+        if handover:
+            mark.to_current_stream([x])
+        ok = x.sum().item() == x.numel()
+        torch.cuda.synchronize()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        return ok
+
+    raced, handed = race(False), race(True)
+    return handed and not raced, (f"read without the handover complete: {raced} (expected False: the race is real); "
+                                  f"with StreamHandover: {handed}")
+
+
 def check_activation_memory(on_gpu: bool) -> tuple[bool, str]:
     """What a learner layer saves (saved-tensor hooks, tools/measure_activations.py) against the
     planner's terms for the flags the learner sets: on GPU at Qwen3-4B widths with megatron's
@@ -285,7 +345,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="spice_gpu_check_") as work:
         model_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3"))
         moe_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3_moe"), config=TINY_MOE)
-        checks = [("bf16_hf_load_then_step", lambda: check_hf_load_then_step(model_dir)),
+        checks = [("versions_and_checksums", lambda: check_versions_and_checksums(on_gpu)),
+                  ("stream_handover", lambda: check_stream_handover() if on_gpu else (None, "needs a GPU")),
+                  ("bf16_hf_load_then_step", lambda: check_hf_load_then_step(model_dir)),
                   # Qwen3-MoE: TE's grouped-GEMM expert names (linear_fc1.weight<i>) on GPU, SequentialMLP on CPU
                   ("moe_bf16_hf_load_then_step", lambda: check_hf_load_then_step(moe_dir)),
                   ("moe_logprobs_gpu_vs_cpu", lambda: check_logprobs_gpu_vs_cpu(moe_dir, work)),
