@@ -170,6 +170,18 @@ def check_weight_sync(model_dir: str, work: str, backend: str) -> tuple[bool, st
                  f"{seconds:.2f}s, identical and checksummed: {same}"
 
 
+def check_nccl_one_rank(model_dir: str) -> tuple[bool, str]:
+    """G6: the sync's raw ProcessGroupNCCL (its Options, timeout and shutdown) on a real CUDA torch:
+    a group of the sender alone, the learner's weights through it, then close()."""
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup, send_learner_weights
+
+    lr = learner(model_dir, "bf16", 1e-6)
+    group = WeightSyncGroup("127.0.0.1", _free_port(), 0, 1, 0, backend="nccl", timeout_s=60)
+    report = send_learner_weights(lr, group, version=1, bucket_bytes=1 << 20)
+    group.close()
+    return report.tensors > 0, f"{report.tensors} tensors in {report.buckets} buckets through a 1-rank NCCL group, closed"
+
+
 def check_vocab_parallel_peak(seq: int = 4096, vocab: int = 151_936) -> tuple[bool, str]:
     """The log-prob pass over Qwen3's vocabulary must not copy the logits more than a few times."""
     from spice_megatron.policy.learner import token_logprobs
@@ -356,6 +368,8 @@ def main() -> int:
                   ("weight_sync_gloo_to_cpu_receiver", lambda: check_weight_sync(model_dir, work, "gloo")),
                   ("weight_sync_nccl", lambda: check_weight_sync(model_dir, work, "nccl") if on_gpu
                    else (None, "needs GPUs")),
+                  ("weight_sync_nccl_one_rank", lambda: check_nccl_one_rank(model_dir) if on_gpu
+                   else (None, "needs a GPU")),
                   ("vocab_parallel_logprob_peak", check_vocab_parallel_peak),
                   ("activation_memory_vs_planner", lambda: check_activation_memory(on_gpu)),
                   ("allocator_fragmentation", lambda: check_fragmentation(work) if on_gpu else (None, "needs a GPU"))]
