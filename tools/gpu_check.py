@@ -170,6 +170,61 @@ def check_weight_sync(model_dir: str, work: str, backend: str) -> tuple[bool, st
                  f"{seconds:.2f}s, identical and checksummed: {same}"
 
 
+def _stage_sender(port: int, stage: int) -> None:
+    """A CPU stage sender of G2: 16 bf16 tensors of 8 MiB."""
+    from spice_megatron.bridge.weight_sync import BucketSender, WeightSyncGroup
+
+    group = WeightSyncGroup("127.0.0.1", port, stage, 2, 1, backend="gloo", timeout_s=120)
+    g = torch.Generator().manual_seed(stage)
+    sender = BucketSender(group, version=1, bucket_bytes=64 << 20)
+    for i in range(16):
+        t = torch.randn(4 << 20, generator=g).to(torch.bfloat16)
+        sender.reserve([(f"stage{stage}.t{i}", tuple(t.shape), t.dtype)])[0].copy_(t)
+    sender.close()
+    group.close()
+
+
+def check_concurrent_receive(on_gpu: bool) -> tuple[bool, str]:
+    """G2: two stage senders (gloo, CPU processes) into one receiver whose buckets land on the GPU
+    (gloo's CUDA broadcast orders only the receiving thread's stream, as NCCL's does), received
+    concurrently and checksummed on the consumer's own stream, as an engine worker does; once with
+    StreamHandover turned off (the race in the real code) and once as shipped. On CPU (the smoke
+    run) the same path with CPU buckets, where there is no stream to race."""
+    from spice_megatron.bridge import weight_sync
+    from spice_megatron.bridge.weight_sync import ReceivedManifest, WeightSyncGroup, receive_all, tensor_checksum
+
+    results = {}
+    for with_handover in (False, True):
+        port = _free_port()
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        senders = [subprocess.Popen([sys.executable, __file__, "--stage-sender", str(port), str(stage)], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for stage in (0, 1)]
+        group = WeightSyncGroup("127.0.0.1", port, 2, 2, 1, backend="gloo", timeout_s=120)
+        if on_gpu:
+            group.device = torch.device("cuda", 0)
+            torch.cuda.set_stream(torch.cuda.Stream())  # vLLM's worker reads on a stream of its own
+        original = weight_sync.StreamHandover.to_current_stream
+        if not with_handover:
+            weight_sync.StreamHandover.to_current_stream = lambda self, tensors: None
+        try:
+            manifest, held = ReceivedManifest(), {}
+            for bucket in receive_all(group, manifest, concurrent=True):
+                held.update({name: tensor_checksum(t) for name, t in bucket})
+        finally:
+            weight_sync.StreamHandover.to_current_stream = original
+            if on_gpu:
+                torch.cuda.synchronize()
+                torch.cuda.set_stream(torch.cuda.default_stream())
+            group.close()
+            for p in senders:
+                p.wait(120)
+        results[with_handover] = (sum(held.get(n) != c for n, c in manifest.checksums.items()), len(manifest.checksums))
+    (bad_off, n), (bad_on, _) = results[False], results[True]
+    return bad_on == 0 and n == 32, (f"{n} tensors (2 stages x 16 x 8 MiB bf16) received concurrently onto "
+                                     f"{'the GPU' if on_gpu else 'CPU'}: "
+                                     f"{bad_off} checksum mismatches without the stream handover, {bad_on} with it")
+
+
 def check_nccl_one_rank(model_dir: str) -> tuple[bool, str]:
     """G6: the sync's raw ProcessGroupNCCL (its Options, timeout and shutdown) on a real CUDA torch:
     a group of the sender alone, the learner's weights through it, then close()."""
@@ -332,6 +387,7 @@ def main() -> int:
     ap.add_argument("--cpu-logprobs", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--receiver", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--fragmentation", help=argparse.SUPPRESS)
+    ap.add_argument("--stage-sender", nargs=2, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -343,6 +399,9 @@ def main() -> int:
         return 0
     if args.fragmentation:
         _fragmentation(args.fragmentation)
+        return 0
+    if args.stage_sender:
+        _stage_sender(*args.stage_sender)
         return 0
     import megatron.core
 
@@ -359,6 +418,7 @@ def main() -> int:
         moe_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3_moe"), config=TINY_MOE)
         checks = [("versions_and_checksums", lambda: check_versions_and_checksums(on_gpu)),
                   ("stream_handover", lambda: check_stream_handover() if on_gpu else (None, "needs a GPU")),
+                  ("concurrent_receive", lambda: check_concurrent_receive(on_gpu)),
                   ("bf16_hf_load_then_step", lambda: check_hf_load_then_step(model_dir)),
                   # Qwen3-MoE: TE's grouped-GEMM expert names (linear_fc1.weight<i>) on GPU, SequentialMLP on CPU
                   ("moe_bf16_hf_load_then_step", lambda: check_hf_load_then_step(moe_dir)),
