@@ -86,8 +86,9 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     for flag, path in (("--output-dir", output_dir), ("--data-dir", data_dir), ("--model-dir", model_dir)):
         require_mounted(flag, path, mounts)
     shared = {"PYTHONPATH": CODE_DIR, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-              # one communicator spans learner senders and vLLM workers: the settings must agree
-              "NCCL_CUMEM_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", **(env or {})}
+              # NCCL_CUMEM_ENABLE stays NCCL's default (NVLS for the learner's collectives): no node holds
+              # both a weight-sync sender and an engine (slurm/spice_job.sh); an `env` entry sets it for both
+              "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", **(env or {})}
     setup = "\n".join([
         # NeMo-Run's script runs under `set -x`: the token must not be echoed into the job log
         "{ set +x; } 2>/dev/null",

@@ -81,9 +81,11 @@ export SPICE_WEIGHT_TRANSFER=${WEIGHT_TRANSFER:-spice}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 
 # NCCL. The weight-sync group is its own communicator between the learner's stage senders and
-# every engine worker on other nodes: both sides must agree on the transport and on
-# NCCL_CUMEM_ENABLE (a mismatch hangs the first broadcast: cuMem and legacy IPC handles do not mix).
-export NCCL_CUMEM_ENABLE=0
+# every engine worker on other nodes. Within a node its P2P transport exchanges memory handles, and
+# cuMem handles (NCCL_CUMEM_ENABLE, on by default) and legacy IPC handles do not mix; but no node
+# holds both a sender and an engine here (the members that share a node all come from one image),
+# so NCCL keeps its default on the learner, where cuMem enables NVLS for the TP/DP collectives. A
+# NCCL_CUMEM_ENABLE exported before sbatch reaches both sides.
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
