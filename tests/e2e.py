@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from safetensors.torch import load_file
 
 from spice_megatron.offline_assets import make_tiny_engine_model
@@ -72,7 +73,14 @@ def engine_pids(proc) -> list[str]:
                           capture_output=True, text=True).stdout.split()
 
 
-def straight_run(setup) -> str:
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A test module's tiny model, corpus and folder (imported by the test_trainer*.py files)."""
+    return make_setup(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def straight(setup):
     """4 iterations without interruption: the reference for the resume tests."""
     model, corpus, root = setup
     out = str(root / "straight")

@@ -11,19 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import make_setup, records, spice_train, straight_run, wait_for_first_iteration, weights
+from e2e import records, setup, spice_train, straight, wait_for_first_iteration, weights  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_setup(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def straight(setup):
-    return straight_run(setup)
 
 
 def test_run_resume_after_kill_and_kill_switch(setup, straight):

@@ -8,14 +8,9 @@ import sys
 
 import pytest
 
-from e2e import PARA, engine_pids, make_setup, records, spice_train, wait_for_first_iteration
+from e2e import PARA, engine_pids, records, setup, spice_train, wait_for_first_iteration  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_setup(tmp_path_factory)
 
 
 def test_the_smollm2_demo_run(tmp_path):

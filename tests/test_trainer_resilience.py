@@ -8,19 +8,10 @@ import time
 import pytest
 import torch
 
-from e2e import engine_pids, make_setup, records, spice_train, straight_run, wait_for_first_iteration, weights
+from e2e import (engine_pids, records, setup, spice_train, straight,  # noqa: F401 (fixtures)
+                 wait_for_first_iteration, weights)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_setup(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def straight(setup):
-    return straight_run(setup)
 
 
 def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(setup):
