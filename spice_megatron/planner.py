@@ -364,7 +364,8 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     """Seconds per SPICE iteration by phase. Decode is bandwidth-bound: a step reads the engine's
     weights and the live KV cache once; a phase lasts at least as long as its longest sequence
     takes at that step time. Training costs 8 x params FLOPs per token (a forward pass for the
-    old log-probs, then forward and backward)."""
+    old log-probs, then forward and backward), and 2 x the recomputed parameters more with
+    train.recompute (full: every layer's; selective mlp: the dense MLPs')."""
     t = t or Throughput()
     sp = cfg.selfplay
     # decode reads every weight once per step (a batch of hundreds of tokens touches every expert);
@@ -397,7 +398,12 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     challenger_trained = docs * (sp.group_size if sp.challenger_group == "document" else 1)
     train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
                     + answers * (t.question_tokens + t.reasoner_gen_tokens))
-    train = 8 * active * train_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
+    recomputed = 0.0
+    if cfg.train.recompute == "full":
+        recomputed = active
+    elif cfg.train.recompute == "selective" and "mlp" in cfg.train.recompute_modules and spec.moe is None:
+        recomputed = spec.num_layers * 3 * spec.hidden_size * spec.ffn_hidden_size
+    train = (8 * active + 2 * recomputed) * train_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
     if plan.learner.all_to_all_gib:  # the experts' all-to-all, not overlapped with compute
         micro_batches = train_tokens / cfg.train.micro_batch_tokens / plan.dp
         train += micro_batches * plan.learner.all_to_all_gib * GiB / (t.all_to_all_gb_s * 1e9)
