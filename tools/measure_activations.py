@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -38,7 +39,8 @@ MODES = {  # name -> PolicyTrainConfig fields
 
 
 def saved_bytes(learner, seq: int) -> int:
-    """Bytes autograd saves in one forward of a [1, seq] micro-batch (parameters excluded)."""
+    """Bytes autograd saves in one forward of a [1, seq] micro-batch (parameters excluded);
+    `learner`: what `build` returns (or a Learner)."""
     from spice_megatron.policy import cpu_compat
 
     params = {p.data_ptr() for p in learner.model.parameters()}
@@ -80,21 +82,42 @@ def hf_config(hidden: int, layers: int, moe: bool, model: str = "", tp: int = 1)
                           num_experts=16, top_k=4, moe_intermediate_size=hidden // 2)
 
 
+def build(config: dict, tp: int, dtype: str, train: dict) -> SimpleNamespace:
+    """The learner's model as the Learner builds it (the same flags, config and layer spec), without
+    its gradient buffers and optimizer, so that real widths fit in host memory (Llama-3-70B's two
+    layers are 1.7B parameters: 3.4 GB in bf16, 17 GB with the learner's fp32 buffers)."""
+    from spice_megatron.config import ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy import cpu_compat
+    from spice_megatron.policy.activation_memory import activation_flags
+    from spice_megatron.policy.learner import resolve_dtype
+    from spice_megatron.policy.model import (build_model, have_transformer_engine, model_spec_from_hf,
+                                             transformer_config)
+    from spice_megatron.policy.parallel import init_distributed
+
+    parallel, train_cfg = ParallelConfig(tensor_parallel=tp), PolicyTrainConfig(dtype=dtype, **train)
+    train_cfg.validate()
+    init_distributed(parallel)
+    spec, torch_dtype = model_spec_from_hf(config), resolve_dtype(dtype)
+    flags = activation_flags(parallel, train_cfg, tp, torch.cuda.is_available(), have_transformer_engine())
+    tconfig = transformer_config(spec, tp, 1, torch_dtype, **flags.megatron_kwargs())
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    with cpu_compat.cuda_to_cpu():
+        model = build_model(spec, tconfig, True, True).to(device=device, dtype=torch_dtype)
+    return SimpleNamespace(model=model, spec=spec, device=device, activation_flags=flags)
+
+
 def measure(config: dict, tp: int, dtype: str, train: dict, lengths: tuple[int, int] = (64, 128)) -> dict:
     """On this rank (a world of `tp` ranks): per token per layer bytes `a`, the s^2 coefficient `b`,
     and the planner's terms for the learner's flags."""
-    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
     from spice_megatron.policy.activation_memory import activation_terms
-    from spice_megatron.policy.learner import Learner
-    from spice_megatron.policy.model import model_spec_from_hf
 
     layers = config["num_hidden_layers"]
     per = {}
     for n in (layers, 1):  # embedding, final norm and logits: the same in a one-layer model
-        learner = Learner(model_spec_from_hf(dict(config, num_hidden_layers=n)), ParallelConfig(tensor_parallel=tp),
-                          OptimConfig(), PolicyTrainConfig(dtype=dtype, routing_replay="off", **train))
-        per[n] = {s: saved_bytes(learner, s) for s in lengths}
-        flags, spec = learner.activation_flags, learner.spec
+        model = build(dict(config, num_hidden_layers=n), tp, dtype, train)
+        per[n] = {s: saved_bytes(model, s) for s in lengths}
+        flags, spec = model.activation_flags, model.spec
+        del model
     s1, s2 = lengths
     y1, y2 = ((per[layers][s] - per[1][s]) / (layers - 1) for s in lengths)
     b = (y2 / s2 - y1 / s1) / (s2 - s1)  # y = a s + b s^2 through both points
