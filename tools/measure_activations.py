@@ -99,7 +99,9 @@ def build(config: dict, tp: int, dtype: str, train: dict) -> SimpleNamespace:
     init_distributed(parallel)
     spec, torch_dtype = model_spec_from_hf(config), resolve_dtype(dtype)
     flags = activation_flags(parallel, train_cfg, tp, torch.cuda.is_available(), have_transformer_engine())
-    tconfig = transformer_config(spec, tp, 1, torch_dtype, **flags.megatron_kwargs())
+    # the values do not matter for what is saved: no initialisation (megatron's CPU one makes fp32
+    # master copies of every weight, 14 GB for Llama-3-70B's two layers)
+    tconfig = transformer_config(spec, tp, 1, torch_dtype, perform_initialization=False, **flags.megatron_kwargs())
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     with cpu_compat.cuda_to_cpu():
         model = build_model(spec, tconfig, True, True).to(device=device, dtype=torch_dtype)
