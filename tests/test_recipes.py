@@ -312,6 +312,8 @@ def test_the_planners_activation_terms_agree_with_what_the_learner_saves():
     assert all(abs(r - 1) <= 0.15 for r in ratios.values()), ratios
     ratios = _measure_activations("--hidden", "256", "--tp", "2", "--modes", "plain,recompute_mlp")
     assert all(abs(r - 1) <= 0.15 for r in ratios.values()), ratios
+    ratios = _measure_activations("--hidden", "128", "--family", "llama", "--modes", "plain")  # no q/k norms
+    assert all(abs(r - 1) <= 0.15 for r in ratios.values()), ratios
 
 
 def test_the_planner_counts_the_flags_the_learner_sets():

@@ -67,9 +67,9 @@ def saved_bytes(learner, seq: int) -> int:
     return total
 
 
-def hf_config(hidden: int, layers: int, moe: bool, model: str = "", tp: int = 1) -> dict:
-    """A few layers of `model`'s widths (a known hub id or an HF directory), or a small Qwen3 (with
-    at least `tp` key-value heads)."""
+def hf_config(hidden: int, layers: int, moe: bool, model: str = "", tp: int = 1, family: str = "qwen3") -> dict:
+    """A few layers of `model`'s widths (a known hub id or an HF directory), or a small Qwen3 or
+    Llama (with at least `tp` key-value heads)."""
     from spice_megatron.offline_assets import tiny_hf_config
 
     if model:
@@ -77,7 +77,7 @@ def hf_config(hidden: int, layers: int, moe: bool, model: str = "", tp: int = 1)
 
         return dict(model_spec(model).hf_config, num_hidden_layers=layers, vocab_size=1024, tie_word_embeddings=False)
     heads = max(4, hidden // 64)
-    return tiny_hf_config("qwen3_moe" if moe else "qwen3", vocab_size=1024, hidden_size=hidden, num_layers=layers,
+    return tiny_hf_config("qwen3_moe" if moe else family, vocab_size=1024, hidden_size=hidden, num_layers=layers,
                           num_heads=heads, num_kv_heads=max(heads // 4, tp), head_dim=64, intermediate_size=3 * hidden,
                           num_experts=16, top_k=4, moe_intermediate_size=hidden // 2)
 
@@ -162,6 +162,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--moe", action="store_true", help="Qwen3-MoE layers (16 experts of hidden/2, top-4)")
+    ap.add_argument("--family", choices=["qwen3", "llama"], default="qwen3", help="the small model's (no --model)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     ap.add_argument("--model", default="", help="a recipe model's widths, e.g. Qwen/Qwen3-4B-Base (planner's "
                     "known models) or an HF directory; --hidden and --moe are then ignored")
@@ -176,9 +177,9 @@ def main() -> int:
     if args.layers < 2:
         ap.error("--layers: at least 2 (one layer's model is the baseline taken out)")
     torch.set_num_threads(1)
-    config = hf_config(args.hidden, args.layers, args.moe, args.model, args.tp)
+    config = hf_config(args.hidden, args.layers, args.moe, args.model, args.tp, args.family)
     results = run(config, args.tp, args.dtype, modes)
-    what = args.model or ("Qwen3-MoE" if args.moe else "Qwen3")
+    what = args.model or ("Qwen3-MoE" if args.moe else args.family)
     print(f"{what} hidden {config['hidden_size']}, {args.dtype}, TP={args.tp}"
           f"{' (sequence parallel)' if args.tp > 1 else ''}: bytes saved per token per layer on one rank, "
           "in units of h, bf16")
