@@ -282,7 +282,9 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_step(tiny_mod
         for a, b in zip(skipped, full):  # the DrGRPO loss and gradient are those of the whole mini-batch
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         assert max((w_skip[k] - w_full[k]).abs().max().item() for k in w_full) < 1e-6, steps
-        assert all(m["trained_sequences"] == 0 and m["loss"] == 0.0 for m in res[(steps, "all zero")])
+        # nothing to learn: one sequence (of its one role) still goes through, for the metrics; its loss is 0
+        zero = res[(steps, "all zero")]
+        assert sum(m["trained_sequences"] for m in zero) == 1 and all(m["loss"] == 0.0 for m in zero)
 
 
 def _recompute_rank(model_dir):

@@ -312,6 +312,10 @@ class Learner:
         # sequences x max_gen_len): a zero-advantage sequence (a group everyone solved or nobody did)
         # adds exactly nothing, so its forward and backward are skipped.
         trains = [abs(s.advantage) > ZERO_ADVANTAGE or not self.train_cfg.skip_zero_advantage for s in seqs]
+        for role in dict.fromkeys(s.role for s in seqs):  # a role with nothing to learn keeps one sequence:
+            mine = [i for i, s in enumerate(seqs) if s.role == role]  # its learner-vs-engine metrics stay logged
+            if not any(trains[i] for i in mine):
+                trains[mine[0]] = True
         old_all: dict[int, list[float]] | None = None
         if k > 1 or self.train_cfg.old_logprobs == "rollout":
             kept = [i for i, t in enumerate(trains) if t]
