@@ -63,7 +63,8 @@ def activation_terms(spec, tp: int, flags: ActivationFlags, moe_layer: bool = Fa
         terms["q/k norm inputs"] = 2 * (q + kv) if spec.family.qk_norm else 0.0  # Qwen3's; Llama has none
         terms["flash attention q, k, v"] = 2 * (q + 2 * kv)
         terms["attention output (= projection input)"] = 2 * q
-        mlp = {"mlp norm input + output": 4 * seq}
+        norm_key = "mlp norm input + output"
+        mlp = {norm_key: 4 * seq}
     else:
         # torch RMSNorm computes in fp32: it keeps the fp32 input and normalised output
         terms["attention norm (fp32 input + output)"] = 8 * seq
@@ -73,18 +74,17 @@ def activation_terms(spec, tp: int, flags: ActivationFlags, moe_layer: bool = Fa
         # checkpointed, it keeps q, k and v as they come in
         terms["attention q, k, v (k, v per query head)"] = 2 * (q + 2 * kv) if "core_attn" in selective else 6 * q
         terms["projection input"] = 2 * q
-        mlp = {"mlp norm (fp32 input + output)": 8 * seq, "fc1 input": 2 * seq}
+        norm_key = "mlp norm (fp32 input + output)"
+        mlp = {norm_key: 8 * seq, "fc1 input": 2 * seq}
     terms["rope cos/sin"] = 8 * hd
     mlp["swiglu (fc1 output" + (")" if flags.fused_swiglu else ", silu output, product)")] = (
         4 * f if flags.fused_swiglu else 8 * f)
     mlp["fc2 input"] = 2 * f
     if moe_layer:
         copies, ffn = spec.moe.top_k / tp, spec.moe.expert_ffn_hidden_size / etp
-        norm = next(k for k in mlp if "norm" in k)
-        mlp = {norm: mlp[norm], "expert dispatch input + combine buffer": copies * 4 * h,
+        mlp = {norm_key: mlp[norm_key], "expert dispatch input + combine buffer": copies * 4 * h,
                "expert swiglu": copies * (4 if flags.fused_swiglu else 8) * ffn, "expert fc2 input": copies * 2 * ffn}
     elif "mlp" in selective:  # checkpointed: the MLP keeps its input (the norm's when it is the MLP's own)
-        norm = next(k for k in mlp if "norm" in k)
-        mlp = {norm: mlp[norm] if not flags.transformer_engine else 0.0, "mlp input (recomputed mlp)": 2 * seq}
+        mlp = {norm_key: mlp[norm_key] if not flags.transformer_engine else 0.0, "mlp input (recomputed mlp)": 2 * seq}
     terms.update(mlp)
     return terms
