@@ -21,6 +21,10 @@ Why these settings (measured with the base model, README "Self-play learning che
   check seed 4321's leak attempts grew from 12.5% to 25% of attempts; at -0.5 they stayed at
   10-15% (seed 1234's fell to 2%), and held-out accuracy after 4 iterations was 44.5% (seed 1234)
   and 32.5% (seed 4321) from 25% (README "Does it learn?").
+- reasoner_task="frontier": each document's reasoner group is one of its tasks at the reasoner's
+  frontier (0 < pass rate < 1) where it has one; the paper draws among all its valid tasks. At 4-6
+  documents an iteration most random draws are tasks nobody solves (zero advantage): in the lr 1e-5
+  check seed 4321's reasoner trained on 0-2 frontier groups an iteration while 1-5 documents had one.
 - Four documents x G=8 per iteration: the main job's three iterations fit in minutes (the learner's
   step on 64 + 32 sequences dominates); the learning check takes 6 per iteration.
 """
@@ -47,7 +51,7 @@ def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_c
                                 challenger_temperature=temperature, reasoner_temperature=temperature,
                                 template="plain", protocol="compact", challenger_group="document",
                                 prompt_dir=PROMPT_DIR, reasoner_stop=list(REASONER_STOP), leak_check="all",
-                                invalid_penalty=-0.5),
+                                invalid_penalty=-0.5, reasoner_task="frontier"),
         parallel=ParallelConfig(tensor_parallel=1, pipeline_parallel=1),
         optim=OptimConfig(lr=2e-5, weight_decay=0.0, clip_grad=1.0),
         # fp32 logits of 1024 tokens x 49,152 vocabulary are 200 MB per copy: keep micro-batches small

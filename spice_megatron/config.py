@@ -71,6 +71,7 @@ CHALLENGERS = ("self", "model", "tasks")
 PROTOCOLS = ("paper", "compact")
 TEMPLATES = ("plain", "chat", "qwen3", "qwen3_nothink", "octothinker")
 LEAK_CHECKS = ("long", "all")  # tasks.py:_leaks
+REASONER_TASKS = ("random", "frontier")  # selfplay.py: the reasoner group of each document
 
 
 @dataclass
@@ -111,6 +112,11 @@ class SelfPlayConfig:
     # Which answers found in their own question make a task invalid: long (integers of 3+ digits,
     # strings of 4+ characters; shorter ones occur naturally in questions) or all (tasks.py:_leaks)
     leak_check: str = "long"
+    # Which of a document's valid tasks the reasoner trains on. random: the paper's (Algorithm 1). frontier:
+    # one drawn at random among those with 0 < pass rate < 1, if any (DAPO's dynamic sampling: a group
+    # everyone solved or nobody did has zero advantage and teaches nothing). At a few documents per
+    # iteration most random picks are such groups, and the reasoner learns from one or two per step.
+    reasoner_task: str = "random"
 
     def validate(self, prefix: str = "selfplay") -> None:
         for name in ("batch_docs", "group_size", "max_attempts", "attempts_per_round",
@@ -123,7 +129,8 @@ class SelfPlayConfig:
         _require(self.challenger_reward in CHALLENGER_REWARDS, f"{prefix}.challenger_reward",
                  f"must be one of {CHALLENGER_REWARDS}, got {self.challenger_reward!r}")
         for name, allowed in (("challenger_group", CHALLENGER_GROUPS), ("protocol", PROTOCOLS), ("template", TEMPLATES),
-                              ("challenger", CHALLENGERS), ("leak_check", LEAK_CHECKS)):
+                              ("challenger", CHALLENGERS), ("leak_check", LEAK_CHECKS),
+                              ("reasoner_task", REASONER_TASKS)):
             _require(getattr(self, name) in allowed, f"{prefix}.{name}",
                      f"must be one of {allowed}, got {getattr(self, name)!r}")
         _require(not self.challenger_template or self.challenger_template in TEMPLATES, f"{prefix}.challenger_template",

@@ -192,11 +192,15 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
                    for o, a in zip(outcomes, answered.keys)]
     reward_of = {id(a): r for (_, a), r in zip(task_of, task_reward)}
 
-    # --- The reasoner group of each document: one of its valid tasks, drawn at random.
+    # --- The reasoner group of each document: one of its valid tasks, drawn at random (among those
+    # at the reasoner's frontier first, under reasoner_task=frontier).
     tasks_by_doc: dict[int, list[int]] = {}
     for k, (i, _) in enumerate(task_of):
         tasks_by_doc.setdefault(i, []).append(k)
-    trained_task = {i: rng.choice(ks) for i, ks in sorted(tasks_by_doc.items())}
+    at_frontier = [0 < sum(o) < len(o) for o in outcomes]
+    trained_task = {i: rng.choice([k for k in ks if at_frontier[k]] if cfg.reasoner_task == "frontier"
+                                  and any(at_frontier[k] for k in ks) else ks)
+                    for i, ks in sorted(tasks_by_doc.items())}
 
     samples: list[Sample] = []
     sample_record: list[int] = []  # audit record index of each sample, to write its advantage back

@@ -257,6 +257,48 @@ def test_the_reasoner_group_reuses_the_variance_answers():
     assert sorted({round(x.advantage, 6) for x in rs}) == [-0.5, 0.5]
 
 
+class FrontierScriptedModel(PaperScriptedModel):
+    """PLAN[8/8] with one task at the frontier: generation #5 is answered right 3 times of 8, the
+    other seven by everyone (K=8) or nobody (K=0)."""
+
+    def _one(self, kind, prompt, j):
+        out = super()._one(kind, prompt, j)
+        if kind == "generation":
+            k = self.generations["8/8"] - 1
+            out = Completion(out.text.replace("K=4", f"K={3 if k == 5 else 8 * (k % 2)}"), out.token_ids)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["random", "frontier"])
+def test_the_reasoner_task_is_drawn_among_frontier_tasks_under_reasoner_task_frontier(mode):
+    """reasoner_task=frontier (dynamic sampling) trains the reasoner on a task whose G answers disagree;
+    the paper's random draw lands on it 1 time in 8."""
+    trained = []
+    for seed in range(16):
+        cfg = SelfPlayConfig(batch_docs=1, group_size=8, attempts_per_round=8, max_attempts=8, reasoner_task=mode)
+        result = run_iteration([doc(0, "PLAN[8/8]")], FrontierScriptedModel(), _verifier(), cfg, random.Random(seed),
+                               weights_version=0, iteration=0)
+        rs = [x for x in result.samples if x.role == "reasoner"]
+        trained.append(any(abs(x.advantage) > 0 for x in rs))
+    if mode == "frontier":
+        assert all(trained)
+    else:
+        assert 0 < sum(trained) < len(trained)
+
+
+def test_a_document_without_frontier_tasks_still_trains_the_reasoner_on_one_of_them():
+    class Solved(PaperScriptedModel):  # every task answered right by all G
+        def _one(self, kind, prompt, j):
+            out = super()._one(kind, prompt, j)
+            return Completion(out.text.replace("K=4", "K=8"), out.token_ids) if kind == "generation" else out
+
+    cfg = SelfPlayConfig(batch_docs=1, group_size=8, attempts_per_round=8, max_attempts=8, reasoner_task="frontier")
+    result = run_iteration([doc(0, "PLAN[3/8]")], Solved(), _verifier(), cfg, random.Random(0), weights_version=0,
+                           iteration=0)
+    rs = [x for x in result.samples if x.role == "reasoner"]
+    assert len(rs) == 8 and all(x.reward == 1.0 and x.advantage == 0.0 for x in rs)
+
+
 def test_audit_trail_marks_the_trained_attempts_with_their_selection():
     result, _ = run_paper([doc(0, "PLAN[3/8]"), doc(1, "PLAN[badsel]")])
     ch = [r for r in result.records if r["kind"] == "challenger"]
