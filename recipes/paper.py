@@ -59,7 +59,8 @@ def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: i
     updates of 128 trajectories (an iteration's ~2,048 in ~16 optimiser steps, PPO clip after the first)."""
     return SpiceConfig(
         run=RunConfig(name=name, model=model, output_dir=f"runs/{name}", iterations=640, checkpoint_every=10,
-                      keep_last=3, eval_every=0, min_valid_task_rate=0.02, patience=20),
+                      keep_last=3, eval_every=0, min_valid_task_rate=0.02, patience=20,
+                      driver="process"),  # rank 0's step does not share its interpreter with the rollouts
         corpus=CorpusConfig(sources=paper_sources(), max_doc_tokens=5992, max_docs=20000, stage_dir=stage_dir(name)),
         selfplay=SelfPlayConfig(batch_docs=128, group_size=8, max_attempts=1024, attempts_per_round=8,
                                 challenger_temperature=1.0, reasoner_temperature=1.0, invalid_penalty=-0.1,

@@ -71,6 +71,7 @@ CHALLENGERS = ("self", "model", "tasks")
 PROTOCOLS = ("paper", "compact")
 TEMPLATES = ("plain", "chat", "qwen3", "qwen3_nothink", "octothinker")
 LEAK_CHECKS = ("long", "all")  # tasks.py:_leaks
+DRIVERS = ("thread", "process")  # run.driver
 REASONER_TASKS = ("random", "frontier")  # selfplay.py: the reasoner group of each document
 
 
@@ -418,6 +419,10 @@ class RunConfig:
     # How long learner ranks wait for the driver (rank 0) while it alone runs rollouts, evaluation
     # or start-up. The wait is on a gloo group, never under NCCL's 30-minute watchdog.
     driver_timeout: float = 6 * 3600.0
+    # Where the driver (corpus, fleet client, verification, records, logs) runs on rank 0's node. thread:
+    # inside rank 0, beside its Megatron step (one interpreter lock). process: a process of its own that
+    # hands rank 0 finished batches (driver_process.py); the cluster recipes use it.
+    driver: str = "thread"
 
     def validate(self, prefix: str = "run") -> None:
         _require(bool(self.model), f"{prefix}.model", "the base model's HF directory is required")
@@ -425,6 +430,7 @@ class RunConfig:
         _require(self.checkpoint_every >= 1, f"{prefix}.checkpoint_every", "must be >= 1")
         _require(self.patience >= 1, f"{prefix}.patience", "must be >= 1")
         _require(self.driver_timeout > 0, f"{prefix}.driver_timeout", "must be > 0 seconds")
+        _require(self.driver in DRIVERS, f"{prefix}.driver", f"must be one of {DRIVERS}, got {self.driver!r}")
 
 
 @dataclass

@@ -256,6 +256,11 @@ class Driver:
         snapshot = self.rollout_state()
         return self._rollouts.submit(self.selfplay, iteration, version), snapshot
 
+    def log(self, iteration: int, stats: dict[str, float], records: list[dict]) -> None:
+        """An iteration's audit records and metrics, in that order (a checkpoint holds both offsets)."""
+        self.audit.write(records)
+        self.metrics.log(iteration, stats)
+
     def check_kill_switch(self, stats: dict[str, float], loss: float, grad_norm: float) -> None:
         run = self.cfg.run
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):

@@ -1,8 +1,9 @@
 """SPICE, Algorithm 1, top to bottom.
 
 Every learner rank runs `train` (SPMD, under torchrun or srun). Global rank 0 is also the driver
-(driver.py): it owns the corpus, talks to the rollout fleet, verifies answers, computes rewards and writes the
-logs; the training sequences it builds are broadcast to every learner rank.
+(driver.py; with run.driver=process, a process of its own beside rank 0): it owns the corpus, talks
+to the rollout fleet, verifies answers, computes rewards and writes the logs; the training sequences
+it builds are broadcast to every learner rank.
 
 One iteration:
   1. sample B documents from the corpus
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from spice_megatron.config import SpiceConfig
 from spice_megatron.driver import Driver, EnginesLost, IterationAbandoned, KillSwitch, RolloutBatch
+from spice_megatron.driver_process import DriverProcess
 from spice_megatron.rollout.fleet import NoEngineLeft
 
 log = logging.getLogger("spice.trainer")
@@ -115,7 +117,7 @@ class WeightSync:
     a `WeightSource` over the learner (bridge/transfer.py), the trainer engine of the backend
     `rollout.weight_transfer`, and the fleet's HTTP client for vLLM's control plane (driver only)."""
 
-    def __init__(self, cfg: SpiceConfig, learner, driver: Driver | None, control):
+    def __init__(self, cfg: SpiceConfig, learner, driver: Driver | DriverProcess | None, control):
         from spice_megatron.bridge.transfer import MegatronStageSource
 
         self.cfg, self.learner, self.driver, self.control = cfg, learner, driver, control
@@ -278,8 +280,11 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
         copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
         write_training_prompts(cfg, os.path.join(ckpt_root, HF_META_DIR))
     stop_file = os.path.join(cfg.run.output_dir, STOP_FILE)
-    driver = Driver(cfg, tokenizer, state.get("driver"), abandon_when=lambda: os.path.exists(stop_file)) \
-        if is_driver else None
+    driver: Driver | DriverProcess | None = None
+    if is_driver and cfg.run.driver == "process":
+        driver = DriverProcess(cfg, state.get("driver"), stop_file)
+    elif is_driver:
+        driver = Driver(cfg, tokenizer, state.get("driver"), abandon_when=lambda: os.path.exists(stop_file))
     weights = WeightSync(cfg, learner, driver, control)
     if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
         weights.sync(state["version"])
@@ -393,8 +398,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
                     t_eval = time.perf_counter()
                     stats.update({f"eval/{k}": v for k, v in eval_hook(iteration, driver.fleet).items()})
                     stats["time/eval"] = time.perf_counter() - t_eval
-                driver.audit.write(batch.records)
-                driver.metrics.log(iteration, stats)
+                driver.log(iteration, stats, batch.records)
                 progress.update(1)
                 progress.set_postfix(valid=f"{stats['valid_task_rate']:.2f}", pass_rate=f"{stats['reasoner_pass_rate']:.2f}",
                                      loss=f"{stats.get('train/loss', 0.0):.4f}")

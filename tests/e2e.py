@@ -68,9 +68,11 @@ def wait_for_first_iteration(proc, out: str) -> str:
 
 
 def engine_pids(proc) -> list[str]:
-    """The rollout engines the run `proc` started."""
-    return subprocess.run(["pgrep", "-f", f"spice_megatron.rollout.serve.*--exit-with-parent {proc.pid}"],
-                          capture_output=True, text=True).stdout.split()
+    """The rollout engines the run `proc` started (itself, or its driver process: run.driver=process)."""
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    return [pid for parent in [str(proc.pid), *children]
+            for pid in subprocess.run(["pgrep", "-f", f"spice_megatron.rollout.serve.*--exit-with-parent {parent}( |$)"],
+                                      capture_output=True, text=True).stdout.split()]
 
 
 @pytest.fixture(scope="module")

