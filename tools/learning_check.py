@@ -22,7 +22,7 @@ Without --selfplay: reasoner-only training on fixed tasks (selfplay.challenger=t
 The tasks: short integer arithmetic from a seeded generator (this model solves some of it), split
 into a training pool and a held-out set with no question in common. Runs, one after another:
   trained seed A, control seed A (optim.lr=0: the same rollouts, rewards and steps, frozen
-  weights), trained seed B.
+  weights; its learner steps are forward passes, which give the same metrics), trained seed B.
 Held-out accuracy: greedy through the engine, before (the base model) and every few iterations
 during each run (the trainer's evaluation hook, on the training fleet), with a Wilson 95%
 interval. Per iteration: training reward, boxed-answer rate, learner-vs-engine log-prob gap.

@@ -370,11 +370,19 @@ class Learner:
             stats["mismatch"] = _mismatch_by_role([host[6 + 5 * i:11 + 5 * i] for i in range(len(mb.roles))], mb.roles)
             return loss * scale, stats
 
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outs = self._run(mbs, loss_fn, forward_only=False)
-        with cpu_compat.cuda_to_cpu():
-            ok, grad_norm, _ = self.optimizer.step()
+        # optim.lr=0 (a control run): Adam's update and its decoupled weight decay are both scaled by
+        # the learning rate, so the weights cannot move; the forward pass alone gives the metrics.
+        frozen = self.optim_cfg.lr == 0
+        if frozen:
+            with torch.no_grad():
+                outs = self._run(mbs, loss_fn, forward_only=True)
+            ok, grad_norm = True, 0.0
+        else:
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            outs = self._run(mbs, loss_fn, forward_only=False)
+            with cpu_compat.cuda_to_cpu():
+                ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.steps += 1
         parts = self._gather(outs)
