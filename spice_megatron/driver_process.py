@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -48,7 +49,12 @@ class DriverProcess:
         self.process.start()
         child.close()
         threading.Thread(target=self._read, name="spice-driver-reader", daemon=True).start()
-        hello = self._waiting[_HELLO].result()
+        try:
+            hello = self._waiting[_HELLO].result()
+        except BaseException:
+            self.process.join(60)
+            self._conn.close()
+            raise
         self.fleet = RolloutFleet(hello["urls"], hello["token"], cfg.rollout.request_timeout,
                                   chunk_size=cfg.rollout.chunk_size)
         self.fleet.health()  # the workers per engine: the weight sync's receivers
@@ -141,6 +147,10 @@ def _serve(conn, cfg: SpiceConfig, resume_state: dict | None, stop_file: str, lo
 
     from spice_megatron.driver import Driver
 
+    # Ctrl-C and Slurm's SIGTERM reach the whole process group; rank 0 answers them (an iteration
+    # finished, a checkpoint that needs this process's state), then closes the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [driver]: %(message)s")
     send_lock = threading.Lock()
 

@@ -2,6 +2,7 @@
 stand-in engine service (tools/bench_overlap.py: the engine's HTTP contract, generation modelled)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -90,9 +91,15 @@ def test_the_driver_process_gives_the_in_thread_drivers_batches_logs_and_state(s
 
 
 def test_a_driver_process_that_dies_fails_the_waiting_call_with_its_exit_code(standin):
+    """Ctrl-C and SIGTERM reach the process group: the driver process leaves them to rank 0 (which
+    needs its state for the checkpoint); a driver process that dies fails the call that waits."""
     model, corpus, url, root = standin
     driver = DriverProcess(config(model, corpus, url, str(root / "dies")), None, str(root / "dies" / "STOP"))
     try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(driver.process.pid, sig)
+        time.sleep(0.5)
+        assert driver.state()["audit_offset"] == 0
         driver.process.kill()
         time.sleep(0.5)
         with pytest.raises(RuntimeError, match=r"the driver process ended \(exit code -9\)"):
