@@ -24,6 +24,7 @@ import pickle
 import signal
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 from spice_megatron.config import SpiceConfig
@@ -48,12 +49,15 @@ class DriverProcess:
                                    args=(child, cfg, resume_state, stop_file, logging.getLogger().level))
         self.process.start()
         child.close()
-        threading.Thread(target=self._read, name="spice-driver-reader", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="spice-driver-reader", daemon=True)
+        self._reader.start()
         try:
-            hello = self._waiting[_HELLO].result()
-        except BaseException:
-            self.process.join(60)
+            hello = self._result(self._waiting[_HELLO])
+        except BaseException:  # its error, or a Ctrl-C while it starts: it ends when the pipe closes
             self._conn.close()
+            self.process.join(60)
+            if self.process.is_alive():
+                self.process.terminate()
             raise
         self.fleet = RolloutFleet(hello["urls"], hello["token"], cfg.rollout.request_timeout,
                                   chunk_size=cfg.rollout.chunk_size)
@@ -118,7 +122,15 @@ class DriverProcess:
         except (OSError, EOFError, BrokenPipeError) as e:
             self._waiting.pop(call_id, None)
             raise self._died() from e
-        return future.result()
+        return self._result(future)
+
+    def _result(self, future: Future) -> Any:
+        while True:  # the reader fails what waits when the pipe closes; a call sent after that is failed here
+            try:
+                return future.result(timeout=5.0)
+            except FuturesTimeout:
+                if not self._reader.is_alive() and not future.done():
+                    raise self._died() from None
 
     def _read(self) -> None:
         """Answers, in whatever order they come, to the calls that wait for them."""
