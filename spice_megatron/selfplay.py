@@ -197,10 +197,10 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     tasks_by_doc: dict[int, list[int]] = {}
     for k, (i, _) in enumerate(task_of):
         tasks_by_doc.setdefault(i, []).append(k)
-    at_frontier = [0 < sum(o) < len(o) for o in outcomes]
-    trained_task = {i: rng.choice([k for k in ks if at_frontier[k]] if cfg.reasoner_task == "frontier"
-                                  and any(at_frontier[k] for k in ks) else ks)
-                    for i, ks in sorted(tasks_by_doc.items())}
+    trained_task: dict[int, int] = {}
+    for i, ks in sorted(tasks_by_doc.items()):
+        frontier = [k for k in ks if 0 < sum(outcomes[k]) < len(outcomes[k])]
+        trained_task[i] = rng.choice(frontier if cfg.reasoner_task == "frontier" and frontier else ks)
 
     samples: list[Sample] = []
     sample_record: list[int] = []  # audit record index of each sample, to write its advantage back
