@@ -287,7 +287,7 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_step(tiny_mod
         assert sum(m["trained_sequences"] for m in zero) == 1 and all(m["loss"] == 0.0 for m in zero)
 
 
-def _frozen_rank(model_dir):
+def _frozen_rank(model_dir, dtype):
     """optim.lr=0 (the learning check's control) next to lr 1e-2 on the same batch."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
     from spice_megatron.policy.learner import Learner
@@ -295,7 +295,7 @@ def _frozen_rank(model_dir):
     out = {}
     for lr in (0.0, 1e-2):
         learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=lr, weight_decay=0.1, adam_eps=1e-5),
-                                  PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16))
+                                  PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, dtype=dtype))
         before = gathered_hf_state_dict(learner)
         (m,) = learner.train_on_batch(train_batch())
         after = gathered_hf_state_dict(learner)
@@ -304,8 +304,10 @@ def _frozen_rank(model_dir):
 
 
 @pytest.mark.multiprocess
-def test_a_zero_learning_rate_keeps_the_weights_and_reports_the_steps_loss_without_a_backward(tiny_models, tmp_path):
-    (res,) = run_ranks(_frozen_rank, 1, tiny_models["qwen3_untied"], tmp_path=tmp_path)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_zero_learning_rate_keeps_the_weights_and_reports_the_steps_loss_without_a_backward(tiny_models, tmp_path,
+                                                                                             dtype):
+    (res,) = run_ranks(_frozen_rank, 1, tiny_models["qwen3_untied"], dtype, tmp_path=tmp_path)
     (frozen, moved_frozen), (trained, moved_trained) = res[0.0], res[1e-2]
     assert moved_frozen == 0.0 and moved_trained > 1e-4
     assert frozen["loss"] == pytest.approx(trained["loss"], abs=1e-6) and frozen["tokens"] == trained["tokens"]
