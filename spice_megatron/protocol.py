@@ -31,8 +31,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from spice_megatron.tasks import (CHALLENGER_INSTRUCTIONS, MAX_OUTPUT_CHARS, MAX_QUESTION_CHARS, OPTION_LETTERS,
-                                  ParseResult, Task, _parse_options, free_form_task, mcq_answer_marked,
+from spice_megatron.tasks import (CHALLENGER_INSTRUCTIONS, COMPACT_END, MAX_OUTPUT_CHARS, MAX_QUESTION_CHARS,
+                                  OPTION_LETTERS, ParseResult, Task, _parse_options, free_form_task, mcq_answer_marked,
                                   parse_challenger_output, parse_letter, unfinished_think)
 from spice_megatron.templates import conversation, read_prompt_file
 
@@ -133,6 +133,7 @@ class ChallengerPrompts:
         custom_compact = read_prompt_file(prompt_dir, "challenger_compact.txt")
         self.compact = custom_compact or (CHALLENGER_INSTRUCTIONS + "\n<document>\n{document}\n</document>\n")
         self._compact_notes = custom_compact is None
+        self.compact_stop = compact_stop(custom_compact) if custom_compact else COMPACT_END
 
     def _wrap(self, user: str) -> str:
         return conversation(self.template, user, self.tokenizer)
@@ -150,6 +151,16 @@ class ChallengerPrompts:
         prompt = self._wrap(self.compact.replace("{document}", document))
         # base models continue plain text: give them a place to think before the tags
         return prompt + "\nWorking notes:\n" if self.template == "plain" and self._compact_notes else prompt
+
+
+def compact_stop(prompt: str) -> str:
+    """The closing tag that ends a compact task: the last one the prompt's examples write before
+    {document}. A few-shot file may order the tags as it likes (the CPU demo's writes <answer> first,
+    so that a small model copies the story's result before it rewrites the question), and generation
+    must stop after the last of them, not the first."""
+    head = prompt.split("{document}", 1)[0]
+    tags = re.findall(r"</(question|answer_type|options|answer)>", head)
+    return f"</{tags[-1]}>" if tags else COMPACT_END
 
 
 # ----------------------------------------------------------------------------- JSON extraction

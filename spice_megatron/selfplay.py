@@ -32,7 +32,7 @@ from spice_megatron.loss import CHALLENGER, REASONER, role_advantages
 from spice_megatron.protocol import ChallengerPrompts, parse_generation, parse_selection
 from spice_megatron.rewards import challenger_reward, reasoner_reward
 from spice_megatron.rollout.types import Completion, SamplingSpec
-from spice_megatron.tasks import (COMPACT_END, ParseResult, Task, answer_in_question, extract_boxed,
+from spice_megatron.tasks import (ParseResult, Task, answer_in_question, extract_boxed,
                                   parse_challenger_output)
 from spice_megatron.templates import reasoner_prompt
 from spice_megatron.verify import AnswerVerifier, answer_key
@@ -347,9 +347,9 @@ def challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompts
                         max_tokens=cfg.challenger_max_tokens, seed=seed, role=CHALLENGER)
     if cfg.protocol == "compact":
         texts = [prompts.compact_prompt(d.text) for d in docs]
-        # the task ends with its answer: a model that goes on (a few-shot prompt's next example) would
+        # stop at the task's last tag: a model that goes on (a few-shot prompt's next example) would
         # otherwise have its last tags read instead of the first
-        outs = generate(texts, replace(spec, stop=(COMPACT_END,)))
+        outs = generate(texts, replace(spec, stop=(prompts.compact_stop,)))
         counters["tokens/challenger"] += sum(len(c.token_ids) for comps in outs for c in comps)
         return [[Attempt(p, c, parse_challenger_output(c.text, cfg.leak_check), -1) for c in comps]
                 for p, comps in zip(texts, outs)]

@@ -157,3 +157,18 @@ def test_no_task_is_taken_from_an_unfinished_think_block():
 
     compact = "<think><question>How many rows?</question><answer_type>integer</answer_type><answer>42</answer>"
     assert parse_challenger_output(compact).reason == "unfinished_think"
+
+
+def test_compact_generation_stops_at_the_last_tag_of_the_prompts_examples(tmp_path):
+    """A few-shot file that writes <answer> first must not stop the task before its question."""
+    assert ChallengerPrompts().compact_stop == "</answer>"
+    (tmp_path / "challenger_compact.txt").write_text(
+        "Story: Ann had 3 pens and got 4 more. Now she has 7.\n<answer>7</answer>\n<answer_type>integer</answer_type>\n"
+        "<question>Ann had 3 pens and got 4 more. How many now?</question>\n\nStory: {document}\n")
+    prompts = ChallengerPrompts(prompt_dir=str(tmp_path))
+    assert prompts.compact_stop == "</question>"
+    story = ChallengerPrompts(prompt_dir="spice_megatron/prompts/stories")
+    assert story.compact_stop == "</question>"
+    # tags the model writes about the document after {document} do not count
+    (tmp_path / "challenger_compact.txt").write_text("Write a task.\n{document}\n<answer></answer>")
+    assert ChallengerPrompts(prompt_dir=str(tmp_path)).compact_stop == "</answer>"
