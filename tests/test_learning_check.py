@@ -56,3 +56,24 @@ def test_a_finished_run_is_reused_only_under_the_same_settings(tmp_path, capsys)
     assert learning_check._finished(str(tmp_path), "trained_b", {**settings, "lr": 2e-5}) is None
     assert "has other settings" in capsys.readouterr().out
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]  # written whole, then renamed
+
+
+def test_story_task_curves_follow_the_gold_and_the_numbers_per_iteration(tmp_path):
+    import json
+
+    def task(iteration, doc, question, answer, valid=True):
+        return {"kind": "challenger", "iteration": iteration, "doc_id": doc, "valid": valid,
+                "task": {"question": question, "answer": answer, "answer_type": "integer"} if valid else None}
+
+    rows = [{"kind": "document", "iteration": 0, "doc_id": "d1", "text": "Ann had 12 pens. She got 3 more. Now 15."},
+            task(0, "d1", "Ann had 12 pens and got 3 more. How many?", "15"),  # right, numbers kept
+            task(0, "d1", "Ann had 12 pens. How many now?", "15"),  # right, a number lost
+            task(0, "d1", "Ann had 12 pens and got 3 more. How many?", "36"),  # computed wrong
+            task(0, "d1", "", "", valid=False),  # invalid attempts do not count
+            {"kind": "document", "iteration": 1, "doc_id": "d2", "text": "Bo filled 4 boxes of 5. So 20 in all."},
+            task(1, "d2", "Bo filled 4 boxes of 5 each. How many in all?", "20")]
+    path = tmp_path / "audit.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curves = learning_check.story_task_curves(str(path))
+    assert curves["gold_right"] == pytest.approx([2 / 3, 1.0])
+    assert curves["numbers_kept"] == pytest.approx([2 / 3, 1.0])

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -168,6 +169,29 @@ def _curves(run: dict, heldout: str, n_items: int, before: dict) -> dict:
     }
 
 
+def story_task_curves(audit_path: str) -> dict[str, list[float]]:
+    """Per iteration, of the valid tasks the challenger wrote from story documents: the share whose
+    gold is the story's result (its last number) and the share whose question keeps the story's
+    other numbers (without them the reasoner cannot reach the result). A task with a wrong gold or a
+    lost number is unsolvable and earns the floor reward: these are what the variance reward should
+    teach the challenger, and what the first checks' trained runs did not learn (README)."""
+    docs, per_iteration = {}, {}
+    with open(audit_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r["kind"] == "document":
+                docs[r["doc_id"]] = re.findall(r"\d+", r["text"])
+            elif r["kind"] == "challenger" and r["valid"] and r.get("task"):
+                numbers = docs.get(r["doc_id"]) or ["?"]
+                question = set(re.findall(r"\d+", r["task"]["question"]))
+                right = r["task"]["answer"].strip().replace(",", "") == numbers[-1]
+                kept = set(numbers[:-1]) <= question
+                per_iteration.setdefault(r["iteration"], []).append((right, kept))
+    rows = [per_iteration[i] for i in sorted(per_iteration)]
+    return {"gold_right": [sum(r for r, _ in row) / len(row) for row in rows],
+            "numbers_kept": [sum(k for _, k in row) / len(row) for row in rows]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--selfplay", action="store_true", help="SPICE itself: the policy writes and answers its tasks")
@@ -237,6 +261,8 @@ def main() -> int:
         if run is None:
             run = _run(name, args.out, train_file, heldout, args, seed, lr)
             run.update(_curves(run, heldout, before["items"], before))
+            if args.selfplay:
+                run.update(story_task_curves(os.path.join(args.out, name, "audit.jsonl")))
             _keep(args.out, name, settings, run)
         runs[name] = run
         print(f"{name}: held-out {before['accuracy']:.1f} -> {run['after']:.1f} {tuple(round(x, 1) for x in run['after_ci'])}"
@@ -308,11 +334,13 @@ def _plot(runs: dict, before: dict, path: str, selfplay: bool = False) -> None:
     if selfplay:
         panels += [("challenger_reward", "challenger reward (valid tasks)"),
                    ("frontier_share", "frontier share (0 < pass rate < 1)"),
-                   ("leak_rate", "leak rate (answer in the question)")]
+                   ("leak_rate", "leak rate (answer in the question)"),
+                   ("gold_right", "valid tasks with the story's result as gold")]
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5.5 * (len(panels) + 1), 4))
     for ax, (key, title) in zip(axes, panels):
         for name, r in runs.items():
-            ax.plot(range(1, len(r[key]) + 1), r[key], marker=".", label=name)
+            values = r.get(key, [])  # a run kept by an older version of this tool may lack a curve
+            ax.plot(range(1, len(values) + 1), values, marker=".", label=name)
         ax.set(title=title, xlabel="iteration")
         ax.legend()
     held = axes[-1]
