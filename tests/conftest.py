@@ -12,7 +12,18 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+# The modules that take minutes (CI's --durations), longest first. tools/run_tests.sh runs xdist's
+# loadfile with --no-loadscope-reorder, which hands out modules in collection order: started first,
+# these end together instead of one of them running alone on one core at the end (xdist's own
+# order puts modules with the most tests first, which put all of these last).
+LONGEST_FIRST = ("test_trainer_resilience.py", "test_trainer_faults.py", "test_trainer.py", "test_selfplay_learning.py",
+                 "test_rollout.py", "test_eval.py", "test_policy.py", "test_moe.py", "test_gpu_check.py",
+                 "test_recipes.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -40,17 +40,17 @@ def test_the_smollm2_demo_run(tmp_path):
     assert (settings.template, settings.prompt_dir, settings.stop) == ("plain", PROMPT_DIR, ("\nQ:",))
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup, staleness):
-    """At staleness 1 the kill lands while the next iteration's rollouts run beside a learner step."""
+def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup):
+    """One step off policy, so the kill lands while the next iteration's rollouts run beside a
+    learner step. (On-policy, a lost engine's restart with the current weights is
+    test_trainer_resilience's lost-only-engine run, which ends with the uninterrupted run's weights.)"""
     model, corpus, root = setup
-    out = str(root / f"engine_death_{staleness}")
-    marker = root / f"sync_fault_marker_{staleness}"
+    out, marker = str(root / "engine_death"), root / "sync_fault_marker"
     # besides the kill below, the first engine to receive weights version 3 exits in the middle of it
     os.environ["SPICE_FAULT_DIE_IN_SYNC"] = f"3:{marker}"
     try:
         proc = spice_train(model, corpus, out, "run.iterations=4", "rollout.local_engines=2", "rollout.sync_timeout=20",
-                           f"train.max_staleness={staleness}", wait=False)
+                           "train.max_staleness=1", wait=False)
     finally:
         del os.environ["SPICE_FAULT_DIE_IN_SYNC"]
     metrics_path = wait_for_first_iteration(proc, out)
@@ -64,10 +64,7 @@ def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup, staleness):
     metrics = records(metrics_path)
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4]
     assert [m["weight_sync/retries"] for m in metrics] == [0, 0, 1, 0]
-    if staleness == 0:  # the restarted engines got the current weights
-        assert all(m["train/logprob_gap"] < 1e-3 for m in metrics)
-    else:  # ... and at staleness 1 every batch from iteration 2 on is exactly one version old
-        assert [m["rollout_version"] for m in metrics] == [0, 0, 1, 2]
+    assert [m["rollout_version"] for m in metrics] == [0, 0, 1, 2]  # every batch from iteration 2 one version old
 
 
 def test_paper_protocol_run_trains_eight_challenger_trajectories_per_document(setup, tmp_path):
