@@ -7,10 +7,15 @@ Why these settings (measured with the base model, README "Self-play learning che
   this model writes no valid task at all, so every advantage is zero.
 - Prompts: the few-shot files in `spice_megatron/prompts/stories` (compact tags for the challenger,
   worked answers for the reasoner), plain text: the model's chat template gave 0/128 valid tasks.
+  The challenger's examples write <answer> first, copied from the story's last sentence, then the
+  question (generation stops at the examples' last tag, </question>): in the question-first order
+  the model computed the answer instead of copying it, and most golds were wrong (37 of 99 valid
+  tasks right; answer first, 97 of 98; 16 stories x 8 at temperature 0.5, plain vLLM).
 - Temperature 0.5 for both roles (and the learner): at 1.0 this model drifts off format (on held-out
   questions its answers are boxed 21% of the time, pass rate 0.8%, 4/64 questions at the frontier;
   challenger 56/128 valid tasks, 12 with the story's result as gold); at 0.5, 71% boxed, pass rate
-  11%, 21/64 at the frontier; challenger 249/256 valid, 83 with the right gold.
+  11%, 21/64 at the frontier; challenger 249/256 valid, 83 with the right gold
+  (question first).
 - leak_check="all": a task whose answer stands in its question is invalid, however short. The
   stories' answers are small numbers, which the default rule lets through; in the first self-play
   check (README) one trained run learned to copy the story's result into the question and the
