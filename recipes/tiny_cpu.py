@@ -30,8 +30,10 @@ Why these settings (measured with the base model, README "Self-play learning che
   frontier (0 < pass rate < 1) where it has one; the paper draws among all its valid tasks. At 4-6
   documents an iteration most random draws are tasks nobody solves (zero advantage): in the lr 1e-5
   check seed 4321's reasoner trained on 0-2 frontier groups an iteration while 1-5 documents had one.
-- Four documents x G=8 per iteration: the main job's three iterations fit in minutes (the learner's
-  step on 64 + 32 sequences dominates); the learning check takes 6 per iteration.
+- Two documents x G=8 per iteration: the main job's three iterations fit in about 8 minutes on 2
+  slow cores (the learner's fp32 step on ~16 challenger sequences of ~340 tokens and up to 16
+  reasoner ones dominates: at three documents an iteration took ~190 s, 150 of them the step); the
+  learning check takes 6 per iteration.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_c
         corpus=CorpusConfig(sources=[SourceConfig(path=os.path.join(data_dir, "corpus", "stories.jsonl"),
                                                   name="stories")],
                             max_doc_tokens=512, min_doc_tokens=8, max_docs=2000),
-        selfplay=SelfPlayConfig(batch_docs=4, group_size=8, max_attempts=16, attempts_per_round=8,
+        selfplay=SelfPlayConfig(batch_docs=2, group_size=8, max_attempts=16, attempts_per_round=8,
                                 challenger_max_tokens=challenger_tokens, reasoner_max_tokens=reasoner_tokens,
                                 challenger_temperature=temperature, reasoner_temperature=temperature,
                                 template="plain", protocol="compact", challenger_group="document",

@@ -261,9 +261,10 @@ def main() -> int:
         if run is None:
             run = _run(name, args.out, train_file, heldout, args, seed, lr)
             run.update(_curves(run, heldout, before["items"], before))
-            if args.selfplay:
-                run.update(story_task_curves(os.path.join(args.out, name, "audit.jsonl")))
             _keep(args.out, name, settings, run)
+        audit = os.path.join(args.out, name, "audit.jsonl")
+        if args.selfplay and os.path.exists(audit):  # from the trail: a run kept by an older version gets them too
+            run.update(story_task_curves(audit))
         runs[name] = run
         print(f"{name}: held-out {before['accuracy']:.1f} -> {run['after']:.1f} {tuple(round(x, 1) for x in run['after_ci'])}"
               f", reward {run['reward'][0]:.3f} -> {run['reward'][-1]:.3f}, boxed {run['boxed_rate'][0]:.2f} -> "
@@ -285,6 +286,7 @@ def main() -> int:
         verdict = "FAIL"
     summary = {"verdict": verdict, "mode": "selfplay" if args.selfplay else "tasks", "challenger": challenger,
                "before": before, "minutes": (time.perf_counter() - t_start) / 60,
+               "run_minutes": sum(r["seconds"] for r in runs.values()) / 60,  # kept runs count too
                "settings": settings,
                "runs": {n: {k: v for k, v in r.items() if k != "metrics"} for n, r in runs.items()}}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
@@ -295,7 +297,7 @@ def main() -> int:
     print(f"learning_check {verdict}: held-out accuracy before {before['accuracy']:.1f} "
           f"(95% CI {before['ci'][0]:.1f}-{before['ci'][1]:.1f}); " + "; ".join(parts)
           + (f"; challenger (last third, trained vs control): {challenger['line']}" if challenger else "")
-          + f"; {summary['minutes']:.1f} min")
+          + f"; runs {summary['run_minutes']:.1f} min, this invocation {summary['minutes']:.1f}")
     return 0 if verdict == "PASS" else 1
 
 
