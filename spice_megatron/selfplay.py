@@ -32,8 +32,7 @@ from spice_megatron.loss import CHALLENGER, REASONER, role_advantages
 from spice_megatron.protocol import ChallengerPrompts, parse_generation, parse_selection
 from spice_megatron.rewards import challenger_reward, reasoner_reward
 from spice_megatron.rollout.types import Completion, SamplingSpec
-from spice_megatron.tasks import (ParseResult, Task, answer_in_question, extract_boxed,
-                                  parse_challenger_output)
+from spice_megatron.tasks import ParseResult, Task, answer_in_question, extract_boxed, parse_challenger_output
 from spice_megatron.templates import reasoner_prompt
 from spice_megatron.verify import AnswerVerifier, answer_key
 
