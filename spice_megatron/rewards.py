@@ -31,9 +31,13 @@ def absolute_zero_reward(outcomes: Sequence[bool]) -> float:
     return 1.0 - acc if 0.0 < acc < 1.0 else 0.0
 
 
+def at_frontier(outcomes: Sequence[bool]) -> bool:
+    """The reasoner solves the task sometimes, not always and not never (0 < pass rate < 1)."""
+    return 0 < sum(bool(o) for o in outcomes) < len(outcomes)
+
+
 def threshold_reward(outcomes: Sequence[bool]) -> float:
-    correct = sum(bool(o) for o in outcomes)
-    return 1.0 if 0 < correct < len(outcomes) else 0.0
+    return 1.0 if at_frontier(outcomes) else 0.0
 
 
 def r_zero_reward(answers: Sequence[str | None]) -> float:

@@ -30,7 +30,7 @@ from spice_megatron.config import SelfPlayConfig
 from spice_megatron.corpus import Document
 from spice_megatron.loss import CHALLENGER, REASONER, role_advantages
 from spice_megatron.protocol import ChallengerPrompts, parse_generation, parse_selection
-from spice_megatron.rewards import challenger_reward, reasoner_reward
+from spice_megatron.rewards import at_frontier, challenger_reward, reasoner_reward
 from spice_megatron.rollout.types import Completion, SamplingSpec
 from spice_megatron.tasks import ParseResult, Task, answer_in_question, extract_boxed, parse_challenger_output
 from spice_megatron.templates import reasoner_prompt
@@ -198,7 +198,7 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
         tasks_by_doc.setdefault(i, []).append(k)
     trained_task: dict[int, int] = {}
     for i, ks in sorted(tasks_by_doc.items()):
-        frontier = [k for k in ks if 0 < sum(outcomes[k]) < len(outcomes[k])]
+        frontier = [k for k in ks if at_frontier(outcomes[k])]
         trained_task[i] = rng.choice(frontier if cfg.reasoner_task == "frontier" and frontier else ks)
 
     samples: list[Sample] = []
@@ -422,7 +422,7 @@ def _statistics(n_docs: int, attempts: list[int], groups: list[list[Attempt]], t
     s["challenger_reward_mean"] = sum(task_reward) / len(task_reward) if task_reward else 0.0
     # tasks at the reasoner's frontier (0 < pass rate < 1: the variance reward's aim), and tasks whose
     # answer stands in their question (a reasoner copies it: pass rate near 1, little reward)
-    s["challenger/frontier_share"] = sum(0 < sum(o) < len(o) for o in outcomes) / len(outcomes) if outcomes else 0.0
+    s["challenger/frontier_share"] = sum(map(at_frontier, outcomes)) / len(outcomes) if outcomes else 0.0
     s["challenger/leak_rate"] = sum(answer_in_question(t) for t in tasks) / len(tasks) if tasks else 0.0
     for role in (CHALLENGER, REASONER):
         adv = torch.tensor([x.advantage for x in samples if x.role == role], dtype=torch.float64)
