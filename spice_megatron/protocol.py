@@ -133,7 +133,7 @@ class ChallengerPrompts:
         custom_compact = read_prompt_file(prompt_dir, "challenger_compact.txt")
         self.compact = custom_compact or (CHALLENGER_INSTRUCTIONS + "\n<document>\n{document}\n</document>\n")
         self._compact_notes = custom_compact is None
-        self.compact_stop = compact_stop(custom_compact) if custom_compact else COMPACT_END
+        self.compact_stop = compact_stop(self.compact)  # the built-in prompt's format block ends in </answer>
 
     def _wrap(self, user: str) -> str:
         return conversation(self.template, user, self.tokenizer)
