@@ -184,11 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = ap.parse_args(argv)
     if args.executor == "local":
+        from spice_megatron.run_lock import RunDirLocked, check_unlocked
+
         exp = local_experiment(args.recipe, args.overrides, args.output_dir, args.model_dir)
+        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        try:  # the run would refuse too, after NeMo-Run set it up: say it before
+            check_unlocked(os.path.abspath(args.output_dir or cfg.run.output_dir))
+        except RunDirLocked as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         with exp:
             exp.run(sequential=True, tail_logs=True)
         # NeMo-Run does not track local task states; the run's last checkpoint says how far it got.
-        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
         done = completed_iterations(os.path.abspath(args.output_dir or cfg.run.output_dir))
         print(f"spice run through NeMo-Run: {done} of {cfg.run.iterations} iterations completed")
         return 0 if done >= cfg.run.iterations else 1

@@ -51,6 +51,14 @@ STOPPED_FILE=$OUTPUT_DIR/STOPPED  # written by the trainer when it stopped on a 
 KILL_SWITCH_FILE=$OUTPUT_DIR/KILL_SWITCH
 FAILURES_FILE=$OUTPUT_DIR/.slurm_failed_attempts
 TIME_LIMITS_FILE=$OUTPUT_DIR/.slurm_time_limit_requeues
+# One writer per run directory (spice_megatron/run_lock.py): the trainer holds OUTPUT_DIR/RUN_LOCK.
+# Held by another Slurm job that still runs: refuse before touching anything here (no requeue).
+# A holder outside Slurm, or an earlier attempt of this job, is the trainer's to judge.
+lock_job=$(sed -n 's/.*"slurm_job_id": *"\([0-9_]*\)".*/\1/p' "$OUTPUT_DIR/RUN_LOCK" 2>/dev/null || true)
+if [[ -n $lock_job && $lock_job != "$SLURM_JOB_ID" ]] && squeue -h -j "$lock_job" -o %T 2>/dev/null | grep -qx RUNNING; then
+  echo "spice: $OUTPUT_DIR is in use by Slurm job $lock_job (its RUN_LOCK); not starting: use another OUTPUT_DIR" >&2
+  exit 2
+fi
 rm -f "$STOP_FILE" "$STOPPED_FILE"
 
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")

@@ -101,6 +101,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
         cfg.rollout.engines = rollout_urls_from_env()
     if not under_launcher():  # one-machine conveniences, done once before any rank starts
+        from spice_megatron.run_lock import RunDirLocked, check_unlocked
+
+        try:  # the lock itself is taken by rank 0; this names a live holder before anything starts
+            check_unlocked(cfg.run.output_dir)
+        except RunDirLocked as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if not cfg.run.model:
             from spice_megatron.offline_assets import smollm2_dir
 
@@ -122,6 +129,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         relaunch_with_torchrun(cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel,
                                [sys.argv[0], *argv])
     from spice_megatron.planner import PlanError
+    from spice_megatron.policy.checkpoint import NoUsableCheckpoint
+    from spice_megatron.run_lock import RunDirLocked
     from spice_megatron.trainer import EnginesLost, Interrupted, KillSwitch, train
 
     eval_hook = None
@@ -149,9 +158,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except EnginesLost as e:
         print(f"error: rollout engines lost: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, PlanError) as e:  # the checks that need the model or the GPUs run here
+    except (ConfigError, PlanError, RunDirLocked) as e:  # the checks that need the model or the GPUs run here
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NoUsableCheckpoint as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if summary and global_rank() == 0:
         keys = ["weights_version", "valid_task_rate", "attempts_per_doc", "reasoner_pass_rate", "challenger_reward_mean",
                 "train/loss", "train/grad_norm", "train/logprob_gap", "weight_sync/seconds", "time/iteration"]

@@ -423,12 +423,18 @@ class RunConfig:
     # inside rank 0, beside its Megatron step (one interpreter lock). process: a process of its own that
     # hands rank 0 finished batches (driver_process.py); the cluster recipes use it.
     driver: str = "thread"
+    # How long a requeued Slurm job waits for its earlier attempt, still holding the run directory's
+    # lock (run_lock.py), to end before it refuses to start.
+    lock_wait_s: float = 300.0
 
     def validate(self, prefix: str = "run") -> None:
         _require(bool(self.model), f"{prefix}.model", "the base model's HF directory is required")
         _require(self.iterations >= 1, f"{prefix}.iterations", "must be >= 1")
         _require(self.checkpoint_every >= 1, f"{prefix}.checkpoint_every", "must be >= 1")
         _require(self.patience >= 1, f"{prefix}.patience", "must be >= 1")
+        _require(self.keep_last >= 1, f"{prefix}.keep_last", "must be >= 1 (2 or more lets a resume pass over "
+                 "a damaged newest checkpoint)")
+        _require(self.lock_wait_s >= 0, f"{prefix}.lock_wait_s", "must be >= 0 seconds")
         _require(self.driver_timeout > 0, f"{prefix}.driver_timeout", "must be > 0 seconds")
         _require(self.driver in DRIVERS, f"{prefix}.driver", f"must be one of {DRIVERS}, got {self.driver!r}")
 

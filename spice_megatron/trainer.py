@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-
 from spice_megatron.config import SpiceConfig
 from spice_megatron.driver import Driver, EnginesLost, IterationAbandoned, KillSwitch, RolloutBatch
 from spice_megatron.driver_process import DriverProcess
+from spice_megatron.engine_weights import WeightSync
+from spice_megatron.policy.parallel import broadcast_from_driver as _broadcast
 from spice_megatron.rollout.fleet import NoEngineLeft
+from spice_megatron.run_control import KILL_SWITCH_FILE, STOP_FILE, STOPPED_FILE, StopRequest, write_marker
+from spice_megatron.run_lock import hold_run_dir
 
 log = logging.getLogger("spice.trainer")
 
@@ -45,169 +44,6 @@ log = logging.getLogger("spice.trainer")
 class Interrupted(RuntimeError):
     """Ctrl-C, SIGTERM or a STOP file: the run saved a checkpoint and stopped (after its iteration,
     or, for a STOP during the rollouts, dropping the iteration in progress)."""
-
-
-# Files in the run directory that talk to the job script. torchrun turns every worker exit code into
-# 1, and a signal to torchrun gives the workers only 30 s before SIGKILL, so neither exit codes nor
-# signals reach a Slurm script reliably through it.
-STOP_FILE = "STOP"  # created by the job script (time limit near) or a person: stop with a checkpoint
-STOPPED_FILE = "STOPPED"  # written by rank 0 when it stopped on a request: a stop, not a failure
-KILL_SWITCH_FILE = "KILL_SWITCH"  # written by rank 0 when the kill switch stops the run: do not requeue
-
-
-class StopRequest:
-    """The first Ctrl-C (or SIGTERM, as Slurm sends before a kill), or a STOP file in the run
-    directory, asks the loop to stop after the current iteration, with a checkpoint that resumes
-    exactly; a second signal aborts at once."""
-
-    def __init__(self, stop_file: str = "") -> None:
-        self.signalled = False
-        self.stop_file = stop_file
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    @property
-    def requested(self) -> bool:
-        return self.signalled or bool(self.stop_file and os.path.exists(self.stop_file))
-
-    def _handle(self, signum, frame) -> None:
-        if self.signalled:  # a second signal of either kind
-            raise KeyboardInterrupt
-        self.signalled = True
-        log.warning("%s: stopping after this iteration with a checkpoint (Ctrl-C again to abort without one)",
-                    signal.Signals(signum).name)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _broadcast(obj: Any, group) -> Any:
-    """Rank 0's object on every rank, over the gloo control group (see policy.parallel.control_group)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _write_marker(path: str, reason: str, is_driver: bool) -> None:
-    if is_driver:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            f.write(reason + "\n")
-
-
-def _sync_host(cfg: SpiceConfig) -> str:
-    """The address the engines dial to join the weight-sync group (rank 0 hosts its store)."""
-    import socket
-    from urllib.parse import urlparse
-
-    if cfg.rollout.sync_host:
-        return cfg.rollout.sync_host
-    loopback = ("127.0.0.1", "localhost", "::1", "")
-    if all(urlparse(u).hostname in loopback for u in cfg.rollout.engines):
-        return "127.0.0.1"
-    master = os.environ.get("MASTER_ADDR", "")  # torchrun --standalone sets a loopback one
-    return master if master not in loopback else socket.gethostbyname(socket.getfqdn())
-
-
-class WeightSync:
-    """The learner side of the engines' weight updates, through vLLM's weight-transfer interface:
-    a `WeightSource` over the learner (bridge/transfer.py), the trainer engine of the backend
-    `rollout.weight_transfer`, and the fleet's HTTP client for vLLM's control plane (driver only)."""
-
-    def __init__(self, cfg: SpiceConfig, learner, driver: Driver | DriverProcess | None, control):
-        from spice_megatron.bridge.transfer import MegatronStageSource
-
-        self.cfg, self.learner, self.driver, self.control = cfg, learner, driver, control
-        self.source = MegatronStageSource(learner, control)
-        self.host = _broadcast(_sync_host(cfg) if driver else "", control)
-        self.transfer = None  # the trainer engine, until the group must be formed again
-        self.client = None  # the fleet's control-plane client (driver only)
-        self.bytes = 0.0
-
-    def reform(self) -> None:
-        """After an engine restart every member joins a fresh group on a new port."""
-        if self.transfer is not None:
-            self.transfer.shutdown()
-            self.transfer = None
-
-    def sync(self, version: int) -> dict:
-        """Stream the learner's weights to every engine. If an engine dies during the sync, the
-        engines the trainer started are restarted, everyone joins a fresh group and the sync is
-        tried once more; an engine that cannot be restarted (a cluster's) fails the run."""
-        t0 = time.perf_counter()
-        for attempt in (1, 2):
-            error = self._attempt(version)
-            if not _any_rank(bool(error), self.control):
-                return {"weight_sync/seconds": time.perf_counter() - t0, "weight_sync/bytes": self.bytes,
-                        "weight_sync/retries": float(attempt - 1)}
-            if attempt == 2:
-                raise RuntimeError(f"weight sync of version {version} failed twice: {error or 'on another rank'}")
-            if self.driver:
-                log.warning("weight sync of version %d failed (%s); restarting dead engines and retrying",
-                            version, error or "on another learner rank")
-            _broadcast(self.driver.restart_dead_engines() if self.driver else None, self.control)
-            self.reform()
-        raise AssertionError("unreachable")
-
-    def _init_transfer(self):
-        from spice_megatron.bridge.transfer import SpiceTrainerInitInfo, SpiceTrainerTransfer
-        from spice_megatron.launch import free_port
-
-        ro = self.cfg.rollout
-        port = _broadcast((ro.sync_port or free_port()) if self.driver else 0, self.control)
-        receivers = _broadcast(self.driver.fleet.num_receivers if self.driver else 0, self.control)
-        self.client = self.driver.fleet.sync_client() if self.driver else None
-        if ro.weight_transfer == "nccl":
-            return _nccl_transfer(self.host, port, receivers, self.client, self.source)
-        info = SpiceTrainerInitInfo(self.host, port, self.learner.layout.pp, receivers, timeout_s=ro.sync_timeout,
-                                    bucket_bytes=ro.bucket_mb * 2**20, rank=dist.get_rank())
-        return SpiceTrainerTransfer.trainer_init(info, client=self.client, source=self.source)
-
-    def _attempt(self, version: int) -> str:
-        """One sync; returns this rank's error message ("" when it went through)."""
-        try:
-            if self.transfer is None:
-                self.transfer = self._init_transfer()
-            if self.cfg.rollout.weight_transfer == "spice":
-                sent = self.transfer.send_weights(version)["bytes"]
-            else:  # vLLM's engine finishes without a version: the client stamps it
-                if self.client:
-                    self.client.version = str(version)
-                self.transfer.send_weights()
-                sent = self.source.nbytes if dist.get_rank() == 0 else 0
-            # the driver reports one copy of the model: what every stage sent, together
-            t = torch.tensor([float(sent)], dtype=torch.float64)
-            dist.all_reduce(t, group=self.control)
-            self.bytes = float(t.item())
-            return ""
-        except Exception as e:  # noqa: BLE001 - a dead peer surfaces as gloo/NCCL, HTTP or protocol errors
-            if self.transfer is not None:
-                self.transfer.shutdown()
-            self.transfer = None
-            return f"{type(e).__name__}: {e}"
-
-
-def _nccl_transfer(host: str, port: int, receivers: int, client, source):
-    """vLLM's built-in `nccl` trainer engine over the Megatron source (one sender: trainer rank 0,
-    so pipeline parallelism 1; config.validate refuses the rest). GPU only, and vLLM must be
-    importable on the learner; never run here (no GPU)."""
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-    except ImportError as e:
-        raise RuntimeError("rollout.weight_transfer=nccl: its trainer engine is vLLM's, and vLLM is not importable "
-                           "in the learner's environment (the learner image has none); use spice") from e
-    info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=1 + receivers, rank=dist.get_rank())
-    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-
-
-def _any_rank(flag: bool, group) -> bool:
-    t = torch.tensor([int(flag)])  # a CPU tensor: the control group is gloo
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
 
 
 def _iteration_stats(batch: RolloutBatch, steps: list, sync: dict, learner_version: int) -> dict[str, float]:
@@ -242,40 +78,50 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     """Run SPICE. `eval_hook` is called on the driver every run.eval_every iterations with the
     rollout fleet (which holds the current weights); its metrics are logged under eval/.
     A run the kill switch stopped is not resumed (a scheduler's requeue would otherwise train on
-    from the collapse) unless `resume_after_kill_switch`."""
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-
-    from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint, write_training_prompts
+    from the collapse) unless `resume_after_kill_switch`. Rank 0 holds the run directory's lock
+    for the whole run (run_lock.py): a second run on it refuses (RunDirLocked)."""
     from spice_megatron.bridge.hf_io import resolve_model_dir
-    from spice_megatron.context_budget import check_context_budget
-    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
-    from spice_megatron.policy.learner import Learner
     from spice_megatron.policy.parallel import control_group, init_distributed
 
     cfg.validate()
     cfg.run.model = resolve_model_dir(cfg.run.model)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
-    is_driver = layout.rank == 0
     control = control_group(cfg.run.driver_timeout)
+    with hold_run_dir(cfg.run.output_dir, cfg.run.lock_wait_s, layout.rank == 0, control):
+        return _train(cfg, layout.rank == 0, control, resume, eval_hook, resume_after_kill_switch)
+
+
+def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: EvalHook | None,
+           resume_after_kill_switch: bool) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint, write_training_prompts
+    from spice_megatron.context_budget import check_context_budget
+    from spice_megatron.policy.checkpoint import latest_checkpoint, read_trainer_state, resumable_checkpoint, save_checkpoint
+    from spice_megatron.policy.learner import Learner
+
     ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")
     tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
     check_context_budget(cfg, tokenizer)  # before the learner loads and the engines start
 
-    # --- The learner: the base model (HF -> Megatron), or the last checkpoint on resume.
-    latest = latest_checkpoint(ckpt_root) if resume else None
-    stopped = read_trainer_state(latest).get("kill_switch") if latest else None
+    # --- The learner: the base model (HF -> Megatron), or on resume the newest checkpoint that
+    # matches its manifest and loads (a damaged one is named and the one before it used).
+    newest = latest_checkpoint(ckpt_root) if resume else None
+    try:
+        stopped = read_trainer_state(newest).get("kill_switch") if newest else None
+    except (OSError, ValueError):  # a damaged checkpoint: the resume below names it and passes it over
+        stopped = None
     kill_marker = os.path.join(cfg.run.output_dir, KILL_SWITCH_FILE)
     if stopped and not resume_after_kill_switch:
-        _write_marker(kill_marker, stopped, is_driver)
-        raise KillSwitch(f"not resuming: the kill switch stopped this run at {os.path.basename(latest)} ({stopped}); "
+        write_marker(kill_marker, stopped, is_driver)
+        raise KillSwitch(f"not resuming: the kill switch stopped this run at {os.path.basename(newest)} ({stopped}); "
                          "pass --resume-after-kill-switch to continue it anyway")
     learner = Learner.from_hf(cfg.run.model, cfg.parallel, cfg.optim, cfg.train, pad_id=tokenizer.pad_token_id or 0)
-    state: dict[str, Any] = {"iteration": 0, "version": 0}
+    latest, loaded = resumable_checkpoint(learner, ckpt_root, control) if resume else (None, {})
+    state: dict[str, Any] = {"iteration": 0, "version": 0, **loaded}
     if resume and latest is None and is_driver:
         log.warning("--resume: no checkpoint under %s; starting from the base model", ckpt_root)
-    if latest:
-        state = load_checkpoint(learner, latest)
     if is_driver:
         copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
         write_training_prompts(cfg, os.path.join(ckpt_root, HF_META_DIR))
@@ -316,7 +162,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
             save(done, held)
         if is_driver and os.path.exists(stop_file):
             os.remove(stop_file)
-        _write_marker(os.path.join(cfg.run.output_dir, STOPPED_FILE), "stop requested", is_driver)
+        write_marker(os.path.join(cfg.run.output_dir, STOPPED_FILE), "stop requested", is_driver)
         if raise_:
             where = f"after iteration {done} with a checkpoint" if done else "before iteration 1 (nothing to save)"
             raise Interrupted(f"{why + '; ' if why else ''}stopped {where}; continue with --resume")
@@ -415,7 +261,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
             if stop or interrupted or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:
                 save(iteration, version, kill_switch=stop)
             if stop:
-                _write_marker(kill_marker, stop, is_driver)
+                write_marker(kill_marker, stop, is_driver)
                 raise KillSwitch(f"stopped the run: {stop} (a checkpoint was saved)")
             if interrupted:  # after the last iteration there is nothing left to stop
                 stop_requested(iteration, version, "", raise_=iteration < cfg.run.iterations)

@@ -12,7 +12,7 @@ def _control_rank(wait_s):
     import torch.distributed as dist
 
     from spice_megatron.policy.parallel import control_group
-    from spice_megatron.trainer import _any_rank, _broadcast
+    from spice_megatron.policy.parallel import any_rank as _any_rank, broadcast_from_driver as _broadcast
 
     # the default group stands for NCCL with its watchdog: a short timeout
     dist.init_process_group("gloo", timeout=timedelta(seconds=2))
@@ -41,7 +41,7 @@ def test_driver_messages_wait_past_the_default_timeout_and_within_their_bound(tm
 
 
 def test_stop_file_requests_a_stop(tmp_path):
-    from spice_megatron.trainer import StopRequest
+    from spice_megatron.run_control import StopRequest
 
     stop = tmp_path / "STOP"
     request = StopRequest(str(stop))

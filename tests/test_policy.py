@@ -1,4 +1,5 @@
 """The Megatron-Core learner against transformers, across TP / PP / DP layouts (gloo, CPU)."""
+import json
 import math
 import os
 
@@ -106,6 +107,49 @@ def _checkpoint_rank(model_dir, root, dtype="fp32"):
     return results
 
 
+def _damaged_checkpoint_rank(model_dir, root):
+    """DP=2: two checkpoints, the newest damaged in rank 1's shard; the resume takes the older one."""
+    import torch.distributed as dist
+
+    from spice_megatron.policy.checkpoint import (NoUsableCheckpoint, resumable_checkpoint, save_checkpoint,
+                                                  verify_checkpoint)
+    from spice_megatron.policy.learner import Learner
+    from spice_megatron.policy.model import model_spec_from_hf
+    from spice_megatron.policy.parallel import control_group
+
+    optim, train = OptimConfig(lr=1e-3, adam_eps=1e-5), PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16)
+    learner = Learner.from_hf(model_dir, ParallelConfig(1, 1), optim, train)
+    group = control_group(60)
+    fresh = Learner(model_spec_from_hf(model_dir), ParallelConfig(1, 1), optim, train)
+    assert resumable_checkpoint(fresh, root, group) == (None, {})  # nothing saved yet
+    learner.train_on_batch(train_batch())
+    save_checkpoint(learner, root, step=1, trainer_state={"iteration": 1}, keep_last=3)
+    reference = learner.train_on_batch(train_batch()[::-1])[0].loss
+    save_checkpoint(learner, root, step=2, trainer_state={"iteration": 2}, keep_last=3)
+    step2 = os.path.join(root, "step_00000002")
+    manifest = json.load(open(os.path.join(step2, "manifest.json")))["files"]
+    out = {"manifest": sorted(manifest), "intact": verify_checkpoint(step2)}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shard = os.path.join(step2, "__1_0.distcp")  # rank 1's shard, truncated after the save
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    dist.barrier()
+    path, state = resumable_checkpoint(fresh, root, group)
+    out["resumed"] = (os.path.basename(path), state, fresh.train_on_batch(train_batch()[::-1])[0].loss, reference)
+    out["after"] = sorted(os.listdir(root)), open(os.path.join(root, "latest")).read().strip()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(os.path.join(root, "step_00000001", "common.pt"))
+    dist.barrier()
+    try:
+        resumable_checkpoint(fresh, root, group)
+        out["none_usable"] = ""
+    except NoUsableCheckpoint as e:
+        out["none_usable"] = str(e)
+    return out
+
+
 # ----------------------------------------------------------------------------- tests
 
 @pytest.mark.multiprocess
@@ -181,6 +225,43 @@ def test_checkpoint_resume_reshards(tiny_models, tmp_path, dtype):
         assert lr == pytest.approx(ref_lr), layout  # scheduler restored (warmup step 2 of 2)
         assert state == {"cursor": 7} and steps == 2
     assert sorted(os.listdir(root)) == ["latest", "step_00000001"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes_exactly(tiny_models, tmp_path):
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(_damaged_checkpoint_rank, 2, tiny_models["qwen3_untied"], root, tmp_path=tmp_path)
+    for r in results:
+        # every file is in the manifest, each rank's shard included (each rank flushed and summed its own)
+        assert {"__0_0.distcp", "__1_0.distcp", "layout.json", "trainer_state.json", "scheduler.json",
+                "common.pt"} <= set(r["manifest"]) and r["intact"] == ""
+        name, state, loss, reference = r["resumed"]
+        assert name == "step_00000001" and state == {"iteration": 1}
+        assert loss == pytest.approx(reference, abs=1e-6)  # the lost step, taken again from step 1, is the same
+        assert r["after"] == (["damaged.step_00000002", "latest", "step_00000001"], "step_00000001")
+        assert "step_00000001" in r["none_usable"] and "common.pt is missing" in r["none_usable"]
+
+
+def test_verify_checkpoint_names_the_file_that_differs_from_the_manifest(tmp_path):
+    from spice_megatron.policy.checkpoint import _file_entry, verify_checkpoint
+
+    (tmp_path / "a.distcp").write_bytes(b"x" * 100)
+    (tmp_path / "layout.json").write_text("{}")
+    assert verify_checkpoint(str(tmp_path)) == ""  # before manifests: its load is the check
+    files = {n: _file_entry(str(tmp_path / n)) for n in ("a.distcp", "layout.json")}
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": files}))
+    assert verify_checkpoint(str(tmp_path)) == ""
+    assert verify_checkpoint(str(tmp_path), part=1, parts=2) == ""
+    (tmp_path / "a.distcp").write_bytes(b"y" * 100)  # same size, other bytes
+    assert "a.distcp fails its CRC-32" in verify_checkpoint(str(tmp_path))
+    assert verify_checkpoint(str(tmp_path), part=1, parts=2) == ""  # that file is the other part's
+    (tmp_path / "a.distcp").write_bytes(b"x" * 10)
+    assert "a.distcp has 10 bytes, its manifest says 100" in verify_checkpoint(str(tmp_path))
+    os.remove(tmp_path / "a.distcp")
+    assert "a.distcp is missing" in verify_checkpoint(str(tmp_path))
+    (tmp_path / "manifest.json").write_text("{")
+    assert "manifest.json is unreadable" in verify_checkpoint(str(tmp_path))
 
 
 def test_latest_checkpoint_ignores_an_interrupted_save(tmp_path):

@@ -4,7 +4,11 @@ Layout of a checkpoint root:
   step_00000010/        model + optimizer shards, scheduler, RNG, trainer_state.json, layout.json
   latest                the name of the newest complete checkpoint
 A checkpoint is written to `.step_XXXXXXXX.tmp` and renamed only when every rank has finished,
-so a kill during a save leaves the previous checkpoint loadable. The model and the
+so a kill during a save leaves the previous checkpoint loadable. Before the rename every file is
+flushed to disk (each rank its own shards) and `manifest.json`, written last, lists each file's
+size and CRC-32 (computed by the rank that wrote it, from the page cache); the directories are
+flushed after the rename. A resume takes the newest checkpoint whose files match their manifest
+and that loads (`resumable_checkpoint`), naming each one it passes over. The model and the
 (non-distributed) optimizer reshard on load to any TP x PP layout; RNG states are restored only
 when the layout is unchanged.
 """
@@ -14,7 +18,10 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
+import time
+import zlib
 from typing import Any
 
 import numpy as np
@@ -27,6 +34,9 @@ from spice_megatron.policy import cpu_compat
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+DAMAGED_PREFIX = "damaged."  # a checkpoint a resume passed over, kept for inspection
+_SHARD = re.compile(r"__(\d+)_\d+\.distcp$")  # torch_dist's files: __<global rank>_<n>.distcp
 # How megatron's distributed optimizer lays out its state in a checkpoint (optim.checkpoint_sharding).
 # megatron-core 0.16.1 defaults to 'fully_sharded_model_space', which raises "ShardedTensor.flattened_range
 # is not supported" at the first save. 'dp_reshardable' writes each DP rank's shard as it is, fully in
@@ -89,7 +99,7 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
     checkpoint (a conversion from HF) holds no optimizer, scheduler or RNG state."""
     from megatron.core import dist_checkpointing
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     final = os.path.join(root, _step_dir(step))
     tmp = os.path.join(root, f".{_step_dir(step)}.tmp")
     if rank == 0:
@@ -100,22 +110,25 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
     with cpu_compat.cuda_to_cpu():
         dist_checkpointing.save(_sharded_state(learner, False, not model_only, not model_only,
                                                learner.optim_cfg.checkpoint_sharding), tmp)
+    _write_json(os.path.join(tmp, f".manifest.rank{rank}.json"),
+                {name: _file_entry(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))
+                 if _writer(name, world) == rank and not name.startswith(".manifest.rank")})
     dist.barrier()
     if rank == 0:
         lay = learner.layout
-        with open(os.path.join(tmp, "layout.json"), "w") as f:
-            json.dump({"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "step": step,
-                       "learner_steps": learner.steps, "model_only": model_only,
-                       "distributed_optimizer": learner.optim_cfg.use_distributed_optimizer,
-                       "optimizer_sharding": learner.optim_cfg.checkpoint_sharding}, f)
+        _write_json(os.path.join(tmp, "layout.json"),
+                    {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "step": step,
+                     "learner_steps": learner.steps, "model_only": model_only,
+                     "distributed_optimizer": learner.optim_cfg.use_distributed_optimizer,
+                     "optimizer_sharding": learner.optim_cfg.checkpoint_sharding})
         if not model_only:
-            with open(os.path.join(tmp, "scheduler.json"), "w") as f:
-                json.dump(learner.scheduler.state_dict(), f)
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(trainer_state or {}, f)
+            _write_json(os.path.join(tmp, "scheduler.json"), learner.scheduler.state_dict())
+        _write_json(os.path.join(tmp, "trainer_state.json"), trainer_state or {})
+        _write_manifest(tmp, world)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(root)
         _write_latest(root, _step_dir(step))
         _prune(root, keep_last)
         log.info("checkpoint saved: %s", final)
@@ -123,17 +136,79 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
     return final
 
 
+def _writer(name: str, world: int) -> int:
+    """The rank that wrote (and so flushes and checksums) a checkpoint file: a shard's own rank,
+    rank 0 for the rest (metadata, common state)."""
+    m = _SHARD.match(name)
+    return int(m.group(1)) if m and int(m.group(1)) < world else 0
+
+
+def _file_entry(path: str) -> dict:
+    """Flush a file to disk; its size and CRC-32."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+        os.fsync(f.fileno())
+        return {"size": f.tell(), "crc32": crc}
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(tmp: str, world: int) -> None:
+    """Rank 0, last before the rename: every rank's entries and rank 0's own files in one manifest."""
+    files: dict[str, dict] = {}
+    for r in range(world):
+        part = os.path.join(tmp, f".manifest.rank{r}.json")
+        with open(part) as f:
+            files.update(json.load(f))
+        os.remove(part)
+    for name in ("layout.json", "scheduler.json", "trainer_state.json"):
+        if os.path.exists(os.path.join(tmp, name)):
+            files[name] = _file_entry(os.path.join(tmp, name))
+    missing = sorted(set(os.listdir(tmp)) - set(files))
+    if missing:  # a file no rank claimed: written by a rank this save did not expect
+        raise RuntimeError(f"checkpoint {tmp}: files not in any rank's manifest: {missing}")
+    _write_json(os.path.join(tmp, MANIFEST), {"files": files})
+    _fsync_dir(tmp)
+
+
 def _write_latest(root: str, name: str) -> None:
     tmp = os.path.join(root, f".{LATEST}.tmp")
     with open(tmp, "w") as f:
         f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, LATEST))
+    _fsync_dir(root)
 
 
 def _prune(root: str, keep_last: int) -> None:
     done = sorted(d for d in os.listdir(root) if d.startswith("step_"))
     for d in done[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def checkpoint_candidates(root: str) -> list[str]:
+    """The renamed (complete when written) checkpoints under root, newest first."""
+    if not os.path.isdir(root):
+        return []
+    done = sorted((d for d in os.listdir(root) if d.startswith("step_")
+                   and os.path.exists(os.path.join(root, d, "layout.json"))), reverse=True)
+    return [os.path.join(root, d) for d in done]
 
 
 def latest_checkpoint(root: str) -> str | None:
@@ -145,9 +220,88 @@ def latest_checkpoint(root: str) -> str | None:
         if os.path.exists(os.path.join(candidate, "layout.json")):
             return candidate
     # `latest` may lag a completed rename if the process died in between: fall back to a scan.
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_")
-                  and os.path.exists(os.path.join(root, d, "layout.json"))) if os.path.isdir(root) else []
-    return os.path.join(root, done[-1]) if done else None
+    done = checkpoint_candidates(root)
+    return done[0] if done else None
+
+
+def verify_checkpoint(path: str, part: int = 0, parts: int = 1) -> str:
+    """Why the checkpoint's files do not match its manifest ("" if they do), checking the files
+    `part` of `parts` (so that the ranks of a resume share the reading). A checkpoint from before
+    manifests existed is not checked here; its load is."""
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest):
+        return ""
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"{manifest} is unreadable ({type(e).__name__}: {e})"
+    for name in sorted(files)[part::parts]:
+        want, file = files[name], os.path.join(path, name)
+        if not os.path.exists(file):
+            return f"{file} is missing"
+        size = os.path.getsize(file)
+        if size != want["size"]:
+            return f"{file} has {size} bytes, its manifest says {want['size']}"
+        crc = 0
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+        if crc != want["crc32"]:
+            return f"{file} fails its CRC-32 (manifest {want['crc32']}, file {crc})"
+    return ""
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """Checkpoints exist, and none of them matches its manifest and loads."""
+
+
+def resumable_checkpoint(learner, root: str, group) -> tuple[str | None, dict[str, Any]]:
+    """Collective over the learner ranks (`group`: the gloo control group). Loads the newest
+    checkpoint under root whose files match its manifest and that loads on every rank; each one
+    passed over is named in one line and, once an older one has loaded, renamed `damaged.<name>`
+    (kept for inspection, out of the pruning's way), and `latest` points at the one used. Returns
+    (its path, its trainer state); (None, {}) when there is no checkpoint; NoUsableCheckpoint
+    when none of them is usable (all are left in place). Every load restores the whole learner
+    state, so a failed attempt leaves nothing behind."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box = [checkpoint_candidates(root) if rank == 0 else None]  # one list for all, whatever each rank's view
+    dist.broadcast_object_list(box, src=0, group=group)
+    passed_over: list[tuple[str, str]] = []
+    for path in box[0]:
+        t0 = time.perf_counter()
+        problems: list[str] = [""] * world
+        dist.all_gather_object(problems, verify_checkpoint(path, rank, world), group=group)
+        why = next((p for p in problems if p), "")
+        if not why:
+            try:
+                state, error = load_checkpoint(learner, path), ""
+            except ConfigError:  # the checkpoint is fine; this run's settings cannot take it
+                raise
+            except Exception as e:  # noqa: BLE001 - torch's checkpoint reader raises many kinds
+                state, error = {}, f"its load failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            dist.all_gather_object(problems, error, group=group)
+            why = next((p for p in problems if p), "")
+        if why:
+            if rank == 0:
+                log.error("checkpoint %s is damaged and is not used: %s", path, why)
+            passed_over.append((path, why))
+            continue
+        if rank == 0:
+            for bad, _ in passed_over:
+                aside = os.path.join(root, DAMAGED_PREFIX + os.path.basename(bad))
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(bad, aside)
+                log.warning("moved the damaged checkpoint %s to %s", bad, aside)
+            if passed_over:
+                _write_latest(root, os.path.basename(path))
+            log.info("resuming from %s (verified and loaded in %.1f s)", path, time.perf_counter() - t0)
+        dist.barrier(group=group)
+        return path, state
+    if passed_over:
+        raise NoUsableCheckpoint(f"no checkpoint under {root} can be resumed: " +
+                                 "; ".join(f"{os.path.basename(p)}: {why}" for p, why in passed_over))
+    return None, {}
 
 
 def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, Any]:

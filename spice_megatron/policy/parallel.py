@@ -106,3 +106,17 @@ def control_group(timeout_s: float):
     challenger phase (up to 1,024 attempts per document) can take longer. The wait is bounded by
     `timeout_s` (run.driver_timeout) instead."""
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def broadcast_from_driver(obj, group):
+    """Rank 0's object on every rank, over the control group."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def any_rank(flag: bool, group) -> bool:
+    """True on every rank if it is true on one (over the control group: a CPU tensor, gloo)."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())

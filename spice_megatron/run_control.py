@@ -1,0 +1,55 @@
+"""How a run talks to the job script and the person at the keyboard: the STOP file and signals
+that ask for a stop with a checkpoint, and the marker files that say how the run ended."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+log = logging.getLogger("spice.trainer")
+
+
+# Files in the run directory that talk to the job script. torchrun turns every worker exit code into
+# 1, and a signal to torchrun gives the workers only 30 s before SIGKILL, so neither exit codes nor
+# signals reach a Slurm script reliably through it.
+STOP_FILE = "STOP"  # created by the job script (time limit near) or a person: stop with a checkpoint
+STOPPED_FILE = "STOPPED"  # written by rank 0 when it stopped on a request: a stop, not a failure
+KILL_SWITCH_FILE = "KILL_SWITCH"  # written by rank 0 when the kill switch stops the run: do not requeue
+
+
+class StopRequest:
+    """The first Ctrl-C (or SIGTERM, as Slurm sends before a kill), or a STOP file in the run
+    directory, asks the loop to stop after the current iteration, with a checkpoint that resumes
+    exactly; a second signal aborts at once."""
+
+    def __init__(self, stop_file: str = "") -> None:
+        self.signalled = False
+        self.stop_file = stop_file
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    @property
+    def requested(self) -> bool:
+        return self.signalled or bool(self.stop_file and os.path.exists(self.stop_file))
+
+    def _handle(self, signum, frame) -> None:
+        if self.signalled:  # a second signal of either kind
+            raise KeyboardInterrupt
+        self.signalled = True
+        log.warning("%s: stopping after this iteration with a checkpoint (Ctrl-C again to abort without one)",
+                    signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def write_marker(path: str, reason: str, is_driver: bool) -> None:
+    """The driver writes `reason` to a marker file (other ranks do nothing)."""
+    if is_driver:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            f.write(reason + "\n")

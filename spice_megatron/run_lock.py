@@ -1,0 +1,252 @@
+"""One writer per run directory: a lock file that the run's writer (rank 0, which is also the driver
+or its parent) holds for the whole run.
+
+`<output_dir>/RUN_LOCK` is created with O_EXCL and holds JSON naming the holder: host, pid (and its
+start time, so a recycled pid is not taken for the holder), Slurm job id and restart count, start
+time, and a token. While the run lives a thread refreshes the file's mtime (the heartbeat), so a
+holder on another host (a shared filesystem) can be judged too. A lock is taken over, with a logged
+line, when its holder is gone:
+  - same host: the pid no longer runs (or runs another process);
+  - another host: no heartbeat for STALE_AFTER_S, or its Slurm job (another job id) is no longer
+    running according to squeue.
+An earlier attempt of this same Slurm job (same job id, lower restart count: a requeue that started
+before the old allocation's processes ended) is waited for, up to `wait_s`, then refused. Anything
+else is refused with one line naming the holder. Readers (evaluation, `spice audit`) take no lock.
+
+Two takeovers of one stale lock at the same instant can both succeed in removing it; the O_EXCL
+create that follows still lets only one of them hold it (the other refuses or waits).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+log = logging.getLogger("spice.run_lock")
+
+LOCK_FILE = "RUN_LOCK"
+HEARTBEAT_S = 10.0
+# A shared filesystem's attribute cache (NFS: acregmax 60 s) can hide a few heartbeats.
+STALE_AFTER_S = 120.0
+
+
+class RunDirLocked(RuntimeError):
+    """Another live process writes this run directory."""
+
+
+@dataclass
+class Holder:
+    host: str
+    pid: int
+    pid_start: str  # /proc/<pid>/stat start time ("" where there is no /proc)
+    slurm_job_id: str
+    slurm_restart_count: int
+    started: float
+    token: str
+
+    def describe(self) -> str:
+        job = f", Slurm job {self.slurm_job_id} (restart {self.slurm_restart_count})" if self.slurm_job_id else ""
+        return (f"pid {self.pid} on {self.host}{job}, since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}")
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name ([] where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _pid_start(pid: int) -> str:
+    fields = _proc_stat(pid)
+    return fields[19] if len(fields) > 19 else ""  # field 22: start time in clock ticks since boot
+
+
+def _pid_alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    fields = _proc_stat(pid)
+    if fields and fields[0] in ("Z", "X"):  # exited, not yet reaped by its parent
+        return False
+    return not start or not fields or fields[19] == start
+
+
+def this_holder() -> Holder:
+    pid = os.getpid()
+    return Holder(host=socket.gethostname(), pid=pid, pid_start=_pid_start(pid),
+                  slurm_job_id=os.environ.get("SLURM_JOB_ID", ""),
+                  slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                  started=time.time(), token=secrets.token_hex(8))
+
+
+def _slurm_job_running(job_id: str) -> bool | None:
+    """Whether squeue lists the job as running (None: no squeue here, or it failed)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:  # squeue exits 1 with "Invalid job id" for a job that has left the queue
+        return False if "invalid job id" in out.stderr.lower() else None
+    return any(s in ("RUNNING", "COMPLETING", "CONFIGURING") for s in out.stdout.split())
+
+
+def _read(path: str) -> tuple[Holder | None, float]:
+    """The holder written in the lock file and the file's age in seconds (None: unreadable)."""
+    try:
+        age = time.time() - os.stat(path).st_mtime
+        with open(path) as f:
+            return Holder(**json.load(f)), age
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, TypeError):
+        return None, age
+
+
+def holder_gone(holder: Holder | None, age: float, me: Holder) -> str:
+    """Why the lock's holder no longer writes the directory ("" if it may still)."""
+    if holder is None:  # a create killed before its JSON was written, or a damaged file
+        return "the lock file is unreadable and older than its heartbeat" if age > STALE_AFTER_S else ""
+    if holder.host == me.host:
+        return "" if _pid_alive(holder.pid, holder.pid_start) else f"pid {holder.pid} is no longer running"
+    if age > STALE_AFTER_S:
+        return f"no heartbeat for {age:.0f} s"
+    if holder.slurm_job_id and holder.slurm_job_id != me.slurm_job_id and \
+            _slurm_job_running(holder.slurm_job_id) is False:
+        return f"Slurm job {holder.slurm_job_id} is no longer running"
+    return ""
+
+
+def earlier_attempt(holder: Holder | None, me: Holder) -> bool:
+    """The holder is an earlier attempt of this Slurm job (requeued since)."""
+    return bool(holder and me.slurm_job_id and holder.slurm_job_id == me.slurm_job_id
+                and holder.slurm_restart_count < me.slurm_restart_count)
+
+
+class RunLock:
+    """`with RunLock(output_dir, wait_s):` holds the directory for the block (or acquire/release)."""
+
+    def __init__(self, output_dir: str, wait_s: float = 300.0) -> None:
+        self.path = os.path.join(output_dir, LOCK_FILE)
+        self.wait_s = wait_s
+        self.me = this_holder()
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        deadline = time.monotonic() + self.wait_s
+        waited = False
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    holder, age = _read(self.path)
+                except FileNotFoundError:  # released between the create and the read
+                    continue
+                gone = holder_gone(holder, age, self.me)
+                if gone:
+                    log.warning("run directory %s: taking over the lock of %s (%s)", os.path.dirname(self.path),
+                                holder.describe() if holder else "an unknown holder", gone)
+                    self._remove_if(holder)
+                    continue
+                if earlier_attempt(holder, self.me) and time.monotonic() < deadline:
+                    if not waited:
+                        log.warning("run directory %s: waiting up to %.0f s for the earlier attempt of this job to "
+                                    "end (%s)", os.path.dirname(self.path), self.wait_s, holder.describe())
+                        waited = True
+                    time.sleep(1.0)
+                    continue
+                still = f" after waiting {self.wait_s:.0f} s" if waited else ""
+                raise RunDirLocked(f"{os.path.dirname(self.path) or '.'} is in use by another run{still}: "
+                                   f"{holder.describe() if holder else 'holder unreadable'} (lock file {self.path}); "
+                                   "use another --output-dir, or stop that run first") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(self.me), f)
+                f.flush()
+                os.fsync(f.fileno())
+            break
+        self._beat = threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True)
+        self._beat.start()
+
+    def _remove_if(self, holder: Holder | None) -> None:
+        """Remove the lock file if it still names `holder` (not a lock taken meanwhile)."""
+        try:
+            now, _ = _read(self.path)
+            if (now.token if now else None) == (holder.token if holder else None):
+                os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError as e:  # the directory was removed under the run: nothing left to guard
+                log.warning("run lock heartbeat: %s", e)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
+            self._remove_if(self.me)
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def check_unlocked(output_dir: str) -> None:
+    """Refuse (RunDirLocked) if a live run other than an earlier attempt of this job holds the
+    directory; a cheap check before a launcher starts anything. Takes no lock."""
+    path = os.path.join(output_dir, LOCK_FILE)
+    me = this_holder()
+    try:
+        holder, age = _read(path)
+    except FileNotFoundError:
+        return
+    if not holder_gone(holder, age, me) and not earlier_attempt(holder, me):
+        raise RunDirLocked(f"{output_dir} is in use by another run: "
+                           f"{holder.describe() if holder else 'holder unreadable'} (lock file {path}); "
+                           "use another --output-dir, or stop that run first")
+
+
+@contextlib.contextmanager
+def hold_run_dir(output_dir: str, wait_s: float, is_writer: bool, group) -> Iterator[None]:
+    """Collective over the learner ranks: the writer (rank 0) holds the directory's lock for the
+    block; if it cannot, every rank raises the same RunDirLocked."""
+    from spice_megatron.policy.parallel import broadcast_from_driver
+
+    lock = RunLock(output_dir, wait_s) if is_writer else None
+    error = ""
+    if lock is not None:
+        try:
+            lock.acquire()
+        except RunDirLocked as e:
+            error = str(e)
+    error = broadcast_from_driver(error, group)
+    if error:
+        raise RunDirLocked(error)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
