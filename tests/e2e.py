@@ -83,9 +83,10 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straight(setup):
-    """4 iterations without interruption: the reference for the resume tests."""
+    """4 iterations without interruption: the reference for the resume tests (its last three
+    checkpoints kept, for the damaged-checkpoint test)."""
     model, corpus, root = setup
     out = str(root / "straight")
-    rc, text = spice_train(model, corpus, out, "run.iterations=4")
+    rc, text = spice_train(model, corpus, out, "run.iterations=4", "run.keep_last=3")
     assert rc == 0, text[-3000:]
     return out

@@ -47,6 +47,8 @@ with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(rec) + "\n")
 if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
     print("\n".join(os.environ["FAKE_NODES"].split()))
+elif name == "squeue":  # FAKE_SQUEUE: the state it prints for any job (none: not in the queue)
+    print(os.environ.get("FAKE_SQUEUE", ""))
 elif name == "srun" and "hostname" in argv:
     print("10.1.2.3")
 elif name == "srun" and "slurm/rollout_node.sh" in argv:
@@ -81,7 +83,7 @@ elif name == "python":  # rollout_node.sh starting one engine
 def fake_bin(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("srun", "scontrol", "curl", "python"):
+    for name in ("srun", "scontrol", "curl", "python", "squeue"):
         p = bin_dir / name
         p.write_text(STAND_IN.format(python=sys.executable))
         p.chmod(0o755)
@@ -204,6 +206,23 @@ def test_sbatch_requeues_failures_not_the_kill_switch(fake_bin, tmp_path, learne
     assert bool(requeues) == requeued and all(c["argv"] == ["requeue", "4242"] for c in requeues)
     if learner == "fail":
         assert (tmp_path / "run" / ".slurm_failed_attempts").read_text().strip() == str(failed_before + 1)
+
+
+@pytest.mark.parametrize("holder_state,starts", [("RUNNING", False), ("", True)])
+def test_a_run_directory_another_running_job_holds_is_refused_untouched(fake_bin, tmp_path, holder_state, starts):
+    script = os.path.join(ROOT, "slurm", "spice_8b.sbatch")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "RUN_LOCK").write_text(json.dumps({"host": "gpu007", "pid": 12, "slurm_job_id": "99"}))
+    (run / "STOP").write_text("")  # the other job's time-limit request: not this job's to remove
+    r, calls, _, _ = _run_job(script, fake_bin, tmp_path, FAKE_SQUEUE=holder_state)
+    assert any(c["cmd"] == "squeue" and "99" in c["argv"] for c in calls)
+    if starts:  # job 99 has left the queue: the trainer takes its lock over
+        assert r.returncode == 0, r.stderr
+        assert not (run / "STOP").exists()
+    else:
+        assert r.returncode == 2 and "in use by Slurm job 99" in r.stderr
+        assert (run / "STOP").exists() and not [c for c in calls if c["cmd"] in ("srun", "scontrol")]
 
 
 def _time_limit_run(script, fake_bin, tmp_path, learner, grace):

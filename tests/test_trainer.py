@@ -4,6 +4,7 @@ engine and a STOP mid-rollouts: test_trainer_resilience.py, a file of its own so
 runs the two halves on both cores)."""
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -43,6 +44,7 @@ def test_run_resume_after_kill_and_kill_switch(setup, straight):
     proc.wait(60)
     rc, text = spice_train(model, corpus, killed, "run.iterations=4", resume=True)
     assert rc == 0, text[-3000:]
+    assert "taking over the lock of pid" in text  # kill -9 left the run directory's lock behind
     assert records(os.path.join(killed, "audit.jsonl")) == audit  # continuous, nothing repeated or lost
     assert [m["iteration"] for m in records(os.path.join(killed, "metrics.jsonl"))] == [1, 2, 3, 4]
     a, b = weights(straight), weights(killed)
@@ -92,3 +94,39 @@ def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_that_resumes_exactly
     assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
     a, b = weights(straight), weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_damaged_checkpoint_is_passed_over_and_a_second_writer_refused(setup, straight):
+    """The newest checkpoint truncated, the one before missing a file: the resume names both, takes
+    the third and ends exactly as the uninterrupted run; meanwhile a second run on the same
+    directory is refused with one line naming the holder."""
+    model, corpus, root = setup
+    out = str(root / "damaged")
+    shutil.copytree(straight, out)
+    ckpts = os.path.join(out, "checkpoints")
+    assert sorted(d for d in os.listdir(ckpts) if d.startswith("step_")) == [
+        "step_00000002", "step_00000003", "step_00000004"]
+    shard = os.path.join(ckpts, "step_00000004", "__0_0.distcp")
+    with open(shard, "r+b") as f:  # a disk or copy fault after the save
+        f.truncate(os.path.getsize(shard) // 2)
+    os.remove(os.path.join(ckpts, "step_00000003", "common.pt"))
+    proc = spice_train(model, corpus, out, "run.iterations=4", resume=True, wait=False)
+    lock = os.path.join(out, "RUN_LOCK")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(lock):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run took no lock"
+        time.sleep(0.1)
+    holder = json.load(open(lock))["pid"]
+    rc, second = spice_train(model, corpus, out, "run.iterations=4", resume=True)
+    assert rc == 2 and f"is in use by another run: pid {holder} on " in second, second[-3000:]
+    text, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, text[-3000:]
+    assert "step_00000004/__0_0.distcp has" in text and "step_00000003/common.pt is missing" in text
+    assert "resuming from " + os.path.join(ckpts, "step_00000002") in text
+    # the lost iterations' records were cut back and written once more: the same as the straight run
+    assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
+    a, b = weights(straight), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {"damaged.step_00000003", "damaged.step_00000004", "step_00000004"} <= set(os.listdir(ckpts))
+    assert not os.path.exists(lock)  # released at the end
