@@ -317,3 +317,41 @@ def test_moe_engines_take_vllms_expert_parallelism_on_gpu_only():
     assert "--enable-expert-parallel" in engine_args(4096, 1.0, 0, on_gpu=True, tensor_parallel=2, expert_parallel=True)
     assert "--enable-expert-parallel" not in engine_args(4096, 1.0, 0, on_gpu=False, expert_parallel=True)
     assert all(get_recipe(name).rollout.engine_expert_parallel for name in MOE_RECIPES)
+
+
+def test_every_dp_rank_of_an_expert_parallel_group_plans_the_same_micro_batch_count():
+    from spice_megatron.policy.batching import make_microbatches
+
+    seqs = [TrainSequence(list(range(8)), list(range(12)), advantage=1.0) for _ in range(3)]
+    # 3 x 20 tokens over 2 DP ranks at a 26-token budget: rank 0 plans two micro-batches, rank 1 one
+    assert [len(make_microbatches(seqs, 2, r, 26)) for r in (0, 1)] == [2, 1]
+    counts = [make_microbatches(seqs, 2, r, 26, equal_counts=True) for r in (0, 1)]
+    assert [len(c) for c in counts] == [2, 2]
+    assert counts[1][1].index == [-1] and counts[1][1].loss_mask.sum() == 0  # a masked filler
+
+
+def _uneven_ep_rank(model_dir):
+    """EP=2 over DP=2 with uneven plans: log-probs and a step (a hang before the counts were equal)."""
+    import torch.distributed as dist
+
+    from spice_megatron.policy.learner import Learner
+
+    g = torch.Generator().manual_seed(2)
+    seqs = [TrainSequence(torch.randint(0, 256, (8,), generator=g).tolist(),
+                          torch.randint(0, 256, (12,), generator=g).tolist(), advantage=a) for a in (0.5, -0.3, 0.9)]
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    learner = Learner.from_hf(model_dir, ParallelConfig(1, 1, expert_parallel=dist.get_world_size()),
+                              OptimConfig(lr=1e-3), PolicyTrainConfig(routing_replay="off", micro_batch_tokens=26,
+                                                                      max_gen_len=12))
+    lp = learner.compute_logprobs(seqs)
+    (m,) = learner.train_on_batch(seqs)
+    return lp, m.loss, m.grad_norm
+
+
+@pytest.mark.multiprocess
+def test_uneven_micro_batch_plans_under_expert_parallelism_finish_and_match_one_rank(moe_dir, tmp_path):
+    (lp, loss, norm), _ = run_ranks(_uneven_ep_rank, 2, moe_dir, tmp_path=tmp_path, timeout=150)
+    ((lp1, loss1, norm1),) = run_ranks(_uneven_ep_rank, 1, moe_dir, tmp_path=tmp_path, timeout=150)
+    assert max(abs(a - b) for x, y in zip(lp, lp1) for a, b in zip(x, y)) < 1e-5
+    assert loss == pytest.approx(loss1, rel=1e-5) and norm == pytest.approx(norm1, rel=1e-4)

@@ -114,17 +114,25 @@ def plan_microbatches(indices: list[int], lengths: list[int], token_budget: int)
     return groups
 
 
+def _filler(pad_id: int, old: list[list[float]] | None, pad_to: int) -> MicroBatch:
+    """A masked-out micro-batch of one two-token sequence: the schedule steps, nothing is learned."""
+    mb = collate([TrainSequence([pad_id], [pad_id], 0.0)], [-1], pad_id, [[0.0]] if old is not None else None, pad_to)
+    mb.loss_mask.zero_()
+    return mb
+
+
 def make_microbatches(seqs: list[TrainSequence], dp: int, dp_rank: int, token_budget: int,
-                      pad_id: int = 0, old: list[list[float]] | None = None, pad_to: int = 1) -> list[MicroBatch]:
+                      pad_id: int = 0, old: list[list[float]] | None = None, pad_to: int = 1,
+                      equal_counts: bool = False) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches of a global batch. Every rank of a pipeline computes
     the same plan. A rank left without sequences gets one masked-out filler so that its pipeline
-    still steps (its loss and gradient contributions are zero)."""
+    still steps (its loss and gradient contributions are zero). `equal_counts`: every DP rank runs
+    as many micro-batches as the one with the most (masked fillers at the end): an expert-parallel
+    group spans DP replicas, and each MoE layer's all-to-all needs all of them in every forward."""
     lengths = [len(x) for x in seqs]
-    mine = split_data_parallel(lengths, dp)[dp_rank]
-    if not mine:
-        filler = TrainSequence([pad_id], [pad_id], 0.0)
-        mb = collate([filler], [-1], pad_id, [[0.0]] if old is not None else None, pad_to)
-        mb.loss_mask.zero_()
-        return [mb]
-    return [collate([seqs[i] for i in g], g, pad_id, [old[i] for i in g] if old is not None else None, pad_to)
-            for g in plan_microbatches(mine, lengths, token_budget)]
+    split = split_data_parallel(lengths, dp)
+    plans = [plan_microbatches(mine, lengths, token_budget) for mine in split]
+    mbs = [collate([seqs[i] for i in g], g, pad_id, [old[i] for i in g] if old is not None else None, pad_to)
+           for g in plans[dp_rank]]
+    count = max(max(len(p) for p in plans), 1) if equal_counts else max(len(plans[dp_rank]), 1)
+    return mbs + [_filler(pad_id, old, pad_to) for _ in range(count - len(mbs))]

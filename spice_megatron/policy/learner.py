@@ -110,6 +110,9 @@ class Learner:
         # micro-batches are padded to a multiple of TP under sequence parallelism; on GPU of 128 too,
         # the alignment Transformer Engine's kernels want (on CPU the padding would cost the tests)
         self.seq_multiple = 1
+        # An expert-parallel group wider than the TP group holds several DP replicas, and every MoE
+        # layer's all-to-all needs each of them in each forward: they run equal micro-batch counts.
+        self.ep_spans_dp = spec.moe is not None and self.layout.ep * self.layout.etp > self.layout.tp
         if self.tconfig.sequence_parallel:
             self.seq_multiple = math.lcm(self.layout.tp, 128) if torch.cuda.is_available() else self.layout.tp
         with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
@@ -210,7 +213,7 @@ class Learner:
         self._check_routing(seqs)
         self.model.eval()
         mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens,
-                                self.pad_id, pad_to=self.seq_multiple)
+                                self.pad_id, pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp)
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             lp = token_logprobs(logits, mb.labels.to(logits.device), self.train_cfg.temperature)
@@ -341,7 +344,7 @@ class Learner:
         self.model.train()
         cfg = self.train_cfg
         mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, cfg.micro_batch_tokens, self.pad_id, old,
-                                pad_to=self.seq_multiple)
+                                pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp)
         # megatron divides each micro-batch loss by the rank's micro-batch count and DDP averages
         # gradients over DP; undo both so that gradients are those of the global DrGRPO objective.
         scale = len(mbs) * self.layout.dp
