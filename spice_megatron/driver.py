@@ -55,9 +55,10 @@ class RolloutBatch:
         seqs = []
         for x in self.seqs:
             d = dataclasses.asdict(x)
-            if x.routed_experts is not None:  # int16 [tokens, layers, k]: base64, not a list of lists
-                r = np.ascontiguousarray(x.routed_experts, dtype=np.int16)
-                d["routed_experts"] = {"shape": list(r.shape), "int16": base64.b64encode(r.tobytes()).decode("ascii")}
+            if x.routed_experts is not None:  # [tokens, layers, k] in its own dtype: base64, not lists
+                r = np.ascontiguousarray(x.routed_experts)
+                d["routed_experts"] = {"shape": list(r.shape), "dtype": r.dtype.name,
+                                       "data": base64.b64encode(r.tobytes()).decode("ascii")}
             seqs.append(d)
         # the other fields as they are: asdict(self) would deep-copy every sequence only to drop it
         return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seqs"}, "seqs": seqs}
@@ -67,8 +68,9 @@ class RolloutBatch:
         seqs = []
         for x in d["seqs"]:
             r = x.get("routed_experts")
-            if r is not None:
-                x = {**x, "routed_experts": np.frombuffer(base64.b64decode(r["int16"]), np.int16).reshape(r["shape"])}
+            if r is not None:  # a checkpoint from before the dtype was kept has int16 under "int16"
+                data, dtype = (r["data"], r["dtype"]) if "data" in r else (r["int16"], "int16")
+                x = {**x, "routed_experts": np.frombuffer(base64.b64decode(data), np.dtype(dtype)).reshape(r["shape"])}
             seqs.append(TrainSequence(**x))
         return cls(d["iteration"], d["version"], d["stats"], d["records"], seqs)
 

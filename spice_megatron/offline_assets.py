@@ -70,13 +70,14 @@ def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norm
     return out_dir
 
 
-def make_tiny_engine_model(out_dir: str, family: str = "qwen3", seed: int = 0, tied: bool = True) -> str:
+def make_tiny_engine_model(out_dir: str, family: str = "qwen3", seed: int = 0, tied: bool = True,
+                           num_layers: int = 2, mlp_only_layers: tuple[int, ...] = ()) -> str:
     """A tiny random model that vLLM can serve: the Qwen3 tokenizer (saved next to the weights),
     its vocabulary, and head sizes the CPU attention backend supports."""
     import shutil
 
     config = tiny_hf_config(family, tied=tied, vocab_size=151936, hidden_size=128, num_heads=4, num_kv_heads=2,
-                            head_dim=32, intermediate_size=256)
+                            head_dim=32, intermediate_size=256, num_layers=num_layers, mlp_only_layers=mlp_only_layers)
     make_tiny_hf_model(out_dir, config, seed=seed)
     src = qwen3_tokenizer_dir()
     for name in os.listdir(src):

@@ -2,6 +2,7 @@
 and the bridge for experts and routers (gloo, CPU)."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -263,6 +264,8 @@ def test_replay_refuses_sequences_without_engine_routing():
     seq.routed_experts = torch.zeros(4, 3, 2, dtype=torch.int16).numpy()
     with pytest.raises(ValueError, match=r"shape \(4, 3, 2\), expected \(4, 2, 2\)"):
         check_routing([seq], 2, 2, 8)
+    seq.routed_experts = np.zeros((4, 3, 2), dtype=np.uint8)  # vLLM's dtype and every decoder layer
+    check_routing([seq], 3, 2, 8)
 
 
 def _engine_routing_rank(model_dir):
@@ -290,24 +293,28 @@ def _engine_routing_rank(model_dir):
 
 @pytest.mark.multiprocess
 def test_a_vllm_cpu_moe_engine_returns_the_experts_its_routers_chose(tmp_path):
-    """The CPU stand-in for vLLM's routed_experts: per token the engine ran (prompt and completion
-    but the last sampled token), the same top-2 experts as transformers' routers on those tokens."""
+    """The CPU stand-in for vLLM's routed_experts, in vLLM's layout: per token the engine ran
+    (prompt and completion but the last sampled token) and per decoder layer (the dense layer 1's
+    row is zeros), the same top-2 experts as transformers' routers on those tokens, as uint8."""
     from spice_megatron.offline_assets import make_tiny_engine_model
     from spice_megatron.rollout.types import pack_completions, unpack_completions
 
-    d = make_tiny_engine_model(str(tmp_path / "engine_moe"), "qwen3_moe", seed=1)
+    d = make_tiny_engine_model(str(tmp_path / "engine_moe"), "qwen3_moe", seed=1, num_layers=3, mlp_only_layers=(1,))
     ((prompts, out),) = run_ranks(_engine_routing_rank, 1, d, tmp_path=tmp_path)
     for case in ("greedy", "sampled"):
         for prompt, comps in zip(prompts, out[case]):
             for c in comps:
                 ids = prompt + c.token_ids
-                assert c.routed_experts.shape == (len(ids) - 1, 2, 2), (case, c.routed_experts.shape)
-                expected = _hf_routing(d, torch.tensor([ids]))[0, :-1].sort(-1).values
+                assert c.routed_experts.shape == (len(ids) - 1, 3, 2) and c.routed_experts.dtype == np.uint8, case
+                expected = _hf_routing(d, torch.tensor([ids]))[0, :-1].sort(-1).values  # layers 0 and 2
                 got = torch.as_tensor(c.routed_experts).long().sort(-1).values
-                assert torch.equal(got, expected), case
-    # the routing crosses the service in the packed encoding
-    back = unpack_completions(pack_completions(out["sampled"]))
-    assert all((a.routed_experts == b.routed_experts).all() for x, y in zip(back, out["sampled"]) for a, b in zip(x, y))
+                assert torch.equal(got[:, [0, 2]], expected) and not got[:, 1].any(), case
+    # the routing crosses the service in the packed encoding, uint8 as vLLM gives it
+    body = pack_completions(out["sampled"])
+    assert body["routing_dtype"] == "uint8"
+    back = unpack_completions(body)
+    assert all((a.routed_experts == b.routed_experts).all() and a.routed_experts.dtype == np.uint8
+               for x, y in zip(back, out["sampled"]) for a, b in zip(x, y))
 
 
 def test_moe_engines_take_vllms_expert_parallelism_on_gpu_only():
@@ -355,3 +362,151 @@ def test_uneven_micro_batch_plans_under_expert_parallelism_finish_and_match_one_
     ((lp1, loss1, norm1),) = run_ranks(_uneven_ep_rank, 1, moe_dir, tmp_path=tmp_path, timeout=150)
     assert max(abs(a - b) for x, y in zip(lp, lp1) for a, b in zip(x, y)) < 1e-5
     assert loss == pytest.approx(loss1, rel=1e-5) and norm == pytest.approx(norm1, rel=1e-4)
+
+
+def test_filler_routing_is_spread_over_the_expert_parallel_ranks_and_not_counted_as_load():
+    from spice_megatron.policy.batching import collate
+    from spice_megatron.policy.routing_replay import RoutingReplay, routing_tensor
+
+    for experts, top_k, ep in ((8, 2, 2), (128, 8, 16), (8, 2, 8)):
+        seqs = [TrainSequence([1] * 3, [2] * 2), TrainSequence([1] * 5, [2] * 4)]  # no engine routing: all filler
+        routing, valid = routing_tensor(seqs, 16, 3, top_k, experts)
+        assert not valid.any() and routing.shape == (2, 16, 3, top_k)
+        assert all(len(set(row.tolist())) == top_k for row in routing[:, :, 0].reshape(-1, top_k))  # k distinct
+        per_rank = torch.bincount(routing[:, :, 0].long().reshape(-1) // (experts // ep), minlength=ep)
+        assert int(per_rank.max() - per_rank.min()) <= 1, per_rank  # every EP rank its share
+    mb = collate([TrainSequence([1, 2, 3], [4, 5], routed_experts=np.zeros((4, 2, 2), np.uint8)),
+                  TrainSequence([1], [4], routed_experts=np.zeros((1, 2, 2), np.uint8))], [0, 1], num_experts=8)
+    assert mb.token_mask.tolist() == [[True] * 5, [True, True, False, False, False]]
+    assert mb.routing_valid.sum() == 5 and mb.routing.dtype == torch.int16
+    replay = RoutingReplay(torch.nn.Linear(1, 1), 0, True, 0, 1, False, torch.device("cpu"))  # no routers
+    replay.set(None, None, mb.token_mask)
+    scores = torch.randn(10, 8)
+    replay._count(0, scores, scores.topk(2).indices)
+    assert replay.load[0][-1] == 7  # tokens counted: the 7 real ones of 10 positions
+
+
+def test_the_fused_router_kernel_that_would_bypass_replay_is_off(moe_dir):
+    from spice_megatron.policy.model import model_spec_from_hf, moe_kwargs
+
+    kwargs = moe_kwargs(model_spec_from_hf(moe_dir), ep=1, etp=1, routing_replay=True)
+    assert kwargs["moe_router_fusion"] is False and kwargs["moe_enable_routing_replay"] is True
+
+
+def test_routing_capture_keeps_rows_already_emitted_across_a_weight_update():
+    """vLLM's connector keeps the rows it emitted before a pause; the recompute after it (the KV
+    cache was dropped) adds rows from the request's last token on only."""
+    from types import SimpleNamespace
+
+    from spice_megatron.rollout.routing_capture import RoutingCapture
+
+    class Gate(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(3)])
+    for i in (0, 2):  # layer 1 dense
+        model.layers[i].mlp = torch.nn.Module()
+        model.layers[i].mlp.gate = Gate()
+    batch = SimpleNamespace(num_reqs=1, req_ids=["r"], num_computed_tokens_cpu=np.array([0]))
+    runner = SimpleNamespace(model=model, input_batch=batch, query_start_loc=SimpleNamespace(np=np.array([0, 5])))
+    capture = RoutingCapture(runner, top_k=2, num_layers=3)
+
+    def forward(first, count, best):  # router logits whose top-2 are experts best, best + 1
+        batch.num_computed_tokens_cpu[0] = first
+        runner.query_start_loc.np = np.array([0, count])
+        logits = torch.zeros(count, 8)
+        logits[:, best], logits[:, best + 1] = 2.0, 1.0
+        for i in (0, 2):
+            model.layers[i].mlp.gate(logits)
+
+    forward(0, 5, best=0)  # the prompt
+    forward(5, 1, best=0)  # one decoded token
+    forward(0, 7, best=4)  # after a weight update: everything recomputed, one more token
+    rows = capture.take("r", 7)
+    assert rows.shape == (7, 3, 2) and not rows[:, 1].any()
+    assert (np.sort(rows[:6, 0], -1) == [0, 1]).all() and (np.sort(rows[6:, 2], -1) == [4, 5]).all()
+
+
+def test_the_engine_checks_routing_before_it_answers():
+    from spice_megatron.rollout.engine import MoEShape, checked_routing
+
+    moe = MoEShape(num_layers=3, top_k=2, num_experts=8)
+    ok = checked_routing(np.zeros((6, 3, 2), np.int64), 6, moe, "request 7 completion 0")
+    assert ok.dtype == np.uint8 and ok.shape == (6, 3, 2)
+    assert MoEShape(48, 8, 512).dtype == np.int16
+    with pytest.raises(ValueError, match="request 7 completion 1: the engine returned no routing"):
+        checked_routing(None, 6, moe, "request 7 completion 1")
+    with pytest.raises(ValueError, match=r"request 7 completion 0: routing of shape \(6, 2, 2\), expected \(6, 3, 2\)"):
+        checked_routing(np.zeros((6, 2, 2)), 6, moe, "request 7 completion 0")
+    with pytest.raises(ValueError, match="outside 0..7"):
+        checked_routing(np.full((6, 3, 2), 8), 6, moe, "request 7 completion 0")
+
+
+def test_malformed_routing_fails_its_generate_call_and_the_engine_serves_on():
+    """A completion whose routing has the wrong shape fails the call it belongs to at once (its
+    other requests aborted); the next call is served."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from spice_megatron.rollout.engine import MoEShape, VLLMEngine, _Submission
+
+    def completion(routing):
+        return SimpleNamespace(index=0, text="x", token_ids=[5, 6], logprobs=None, finish_reason="stop",
+                               weight_versions=None, routed_experts=routing)
+
+    class FakeCore:
+        aborted: list = []
+        outputs: list = []
+
+        def step(self):
+            return self.outputs
+
+        def abort_request(self, rids, internal=False):
+            self.aborted += rids
+
+    engine = object.__new__(VLLMEngine)
+    engine.engine, engine.capture, engine.returns_routing = FakeCore(), None, True
+    engine.moe, engine.steps = MoEShape(num_layers=2, top_k=2, num_experts=8), 0
+    bad, good = _Submission([[None, None]], 2, Future()), _Submission([[None]], 1, Future())
+    engine._waiting = {"1": (bad, (0, 0)), "2": (bad, (0, 1)), "3": (good, (0, 0))}
+    engine._internal = {"1": ("1", 1), "2": ("2", 1), "3": ("3", 1)}
+    finished = [SimpleNamespace(finished=True, request_id="1", prompt_token_ids=[1, 2, 3],
+                                outputs=[completion(np.zeros((3, 2, 2), np.uint8))]),  # 4 tokens expected
+                SimpleNamespace(finished=True, request_id="3", prompt_token_ids=[1, 2, 3],
+                                outputs=[completion(np.zeros((4, 2, 2), np.uint8))])]
+    engine.engine.outputs = finished
+    engine._step()
+    with pytest.raises(ValueError, match=r"request 1 completion 0: routing of shape \(3, 2, 2\)"):
+        bad.done.result(timeout=1)
+    assert engine.engine.aborted == ["2"] and set(engine._waiting) == set()
+    assert good.done.result(timeout=1)[0][0][0].routed_experts.shape == (4, 2, 2)
+
+
+def _mixed_replay_rank(model_dir):
+    from spice_megatron.policy.learner import Learner
+
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(6))
+    moe_rows = _hf_routing(model_dir, tokens)  # the 3 MoE layers (1..3); layer 0 is dense
+    every_layer = torch.zeros(*tokens.shape, 4, 2, dtype=torch.long)
+    every_layer[:, :, 1:] = moe_rows
+    out = {}
+    for replay in ("on", "off"):
+        learner = Learner.from_hf(model_dir, ParallelConfig(1, 1), OptimConfig(lr=0.0),
+                                  PolicyTrainConfig(routing_replay=replay, micro_batch_tokens=64))
+        seqs = [TrainSequence(t[:5].tolist(), t[5:].tolist(), advantage=0.5,
+                              routed_experts=every_layer[i, :-1].numpy().astype(np.uint8)) for i, t in enumerate(tokens)]
+        lp = learner.compute_logprobs(seqs)
+        (m,) = learner.train_on_batch(seqs)
+        out[replay] = (lp, m.routing_differs, sorted(m.router))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_replay_takes_vllms_layout_for_a_model_with_dense_layers(mixed_dir, tmp_path):
+    (out,) = run_ranks(_mixed_replay_rank, 1, mixed_dir, tmp_path=tmp_path)
+    (on, d_on, keys), (off, d_off, _) = out["on"], out["off"]
+    assert max(abs(a - b) for x, y in zip(on, off) for a, b in zip(x, y)) < 1e-5
+    assert d_on == 0.0 and d_off == 0.0  # layer by layer, the engine's experts are the learner's own
+    assert keys == [f"router/{m}/{i}" for m in ("entropy", "max_load") for i in (1, 2, 3)]  # by decoder layer

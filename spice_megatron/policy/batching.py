@@ -45,8 +45,9 @@ class MicroBatch:
     has_rollout: torch.Tensor  # [b] bool: rollout_logprobs were given
     index: list[int]  # positions of these sequences in the caller's list (-1: filler)
     roles: list[str]  # each row's role ("" for a filler)
-    routing: torch.Tensor | None = None  # [b, s, MoE layers, k] the engine's experts (routing_replay.py)
+    routing: torch.Tensor | None = None  # [b, s, decoder layers, k] the engine's experts (routing_replay.py)
     routing_valid: torch.Tensor | None = None  # [b, s] bool: routing given by the engine
+    token_mask: torch.Tensor | None = None  # [b, s] bool: a real token, not padding
 
 
 def _completion_aligned(values: list[float], x: TrainSequence, what: str, where: int) -> torch.Tensor:
@@ -56,9 +57,10 @@ def _completion_aligned(values: list[float], x: TrainSequence, what: str, where:
 
 
 def collate(seqs: list[TrainSequence], index: list[int], pad_id: int = 0,
-            old: list[list[float]] | None = None, pad_to: int = 1) -> MicroBatch:
+            old: list[list[float]] | None = None, pad_to: int = 1, num_experts: int = 0) -> MicroBatch:
     """`pad_to`: the padded length is a multiple of it (sequence parallelism splits the sequence
-    over the TP ranks)."""
+    over the TP ranks). `num_experts`: a mixture-of-experts model's, for the filler routing of
+    positions the engine did not route."""
     s = -(-max(len(x) for x in seqs) // pad_to) * pad_to
     b = len(seqs)
     tokens = torch.full((b, s), pad_id, dtype=torch.long)
@@ -86,9 +88,10 @@ def collate(seqs: list[TrainSequence], index: list[int], pad_id: int = 0,
         from spice_megatron.policy.routing_replay import routing_tensor
 
         _, layers, top_k = torch.as_tensor(routed).shape
-        routing, valid = routing_tensor(seqs, s, layers, top_k)
+        routing, valid = routing_tensor(seqs, s, layers, top_k, num_experts)
+    real = torch.arange(s).unsqueeze(0) < torch.tensor([len(x) for x in seqs]).unsqueeze(1)
     return MicroBatch(tokens, positions, labels, mask, adv, rollout, old_t, has_rollout, index, [x.role for x in seqs],
-                      routing, valid)
+                      routing, valid, real)
 
 
 def split_data_parallel(lengths: list[int], dp: int) -> list[list[int]]:
@@ -118,12 +121,13 @@ def _filler(pad_id: int, old: list[list[float]] | None, pad_to: int) -> MicroBat
     """A masked-out micro-batch of one two-token sequence: the schedule steps, nothing is learned."""
     mb = collate([TrainSequence([pad_id], [pad_id], 0.0)], [-1], pad_id, [[0.0]] if old is not None else None, pad_to)
     mb.loss_mask.zero_()
+    mb.token_mask.zero_()  # nor is it load on any expert
     return mb
 
 
 def make_microbatches(seqs: list[TrainSequence], dp: int, dp_rank: int, token_budget: int,
                       pad_id: int = 0, old: list[list[float]] | None = None, pad_to: int = 1,
-                      equal_counts: bool = False) -> list[MicroBatch]:
+                      equal_counts: bool = False, num_experts: int = 0) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches of a global batch. Every rank of a pipeline computes
     the same plan. A rank left without sequences gets one masked-out filler so that its pipeline
     still steps (its loss and gradient contributions are zero). `equal_counts`: every DP rank runs
@@ -132,7 +136,7 @@ def make_microbatches(seqs: list[TrainSequence], dp: int, dp_rank: int, token_bu
     lengths = [len(x) for x in seqs]
     split = split_data_parallel(lengths, dp)
     plans = [plan_microbatches(mine, lengths, token_budget) for mine in split]
-    mbs = [collate([seqs[i] for i in g], g, pad_id, [old[i] for i in g] if old is not None else None, pad_to)
-           for g in plans[dp_rank]]
+    mbs = [collate([seqs[i] for i in g], g, pad_id, [old[i] for i in g] if old is not None else None, pad_to,
+                   num_experts) for g in plans[dp_rank]]
     count = max(max(len(p) for p in plans), 1) if equal_counts else max(len(plans[dp_rank]), 1)
     return mbs + [_filler(pad_id, old, pad_to) for _ in range(count - len(mbs))]

@@ -113,6 +113,7 @@ class Learner:
         # An expert-parallel group wider than the TP group holds several DP replicas, and every MoE
         # layer's all-to-all needs each of them in each forward: they run equal micro-batch counts.
         self.ep_spans_dp = spec.moe is not None and self.layout.ep * self.layout.etp > self.layout.tp
+        self.num_experts = spec.moe.num_experts if spec.moe is not None else 0
         if self.tconfig.sequence_parallel:
             self.seq_multiple = math.lcm(self.layout.tp, 128) if torch.cuda.is_available() else self.layout.tp
         with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
@@ -125,8 +126,8 @@ class Learner:
         if spec.moe is not None:
             from spice_megatron.bridge.hf_io import layer_offset
 
-            self.replay = RoutingReplay(self.model, spec.moe.moe_layers, layer_offset(self.model), self.routing_replay,
-                                        self.layout.tp_rank, self.layout.tp, bool(self.tconfig.sequence_parallel))
+            self.replay = RoutingReplay(self.model, layer_offset(self.model), self.routing_replay, self.layout.tp_rank,
+                                        self.layout.tp, bool(self.tconfig.sequence_parallel), self.device)
         if load_weights is not None:
             load_weights(self)
         with cpu_compat.cuda_to_cpu():
@@ -189,7 +190,7 @@ class Learner:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             if self.replay is not None:
-                self.replay.set(mb.routing, mb.routing_valid)
+                self.replay.set(mb.routing, mb.routing_valid, mb.token_mask)
             out = model(mb.tokens.to(self.device), mb.position_ids.to(self.device), attention_mask=None)
             return out, lambda output: loss_fn(mb, output)
 
@@ -213,7 +214,8 @@ class Learner:
         self._check_routing(seqs)
         self.model.eval()
         mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens,
-                                self.pad_id, pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp)
+                                self.pad_id, pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp,
+                                num_experts=self.num_experts)
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             lp = token_logprobs(logits, mb.labels.to(logits.device), self.train_cfg.temperature)
@@ -278,23 +280,24 @@ class Learner:
     def _check_routing(self, seqs: list[TrainSequence]) -> None:
         if self.routing_replay:
             moe = self.spec.moe
-            check_routing(seqs, moe.num_moe_layers, moe.top_k, moe.num_experts)
+            check_routing(seqs, self.spec.num_layers, moe.top_k, moe.num_experts)
 
     def _routing_metrics(self) -> tuple[float | None, dict[str, float] | None]:
         """Since the last call, over every rank (collective): the share of engine-routed (token,
-        MoE layer) pairs whose learner routing differs from the engine's, and per MoE layer its
-        busiest expert's load over the mean and its router's mean entropy. A token is counted by
-        each TP rank that routes it; the shares are unchanged by that."""
+        MoE layer) pairs whose learner routing differs from the engine's, and per MoE layer (keyed by
+        its decoder-layer index) its busiest expert's load over the mean and its router's mean
+        entropy, over real tokens. A token is counted by each TP rank that routes it; the shares are
+        unchanged by that."""
         if self.replay is None:
             return None, None
         moe = self.spec.moe
-        differ, load = self.replay.take_counts(moe.num_moe_layers, moe.num_experts)
+        differ, load = self.replay.take_counts(self.spec.num_layers, moe.num_experts)
         # on the device: the default group is NCCL on GPU
         counts = torch.cat([differ, load.reshape(-1)]).to(self.device)
         dist.all_reduce(counts)
         counts = counts.cpu()
         differs = float(counts[0] / counts[1]) if counts[1] > 0 else None
-        load = counts[2:].view(moe.num_moe_layers, moe.num_experts + 2)
+        load = counts[2:].view(self.spec.num_layers, moe.num_experts + 2)
         router = {}
         for layer, row in enumerate(load):
             experts, entropy, tokens = row[:-2], row[-2], row[-1]
@@ -344,7 +347,7 @@ class Learner:
         self.model.train()
         cfg = self.train_cfg
         mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, cfg.micro_batch_tokens, self.pad_id, old,
-                                pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp)
+                                pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp, num_experts=self.num_experts)
         # megatron divides each micro-batch loss by the rank's micro-batch count and DDP averages
         # gradients over DP; undo both so that gradients are those of the global DrGRPO objective.
         scale = len(mbs) * self.layout.dp

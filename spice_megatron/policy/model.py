@@ -200,6 +200,9 @@ def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         # grouped GEMMs come with Transformer Engine; without it each expert is its own MLP
         moe_grouped_gemm=have_transformer_engine(), moe_enable_routing_replay=routing_replay,
+        # the fused top-k kernel (moe_utils.topk_routing_with_score_function, fused=True) never calls
+        # RouterReplay.get_replay_topk: replay would be bypassed without a word
+        moe_router_fusion=False,
     )
 
 

@@ -7,10 +7,13 @@ engine's top-k expert indices for every prompt and sampled token (megatron's REP
 action: the router's probabilities are its own scores gathered at the replayed experts, so the
 router still gets a gradient).
 
-The engine's routing of a sequence is [tokens, MoE layers, top-k] (vLLM's `routed_experts`). The
-last sampled token is never fed back through the engine, and padding never was: those positions
-get experts 0..k-1, harmless because causal attention keeps a position's hidden state out of every
-earlier one and the loss masks them.
+The engine's routing of a sequence is [tokens, decoder layers, top-k], vLLM's `routed_experts`
+layout: every decoder layer has a row, dense layers (`mlp_only_layers`, `decoder_sparse_step`) too,
+which nothing reads. The last sampled token is never fed back through the engine, and padding never
+was: those positions get filler experts spread over all experts by position (so that no EP rank
+receives more than its share of them), harmless because causal attention keeps a position's hidden
+state out of every earlier one and the loss masks them. Expert loads are counted over real tokens
+only.
 
 Metrics: the share of tokens with engine routing whose learner routing (its own top-k on the same
 scores) picks other experts, with or without replay; per MoE layer the load of its busiest expert
@@ -26,24 +29,28 @@ import torch
 _ROUTER = re.compile(r"^(?:.*\.)?decoder\.layers\.(\d+)\.mlp\.router$")
 
 
-def routing_tensor(seqs, length: int, num_moe_layers: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_tensor(seqs, length: int, num_layers: int, top_k: int,
+                   num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """([b, length, layers, k] int16 expert indices, [b, length] bool: given by the engine) for a
-    micro-batch; positions without engine routing hold experts 0..k-1."""
-    routing = torch.arange(top_k, dtype=torch.int16).expand(len(seqs), length, num_moe_layers, top_k).clone()
+    micro-batch. A position without engine routing (padding, each sequence's last token) holds
+    k distinct filler experts (j * E // k + position) mod E: spread evenly over the experts."""
+    position = torch.arange(len(seqs) * length).view(len(seqs), length, 1, 1)
+    slot = torch.arange(top_k).view(1, 1, 1, top_k) * (num_experts // top_k)
+    routing = ((position + slot) % num_experts).to(torch.int16).expand(len(seqs), length, num_layers, top_k).clone()
     valid = torch.zeros(len(seqs), length, dtype=torch.bool)
     for row, seq in enumerate(seqs):
         if seq.routed_experts is None:
             continue
-        r = torch.as_tensor(seq.routed_experts, dtype=torch.int16)
+        r = torch.as_tensor(seq.routed_experts).to(torch.int16)
         n = r.shape[0]
         routing[row, :n] = r
         valid[row, :n] = True
     return routing, valid
 
 
-def check_routing(seqs, num_moe_layers: int, top_k: int, num_experts: int) -> None:
+def check_routing(seqs, num_layers: int, top_k: int, num_experts: int) -> None:
     """Every sequence carries the engine's routing of its tokens (all but the last sampled one,
-    which the engine never ran), in range; the error names the sequence."""
+    which the engine never ran) for every decoder layer, in range; the error names the sequence."""
     for i, seq in enumerate(seqs):
         where = f"sequence {i} ({seq.role or 'unnamed role'})"
         if seq.routed_experts is None:
@@ -51,32 +58,32 @@ def check_routing(seqs, num_moe_layers: int, top_k: int, num_experts: int) -> No
                              "routing (vLLM needs enable_return_routed_experts; turn replay off to train "
                              "without it)")
         r = torch.as_tensor(seq.routed_experts)
-        expected = (len(seq) - 1, num_moe_layers, top_k)
-        if tuple(r.shape) != expected and tuple(r.shape) != (len(seq), num_moe_layers, top_k):
+        expected = (len(seq) - 1, num_layers, top_k)
+        if tuple(r.shape) != expected and tuple(r.shape) != (len(seq), num_layers, top_k):
             raise ValueError(f"{where}: routed_experts has shape {tuple(r.shape)}, expected {expected} "
-                             "(tokens but the last, MoE layers, top-k)")
+                             "(tokens but the last, decoder layers, top-k)")
         if r.numel() and (int(r.min()) < 0 or int(r.max()) >= num_experts):
             raise ValueError(f"{where}: routed_experts names an expert outside 0..{num_experts - 1}")
 
 
 class RoutingReplay:
-    """The learner's routers with their global MoE-layer index; sets each micro-batch's engine
+    """The learner's routers with their global decoder-layer index; sets each micro-batch's engine
     routing before its forward and counts where the learner's own choice differs."""
 
-    def __init__(self, model, moe_layers: tuple[bool, ...], layer_offset: int, replay: bool,
-                 tp_rank: int, tp: int, sequence_parallel: bool):
+    def __init__(self, model, layer_offset: int, replay: bool, tp_rank: int, tp: int, sequence_parallel: bool,
+                 device: torch.device):
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        self.replay, self.tp_rank, self.tp, self.sp = replay, tp_rank, tp, sequence_parallel
+        self.replay, self.tp_rank, self.tp, self.sp, self.device = replay, tp_rank, tp, sequence_parallel, device
         self._action = RouterReplayAction.REPLAY_FORWARD
-        ordinal = {layer: sum(moe_layers[:layer]) for layer in range(len(moe_layers)) if moe_layers[layer]}
-        self.routers = []  # (router's RouterReplay, index among the model's MoE layers)
+        self.routers = []  # (router's RouterReplay, decoder-layer index in the whole model)
         for name, module in model.named_modules():
             m = _ROUTER.match(name)
             if m and getattr(module, "router_replay", None) is not None:
-                self.routers.append((module.router_replay, ordinal[int(m.group(1)) + layer_offset]))
+                self.routers.append((module.router_replay, int(m.group(1)) + layer_offset))
                 self._wrap(module.router_replay)
         self._valid: torch.Tensor | None = None
+        self._real: torch.Tensor | None = None
         # summed over the step's forwards on the router's device, copied to the host once per step
         # (take_counts): [differing, engine-routed] (token, layer) pairs, and per router
         # [expert counts..., entropy sum, tokens]
@@ -95,8 +102,8 @@ class RoutingReplay:
             if target is not None and self._valid is not None:
                 own = indices if not self.replay else default_compute_topk(scores, topk, num_groups=num_groups,
                                                                           group_topk=group_topk)[1]
-                valid = self._valid.to(scores.device)
-                changed = (own.sort(-1).values != target.to(own.device).long().sort(-1).values).any(-1)
+                valid = self._valid
+                changed = (own.sort(-1).values != target.long().sort(-1).values).any(-1)
                 pair = torch.stack([(changed & valid).sum(), valid.sum()]).float()
                 self._differ = pair if self._differ is None else self._differ + pair
             return probs, indices
@@ -105,6 +112,8 @@ class RoutingReplay:
 
     def _count(self, layer: int, scores: torch.Tensor, indices: torch.Tensor) -> None:
         with torch.no_grad():
+            if self._real is not None:  # padding is not load: filler routing or the router's own
+                scores, indices = scores[self._real], indices[self._real]
             n = scores.shape[-1]
             p = torch.softmax(scores.detach().float(), dim=-1)
             entropy = -(p * torch.log(p.clamp_min(1e-30))).sum()
@@ -112,12 +121,12 @@ class RoutingReplay:
                              torch.tensor([float(scores.shape[0])], device=scores.device)])
         self.load[layer] = self.load[layer] + row if layer in self.load else row
 
-    def take_counts(self, num_moe_layers: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def take_counts(self, num_layers: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Since the last call, this rank's ([differing, engine-routed] (token, layer) pairs,
-        [MoE layers, experts + 2] expert counts, entropy sum and tokens by global MoE-layer index),
-        on the host; resets them."""
+        [decoder layers, experts + 2] expert counts, entropy sum and tokens by global layer index;
+        dense layers' rows stay 0), on the host; resets them."""
         differ = self._differ.cpu() if self._differ is not None else torch.zeros(2)
-        load = torch.zeros(num_moe_layers, num_experts + 2)
+        load = torch.zeros(num_layers, num_experts + 2)
         for i, row in self.load.items():
             load[self.routers[i][1]] = row.cpu()
         self._differ, self.load = None, {}
@@ -131,18 +140,22 @@ class RoutingReplay:
             x = x[self.tp_rank * chunk:(self.tp_rank + 1) * chunk]
         return x.reshape(-1, *x.shape[2:])
 
-    def set(self, routing: torch.Tensor | None, valid: torch.Tensor | None) -> None:
-        """Before a micro-batch's forward: its [b, s, layers, k] engine routing (None: none given)."""
+    def set(self, routing: torch.Tensor | None, valid: torch.Tensor | None, real: torch.Tensor | None = None) -> None:
+        """Before a micro-batch's forward: its [b, s, layers, k] engine routing (None: none given),
+        which positions the engine routed, and which are real tokens (not padding). Copied to the
+        router's device once per micro-batch, not once per layer."""
+        self._real = self._local(real).to(self.device) if real is not None else None
         if routing is None:
             self._valid = None
             for rr, _ in self.routers:
                 rr.clear_indices()
                 rr.clear_router_replay_action()
             return
-        self._valid = self._local(valid)
+        self._valid = self._local(valid).to(self.device)
+        local = self._local(routing).to(self.device)  # [tokens, layers, k], int16
         for rr, layer in self.routers:
             rr.clear_indices()  # REPLAY_FORWARD reads the target only; its backward list would grow
-            rr.set_target_indices(self._local(routing[:, :, layer]).long())
+            rr.set_target_indices(local[:, layer].long())
             if self.replay:
                 rr.set_router_replay_action(self._action)
             else:  # measure only: the router picks its own experts

