@@ -133,14 +133,14 @@ def _engine_experts(cfg: SpiceConfig) -> SpiceConfig:
 
 
 def qwen3_30b_a3b() -> SpiceConfig:
-    """The smallest layout that fits: two learner nodes (TP=2 with sequence parallelism, EP=16: the
-    experts' all-to-all crosses the two nodes), one node of four engines x TP=2. A single 8-GPU
-    learner node does not hold it on 80 GB parts: 30.5B parameters of weights, fp32 gradients and
-    Adam state are ~550 GB before activations, and top-8 routing saves ~100 KB per token per layer
-    (planner: 86 GiB per GPU at TP=2, EP=8 with 4,096-token micro-batches); that needs selective
-    recompute of the experts, not built yet."""
-    return _engine_experts(paper_config("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B-Base", nodes=3, learner_nodes=2, tp=2,
-                                        pp=1, ep=16, engine_tp=2, template="qwen3"))
+    """The smallest layout that fits: two learner nodes (TP=4 with sequence parallelism, EP=8: the
+    experts' all-to-all stays inside a node), one node of four engines x TP=2. Activations are planned
+    at the longest sequence, a challenger's 8,395 tokens: at TP=2, EP=16 that is 72.4 GiB per GPU,
+    over 90% of 80 GB. A single 8-GPU learner node does not hold it on 80 GB parts: 30.5B parameters
+    of weights, fp32 gradients and Adam state are ~550 GB before activations, and top-8 routing saves
+    ~100 KB per token per layer; that needs selective recompute of the experts, not built yet."""
+    return _engine_experts(paper_config("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B-Base", nodes=3, learner_nodes=2, tp=4,
+                                        pp=1, ep=8, engine_tp=2, template="qwen3"))
 
 
 def qwen3_30b_a3b_multinode() -> SpiceConfig:

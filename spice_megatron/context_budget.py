@@ -60,3 +60,36 @@ def check_context_budget(cfg: SpiceConfig, tokenizer) -> None:
                 f"template {sp.template}) is {prompt_len} tokens + a document of up to corpus.max_doc_tokens="
                 f"{cfg.corpus.max_doc_tokens} + {output}={max_tokens} = {worst} tokens; raise rollout.max_model_len "
                 f"to at least {worst} or lower corpus.max_doc_tokens")
+
+
+def _planning_tokenizer(model: str):
+    """The tokenizer of run.model for planning without its weights: a local directory's, the
+    bundled Qwen3 tokenizer for a Qwen3 hub id (one vocabulary for the family), else None."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    try:
+        if os.path.isdir(model):
+            return AutoTokenizer.from_pretrained(model)
+        if model.startswith("Qwen/Qwen3"):
+            from spice_megatron.offline_assets import qwen3_tokenizer_dir
+
+            return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def longest_sequence(cfg: SpiceConfig, tokenizer=None) -> tuple[int, str]:
+    """The longest sequence the learner can be given (a micro-batch of its own, whatever
+    train.micro_batch_tokens says), and what bounds it: the challenger's longest request with the
+    longest document when the prompts can be measured, else rollout.max_model_len."""
+    sp, limit = cfg.selfplay, cfg.rollout.max_model_len
+    tokenizer = tokenizer or _planning_tokenizer(cfg.run.model)
+    if sp.challenger == "tasks" or tokenizer is None:
+        return limit, "rollout.max_model_len"
+    prompts = ChallengerPrompts(sp.template, tokenizer, sp.prompt_dir)
+    worst = max(prompt_len + cfg.corpus.max_doc_tokens + EDGE_TOKENS + max_tokens
+                for _, prompt_len, max_tokens in challenger_overheads(prompts, sp, tokenizer))
+    return min(worst, limit), "the challenger's longest request (prompt + corpus.max_doc_tokens + output)"

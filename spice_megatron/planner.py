@@ -247,7 +247,11 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     if rollout_gpus < 1:
         raise PlanError(f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs leave no GPU for rollout engines")
     budget = cluster.gpu_memory_gib * headroom
-    tokens = cfg.train.micro_batch_tokens
+    # a sequence longer than the budget is a micro-batch of its own: activations are planned at it
+    from spice_megatron.context_budget import longest_sequence
+
+    longest, bound = longest_sequence(cfg)
+    tokens = max(cfg.train.micro_batch_tokens, longest)
     fixed = not choose
     ep = cfg.parallel.expert_parallel if spec.moe is not None else 1
     candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)] if fixed else
@@ -304,6 +308,9 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         notes.append("TP stays within a node; PP and DP cross nodes")
     if ep > cluster.gpus_per_node:
         notes.append(f"EP={ep} spans nodes: the experts' all-to-all crosses the inter-node fabric")
+    if tokens > cfg.train.micro_batch_tokens:
+        notes.append(f"activations planned at {tokens:,} tokens, the longest sequence ({bound}), over "
+                     f"train.micro_batch_tokens={cfg.train.micro_batch_tokens:,}")
     return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
                 learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp), etp, rollout_gpus // etp, mem, em, notes,
                 ep, spec.active_parameters / 1e9)

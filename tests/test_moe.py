@@ -116,6 +116,11 @@ def test_expert_layout_errors_name_the_field():
         check_parallel_layout(model_spec_from_hf(tiny_hf_config("qwen3")), 1, 1, ep=2)
     with pytest.raises(ConfigError, match="train.routing_replay"):
         PolicyTrainConfig(routing_replay="sometimes").validate()
+    from spice_megatron.policy.learner import Learner
+
+    # a backward recompute under 1F1B would route a micro-batch with the next one's routing
+    with pytest.raises(ConfigError, match=r"train.recompute: full with pipeline parallelism \(2\)"):
+        Learner(moe, ParallelConfig(1, 2), OptimConfig(), PolicyTrainConfig(recompute="full"))
 
 
 @pytest.mark.multiprocess

@@ -353,3 +353,27 @@ def test_spice_plan_prints_tokens_per_gpu_beside_nemo_rl(capsys):
     assert step["tokens_per_s_per_gpu_one_step_off"] > step["tokens_per_s_per_gpu"]
     assert main(["plan", "--recipe", "qwen3_8b"]) == 0
     assert "NeMo-RL publishes 1,581 and 2,478" in capsys.readouterr().out
+
+
+def test_activations_are_planned_at_the_longest_sequence_a_run_can_train():
+    """A sequence longer than train.micro_batch_tokens is a micro-batch of its own (batching.py):
+    the planner sizes activations at the challenger's longest request when that is longer."""
+    import copy
+
+    from spice_megatron.context_budget import longest_sequence
+    from spice_megatron.planner import plan_layout
+
+    cfg = get_recipe("qwen3_8b")
+    longest, bound = longest_sequence(cfg)
+    assert cfg.train.micro_batch_tokens < longest <= cfg.rollout.max_model_len and "challenger" in bound
+    plans = {}
+    for budget in (4096, cfg.train.micro_batch_tokens, longest):
+        c = copy.deepcopy(cfg)
+        c.train.micro_batch_tokens = budget
+        plans[budget] = plan_layout(c)
+    assert len({p.learner.activations for p in plans.values()}) == 1  # all at the longest sequence
+    assert any(f"activations planned at {longest:,} tokens" in n for n in plans[4096].notes)
+    assert not any("activations planned" in n for n in plans[longest].notes)
+    c = copy.deepcopy(cfg)
+    c.run.model = "not/a-known-tokenizer"  # nothing to measure the prompts with: the context limit bounds it
+    assert longest_sequence(c) == (cfg.rollout.max_model_len, "rollout.max_model_len")

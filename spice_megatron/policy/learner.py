@@ -90,6 +90,12 @@ class Learner:
             # parameters on load, silently corrupting resumed runs (notes/megatron-core-on-cpu.md).
             raise ConfigError("optim.use_distributed_optimizer: needs Transformer Engine or apex; the torch "
                               "fallback's checkpoint restore is broken in megatron-core 0.16.1")
+        if spec.moe is not None and train.recompute == "full" and parallel.pipeline_parallel > 1:
+            # the backward's recompute re-runs each router after the next micro-batch's routing was set
+            # (1F1B); megatron's REPLAY_BACKWARD queue would need the action switched inside autograd
+            raise ConfigError(f"train.recompute: full with pipeline parallelism ({parallel.pipeline_parallel}) "
+                              "re-routes a mixture-of-experts micro-batch with another's routing in the backward "
+                              "pass; use selective (the attention or dense MLPs) or pipeline_parallel 1")
         self.spec, self.parallel, self.optim_cfg, self.train_cfg, self.pad_id = spec, parallel, optim, train, pad_id
         if not dist.is_initialized() or not self._layout_matches(parallel):
             init_distributed(parallel, seed=train.seed)
