@@ -29,6 +29,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from spice_megatron.batch_delivery import BatchDelivery
 from spice_megatron.config import SpiceConfig
 from spice_megatron.driver import Driver, EnginesLost, IterationAbandoned, KillSwitch, RolloutBatch
 from spice_megatron.driver_process import DriverProcess
@@ -132,6 +133,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     elif is_driver:
         driver = Driver(cfg, tokenizer, state.get("driver"), abandon_when=lambda: os.path.exists(stop_file))
     weights = WeightSync(cfg, learner, driver, control)
+    deliver = BatchDelivery(learner, control)
     if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
         weights.sync(state["version"])
 
@@ -203,7 +205,8 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
                 ready = None
                 if batch and off_policy and pending is None and iteration + 1 < cfg.run.iterations:
                     pending, snapshot = driver.start_selfplay(iteration + 1, version)
-            seqs, lost, abandoned = _broadcast((batch.seqs if batch else None, lost, abandoned), control)
+            lost, abandoned = _broadcast((lost, abandoned), control)
+            seqs, routing_volume = deliver(batch.seqs if batch else None)  # MoE routing only where it is used
             if lost:  # every engine died: bring them back with the current weights, then roll out again
                 recover(lost, iteration)
                 weights.sync(version)
@@ -236,7 +239,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
             # 7. logs, kill switch, checkpoint
             stop = ""
             if driver:
-                stats = _iteration_stats(batch, steps, sync, version - 1)
+                stats = {**_iteration_stats(batch, steps, sync, version - 1), **routing_volume}
                 stats["time/wait_for_rollouts"] = t_wait
                 stats["time/iteration"] = time.perf_counter() - t_iter
                 stats["time/elapsed"] = time.perf_counter() - t_start  # since this process started training

@@ -515,3 +515,59 @@ def test_replay_takes_vllms_layout_for_a_model_with_dense_layers(mixed_dir, tmp_
     assert max(abs(a - b) for x, y in zip(on, off) for a, b in zip(x, y)) < 1e-5
     assert d_on == 0.0 and d_off == 0.0  # layer by layer, the engine's experts are the learner's own
     assert keys == [f"router/{m}/{i}" for m in ("entropy", "max_load") for i in (1, 2, 3)]  # by decoder layer
+
+
+def _delivery_rank(model_dir):
+    """DP=2 (EP=2): rank 0's batch through BatchDelivery, then a step with replay; the routing each
+    rank got, and the step's loss (the same as one rank with everything)."""
+    import torch.distributed as dist
+
+    from spice_megatron.batch_delivery import BatchDelivery
+    from spice_megatron.policy.learner import Learner
+    from spice_megatron.policy.parallel import control_group
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    tokens = torch.randint(0, 256, (6, 13), generator=torch.Generator().manual_seed(8))
+    routing = _hf_routing(model_dir, tokens)
+    advantages = [0.5, 0.0, -0.4, 0.0, 0.8, -0.1]  # two sequences with nothing to learn
+    seqs = [TrainSequence(t[:4 + i % 3].tolist(), t[4 + i % 3:].tolist(), advantage=a, role="reasoner",
+                          routed_experts=routing[i, :-1].numpy().astype(np.uint8))
+            for i, (t, a) in enumerate(zip(tokens, advantages))]
+    learner = Learner.from_hf(model_dir, ParallelConfig(1, 1, expert_parallel=world), OptimConfig(lr=1e-3),
+                              PolicyTrainConfig(routing_replay="on", micro_batch_tokens=26, max_gen_len=12,
+                                                trajectories_per_update=2))  # 3 steps + the old-log-prob pass
+    deliver = BatchDelivery(learner, control_group(60))
+    mine, stats = deliver(seqs if dist.get_rank() == 0 else None)
+    got = [i for i, x in enumerate(mine) if x.routed_experts is not None]
+    metrics = learner.train_on_batch(mine)
+    return got, stats, [m.loss for m in metrics], metrics[0].routing_differs  # before any update
+
+
+@pytest.mark.multiprocess
+def test_each_data_parallel_replica_gets_only_the_routing_it_trains(moe_dir, tmp_path):
+    (got0, stats, losses, differs), (got1, _, losses1, _) = run_ranks(_delivery_rank, 2, moe_dir, tmp_path=tmp_path,
+                                                                       timeout=150)
+    ((got_all, stats_all, reference, _),) = run_ranks(_delivery_rank, 1, moe_dir, tmp_path=tmp_path, timeout=150)
+    assert got_all == [0, 2, 4, 5]  # the zero-advantage sequences' routing is dropped
+    assert set(got0) | set(got1) == set(got_all) and len(got0) < 4 and len(got1) < 4
+    assert stats["routing/untrained_dropped"] == 2 == stats_all["routing/untrained_dropped"]
+    assert stats["routing/bytes_to_learners"] < stats_all["routing/bytes_from_engines"] == stats["routing/bytes_from_engines"]
+    assert losses == losses1 and max(abs(a - b) for a, b in zip(losses, reference)) < 1e-5 and differs == 0.0
+
+
+def test_vllms_routing_store_is_sized_above_its_kv_cache_default(tmp_path):
+    """An eviction from vLLM's routed-experts store kills the engine: aux_output_config.max_bytes
+    at twice the routing of every token the engine's memory could cache."""
+    import json
+
+    from spice_megatron.planner import KNOWN_MODELS
+    from spice_megatron.rollout.engine import routing_store_bytes
+
+    d = str(tmp_path)
+    with open(f"{d}/config.json", "w") as f:
+        json.dump(KNOWN_MODELS["Qwen/Qwen3-30B-A3B-Base"], f)
+    size = routing_store_bytes(d, 2, 80 * 2**30, 0.85)
+    tokens_per_gpu = 0.85 * 80 * 2**30 / (2 * 48 * 2 * 128 * 2)  # 48 KiB of KV per token at TP=2
+    assert size == int(2 * tokens_per_gpu * 48 * 8) and 1.0e9 < size < 1.3e9

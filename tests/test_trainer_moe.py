@@ -26,6 +26,10 @@ def test_a_moe_run_replays_the_engines_routing_and_syncs_its_experts(tmp_path):
         # learner, in fp32 like the engine, would pick the same experts
         assert m["train/routing_differs"] == 0.0
         assert 1.0 <= m["train/router/max_load/1"] and 0.0 < m["train/router/entropy/1"] <= math.log(8)
+        # uint8 routing; a random model's tasks are all invalid (zero advantage): only the sequence
+        # each role keeps for its metrics is trained, and only its routing reaches the learner
+        assert m["routing/untrained_dropped"] > 0
+        assert 0 < m["routing/bytes_to_learners"] < m["routing/bytes_from_engines"]
     # iteration 2 was sampled by the weights synced after step 1 (weight decay moved every expert):
     # the learner's log-probs of those samples are the engine's
     assert metrics[1]["rollout_version"] == 1 and metrics[1]["train/logprob_gap"] < 1e-5

@@ -68,14 +68,93 @@ def batch(n: int = 6, seed: int = 3):
     return seqs
 
 
-def learner(model_dir: str, dtype: str, lr: float):
+def learner(model_dir: str, dtype: str, lr: float, routing_replay: str = "off"):
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
     from spice_megatron.policy.learner import Learner
 
-    # routing replay needs an engine's routing; these checks have no engine
+    # routing replay needs an engine's routing: off, unless a check brings routing of its own
     return Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=lr, adam_eps=1e-5, weight_decay=0.0),
                            PolicyTrainConfig(max_gen_len=16, micro_batch_tokens=256, dtype=dtype,
-                                             routing_replay="off"))
+                                             routing_replay=routing_replay))
+
+
+def own_routing(lr, seqs) -> list:
+    """The learner's own top-k experts for each sequence's tokens but the last, in vLLM's layout
+    ([tokens, decoder layers, k], uint8): megatron's RECORD action on one micro-batch of them all."""
+    import numpy as np
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from spice_megatron.policy import cpu_compat
+    from spice_megatron.policy.batching import collate
+
+    mb = collate(seqs, list(range(len(seqs))), pad_to=lr.seq_multiple)
+    for rr, _ in lr.replay.routers:
+        rr.clear_indices()
+        rr.set_router_replay_action(RouterReplayAction.RECORD)
+    with torch.no_grad(), cpu_compat.cuda_to_cpu():
+        lr.model(mb.tokens.to(lr.device), mb.position_ids.to(lr.device), attention_mask=None)
+    b, s = mb.tokens.shape
+    k = lr.spec.moe.top_k
+    every = torch.zeros(b, s, lr.spec.num_layers, k, dtype=torch.uint8)
+    for rr, layer in lr.replay.routers:
+        every[:, :, layer] = rr.get_recorded_indices().view(s, b, k).transpose(0, 1).cpu().to(torch.uint8)
+        rr.clear_indices()
+        rr.clear_router_replay_action()
+    return [np.ascontiguousarray(every[i, :len(x) - 1].numpy()) for i, x in enumerate(seqs)]
+
+
+def check_routing_replay(moe_dir: str) -> tuple[bool, str]:
+    """Megatron's RouterReplay in this learner (TE's router on GPU): replaying the learner's own
+    routing leaves the log-probs as they are and counts no difference; another routing moves them."""
+    import dataclasses
+
+    import numpy as np
+
+    off = learner(moe_dir, "bf16", 0.0)
+    seqs = batch()
+    own = own_routing(off, seqs)
+    routed = [dataclasses.replace(x, routed_experts=r) for x, r in zip(seqs, own)]
+    lp_off = off.compute_logprobs(routed)
+    on = learner(moe_dir, "bf16", 0.0, routing_replay="on")
+    lp_on = on.compute_logprobs(routed)
+    (m,) = on.train_on_batch(routed)
+    shifted = [dataclasses.replace(x, routed_experts=((r.astype(np.int64) + 1) % 8).astype(np.uint8))
+               for x, r in zip(seqs, own)]
+    lp_shifted = on.compute_logprobs(shifted)
+    same = max(abs(a - b) for x, y in zip(lp_on, lp_off) for a, b in zip(x, y))
+    moved = max(abs(a - b) for x, y in zip(lp_shifted, lp_off) for a, b in zip(x, y))
+    return same < 1e-3 and m.routing_differs == 0.0 and moved > 1e-3, \
+        f"own routing replayed: |dlogp| max {same:.2e}, routing_differs {m.routing_differs}; other experts: {moved:.3f}"
+
+
+def check_vllm_routed_experts(moe_dir: str) -> tuple[bool | None, str]:
+    """vLLM's routed-experts return (enable_return_routed_experts) on the tiny MoE: shape [prompt +
+    output - 1, decoder layers, k], uint8, and the learner's routers pick the same experts on those
+    tokens (a router far from ties: make_tiny_qwen3). Needs vLLM in this environment."""
+    import dataclasses
+
+    import numpy as np
+
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError:
+        return None, "vLLM is not installed in this environment"
+    llm = LLM(model=moe_dir, skip_tokenizer_init=True, enable_return_routed_experts=True, enable_prefix_caching=True,
+              gpu_memory_utilization=0.3, max_model_len=256, enforce_eager=True, dtype="bfloat16")
+    prompts = [x.prompt_ids for x in batch()]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=6, temperature=0.0))
+    seqs, routings = [], []
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        seqs.append(dataclasses.replace(batch()[0], prompt_ids=p, completion_ids=list(c.token_ids)))
+        routings.append(np.asarray(c.routed_experts))
+    shapes_ok = all(r.shape == (len(x) - 1, TINY_MOE["num_hidden_layers"], 2) and r.dtype == np.uint8
+                    for x, r in zip(seqs, routings))
+    learner_own = own_routing(learner(moe_dir, "bf16", 0.0), seqs)
+    agree = np.mean([(np.sort(a, -1) == np.sort(b, -1)).all(-1).mean() for a, b in zip(routings, learner_own)])
+    del llm
+    torch.cuda.empty_cache()
+    return shapes_ok and agree > 0.99, f"shapes and uint8 {shapes_ok}; learner's top-2 equal vLLM's for {agree:.1%} of (token, layer)"
 
 
 # ----------------------------------------------------------------------------- checks
@@ -423,6 +502,9 @@ def main() -> int:
                   # Qwen3-MoE: TE's grouped-GEMM expert names (linear_fc1.weight<i>) on GPU, SequentialMLP on CPU
                   ("moe_bf16_hf_load_then_step", lambda: check_hf_load_then_step(moe_dir)),
                   ("moe_logprobs_gpu_vs_cpu", lambda: check_logprobs_gpu_vs_cpu(moe_dir, work)),
+                  ("moe_routing_replay_round_trip", lambda: check_routing_replay(moe_dir)),
+                  ("moe_vllm_routed_experts", lambda: check_vllm_routed_experts(moe_dir) if on_gpu
+                   else (None, "needs a GPU (vLLM's routed-experts return needs Model Runner V2)")),
                   ("logprobs_gpu_vs_cpu", lambda: check_logprobs_gpu_vs_cpu(model_dir, work)),
                   ("bf16_checkpoint_resume", lambda: check_checkpoint_resume(model_dir, work)),
                   ("weight_sync_gloo_to_cpu_receiver", lambda: check_weight_sync(model_dir, work, "gloo")),

@@ -20,7 +20,7 @@ from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, Poli
 from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.activation_memory import activation_flags
-from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches
+from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
 from spice_megatron.policy.model import (ModelSpec, build_model, have_transformer_engine, model_spec_from_hf,
                                          transformer_config)
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
@@ -284,9 +284,11 @@ class Learner:
                                  f"learner is at {version}; train.max_staleness={bound}")
 
     def _check_routing(self, seqs: list[TrainSequence]) -> None:
+        """The routing of the sequences this DP rank runs (the driver sends each replica only its own)."""
         if self.routing_replay:
             moe = self.spec.moe
-            check_routing(seqs, self.spec.num_layers, moe.top_k, moe.num_experts)
+            mine = split_data_parallel([len(x) for x in seqs], self.layout.dp)[self.layout.dp_rank]
+            check_routing([seqs[i] for i in sorted(mine)], self.spec.num_layers, moe.top_k, moe.num_experts)
 
     def _routing_metrics(self) -> tuple[float | None, dict[str, float] | None]:
         """Since the last call, over every rank (collective): the share of engine-routed (token,
@@ -312,22 +314,42 @@ class Learner:
                 router[f"router/entropy/{layer}"] = float(entropy / tokens)
         return differs, router or None
 
+    def trained_mask(self, seqs: list[TrainSequence]) -> list[bool]:
+        """Which sequences the learner runs. DrGRPO's gradient is a sum of advantage-weighted terms
+        over a fixed normaliser (the step's sequences x max_gen_len): a zero-advantage sequence (a
+        group everyone solved or nobody did) adds exactly nothing, so its forward and backward are
+        skipped; a role with nothing to learn keeps one sequence, so its learner-vs-engine metrics
+        stay logged."""
+        trains = [abs(s.advantage) > ZERO_ADVANTAGE or not self.train_cfg.skip_zero_advantage for s in seqs]
+        for role in dict.fromkeys(s.role for s in seqs):
+            mine = [i for i, s in enumerate(seqs) if s.role == role]
+            if not any(trains[i] for i in mine):
+                trains[mine[0]] = True
+        return trains
+
+    def routing_destinations(self, seqs: list[TrainSequence]) -> list[set[int]]:
+        """For each sequence, the data-parallel ranks whose micro-batches hold it in
+        train_on_batch (the old-log-prob pass and the optimiser steps split the batch apart);
+        empty: not trained. What the driver sends each replica's routing by."""
+        trains, k, dp = self.trained_mask(seqs), self.steps_for(len(seqs)), self.layout.dp
+        passes = [[i for i in range(j, len(seqs), k) if trains[i]] for j in range(k)]
+        if k > 1 and self.train_cfg.old_logprobs == "forward":  # train_on_batch's old-log-prob pass
+            passes.append([i for i, t in enumerate(trains) if t])
+        dest: list[set[int]] = [set() for _ in seqs]
+        for idx in passes:
+            for rank, part in enumerate(split_data_parallel([len(seqs[i]) for i in idx], dp)):
+                for m in part:
+                    dest[idx[m]].add(rank)
+        return dest
+
     def train_on_batch(self, seqs: list[TrainSequence], version: int | None = None) -> list[StepMetrics]:
         """Several optimiser steps on one rollout batch (mini-batches seqs[j::k], k = steps_for(n));
         from the second on, the PPO ratio is clipped against the log-probs before the first.
         `version`: the learner's weights version, checked against the sequences' (check_staleness)."""
         if version is not None:
             self.check_staleness(seqs, version)
-        self._check_routing(seqs)
         k = self.steps_for(len(seqs))
-        # DrGRPO's gradient is a sum of advantage-weighted terms over a fixed normaliser (the step's
-        # sequences x max_gen_len): a zero-advantage sequence (a group everyone solved or nobody did)
-        # adds exactly nothing, so its forward and backward are skipped.
-        trains = [abs(s.advantage) > ZERO_ADVANTAGE or not self.train_cfg.skip_zero_advantage for s in seqs]
-        for role in dict.fromkeys(s.role for s in seqs):  # a role with nothing to learn keeps one sequence:
-            mine = [i for i, s in enumerate(seqs) if s.role == role]  # its learner-vs-engine metrics stay logged
-            if not any(trains[i] for i in mine):
-                trains[mine[0]] = True
+        trains = self.trained_mask(seqs)
         old_all: dict[int, list[float]] | None = None
         if k > 1 or self.train_cfg.old_logprobs == "rollout":
             kept = [i for i, t in enumerate(trains) if t]
@@ -350,6 +372,7 @@ class Learner:
         """One optimiser step on `seqs`, the trained part of a mini-batch of `n_global` sequences
         (none left: every rank steps on a masked filler, so that Adam's momentum still moves)."""
         t0 = time.perf_counter()
+        self._check_routing(seqs)
         self.model.train()
         cfg = self.train_cfg
         mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, cfg.micro_batch_tokens, self.pad_id, old,

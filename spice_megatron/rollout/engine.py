@@ -91,6 +91,9 @@ class VLLMEngine:
             extra["enable_expert_parallel"] = True
         if self.returns_routing and not on_cpu:
             extra["enable_return_routed_experts"] = True  # vLLM's own; needs Model Runner V2
+            extra["aux_output_config"] = {"max_bytes": routing_store_bytes(
+                model_dir, tensor_parallel_size, torch.cuda.get_device_properties(0).total_memory,
+                gpu_memory_utilization)}
         elif self.returns_routing:
             extra["enable_prefix_caching"] = False  # a cached prompt would run through no router
         t0 = time.perf_counter()
@@ -371,6 +374,25 @@ def _moe_shape(model_dir: str) -> MoEShape | None:
     if not experts or "num_experts_per_tok" not in config:
         return None
     return MoEShape(int(config["num_hidden_layers"]), int(config["num_experts_per_tok"]), int(experts))
+
+
+def routing_store_bytes(model_dir: str, tensor_parallel: int, gpu_bytes: int, utilization: float) -> int:
+    """Host memory for vLLM's routed-experts store (aux_output_config.max_bytes). vLLM sizes it to the
+    KV cache's blocks (aux_output_connector/worker.py), and a prefix-cache hit on a block it has
+    evicted raises BlockObjectStoreError, which kills the engine (store.py). Twice the routing of
+    every token the engine's whole memory share could cache, weights ignored: ~2-4x vLLM's default
+    (Qwen3-30B-A3B, TP=2, 80 GB at 0.85: 1.1 GB)."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    moe = _moe_shape(model_dir)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = max(1, config.get("num_key_value_heads", config["num_attention_heads"]) // tensor_parallel)
+    kv_bytes_per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2  # K and V, bf16, one GPU's share
+    tokens = gpu_bytes * utilization / kv_bytes_per_token
+    return int(2 * tokens * moe.num_layers * moe.top_k * moe.dtype.itemsize)
 
 
 def checked_routing(routing, tokens: int, moe: MoEShape, where: str) -> np.ndarray:
