@@ -4,12 +4,50 @@ attempt and every reasoner answer, each with its iteration and weights version.
 A challenger record's `challenger_record` cross-references (on reasoner records) are indices into
 its iteration's records, which the trainer writes contiguously; `iterations` yields them as such
 groups so that a task can be shown beside its document and its G answers.
+
+A document's text is written once, with the first record of it (by its sha256): a paper run reads
+each document many times, and the text of every reading would make the trail gigabytes. Later
+document records carry the id and hash; `with_document_texts` puts the text back for readers.
 """
 from __future__ import annotations
 
 from typing import Iterator
 
 from spice_megatron.tasks import Task, answer_in_question
+
+
+def compact_documents(records: list[dict], written: set[str]) -> list[dict]:
+    """The records to write: a document record whose text the trail already holds (its sha256 in
+    `written`) loses its text; `written` gains the hashes written now."""
+    out = []
+    for r in records:
+        if r.get("kind") == "document" and "text" in r:
+            sha = r.get("doc_sha256")
+            if sha in written:
+                r = {k: v for k, v in r.items() if k != "text"}
+            elif sha:
+                written.add(sha)
+        out.append(r)
+    return out
+
+
+def written_document_hashes(records: Iterator[dict]) -> set[str]:
+    """The hashes of the documents whose text a trail holds (a resumed run goes on from these)."""
+    return {r["doc_sha256"] for r in records if r.get("kind") == "document" and "text" in r and r.get("doc_sha256")}
+
+
+def with_document_texts(records: Iterator[dict]) -> Iterator[dict]:
+    """The records with each document record's text, taken from the first record of that document.
+    Holds every distinct document's text once while it reads."""
+    texts: dict[str, str] = {}
+    for r in records:
+        if r.get("kind") == "document":
+            sha = r.get("doc_sha256")
+            if "text" in r:
+                texts.setdefault(sha, r["text"])
+            elif sha in texts:
+                r = {**r, "text": texts[sha]}
+        yield r
 
 
 def iterations(records: Iterator[dict]) -> Iterator[list[dict]]:

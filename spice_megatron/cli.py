@@ -116,9 +116,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             cfg.validate()
             from transformers import AutoTokenizer
 
-            from spice_megatron.context_budget import check_context_budget
+            from spice_megatron.context_budget import check_context_budget_once
 
-            check_context_budget(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
+            check_context_budget_once(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -355,14 +355,14 @@ def _cmd_coevolution(args: argparse.Namespace) -> int:
 def _cmd_audit(args: argparse.Namespace) -> int:
     """Print audit records of a run, filtered; each traces to its document and weights version. A
     valid challenger task is shown with its document and the reasoner's answers (--full: raw JSON)."""
-    from spice_megatron.audit import IterationIndex, iterations, leaks, one_line, task_block
+    from spice_megatron.audit import IterationIndex, iterations, leaks, one_line, task_block, with_document_texts
     from spice_megatron.run_log import read_jsonl
 
     path = _run_file(args.run, "audit.jsonl")
     if path is None:
         return 1
     shown = 0
-    for group in iterations(read_jsonl(path)):
+    for group in iterations(with_document_texts(read_jsonl(path))):
         indexed = IterationIndex(group)
         for k, r in enumerate(group):
             if ((args.kind and r.get("kind") != args.kind) or (args.doc and r.get("doc_id") != args.doc)

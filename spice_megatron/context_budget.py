@@ -12,6 +12,8 @@ rejects a prompt that alone reaches it, which would stop the run. So:
 """
 from __future__ import annotations
 
+import os
+
 from spice_megatron.config import ConfigError, SelfPlayConfig, SpiceConfig
 from spice_megatron.protocol import ChallengerPrompts, Selection
 from spice_megatron.tasks import ANSWER_TYPES
@@ -62,11 +64,30 @@ def check_context_budget(cfg: SpiceConfig, tokenizer) -> None:
                 f"to at least {worst} or lower corpus.max_doc_tokens")
 
 
+CHECKED_ENV = "SPICE_CONTEXT_BUDGET_CHECKED"
+
+
+def check_context_budget_once(cfg: SpiceConfig, tokenizer) -> bool:
+    """check_context_budget, unless this process or the one that started it (the CLI, before
+    torchrun: the environment is inherited) has checked these very settings. Returns whether it
+    checked. A cluster launcher's ranks were started by no such process: rank 0 checks."""
+    import hashlib
+    import json
+
+    sp = cfg.selfplay
+    key = hashlib.sha256(json.dumps([type(tokenizer).__name__, len(tokenizer), cfg.rollout.max_model_len, cfg.corpus.max_doc_tokens, sp.protocol,
+                                     sp.challenger, sp.template, sp.prompt_dir, sp.challenger_max_tokens,
+                                     sp.selection_max_tokens]).encode()).hexdigest()[:16]
+    if os.environ.get(CHECKED_ENV) == key:
+        return False
+    check_context_budget(cfg, tokenizer)
+    os.environ[CHECKED_ENV] = key
+    return True
+
+
 def _planning_tokenizer(model: str):
     """The tokenizer of run.model for planning without its weights: a local directory's, the
     bundled Qwen3 tokenizer for a Qwen3 hub id (one vocabulary for the family), else None."""
-    import os
-
     from transformers import AutoTokenizer
 
     try:

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from spice_megatron.audit import compact_documents
 from spice_megatron.config import SpiceConfig
 from spice_megatron.policy.batching import TrainSequence
 from spice_megatron.rollout.fleet import FleetError, NoEngineLeft, RolloutFleet
@@ -81,7 +82,8 @@ class Driver:
     def __init__(self, cfg: SpiceConfig, tokenizer, resume_state: dict | None,
                  abandon_when: Callable[[], bool] | None = None):
         from spice_megatron.corpus import Corpus, DocumentSampler
-        from spice_megatron.run_log import JsonlLog, MetricsLogger
+        from spice_megatron.audit import written_document_hashes
+        from spice_megatron.run_log import JsonlLog, MetricsLogger, read_jsonl
         from spice_megatron.verify import AnswerVerifier
 
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -129,6 +131,9 @@ class Driver:
         self.metrics = MetricsLogger(out, state.get("metrics_offset"), cfg.run.wandb_project, cfg.run.name,
                                      dataclasses.asdict(cfg))
         self.audit = JsonlLog(os.path.join(out, "audit.jsonl"), state.get("audit_offset"))
+        # the documents whose text the trail holds (audit.compact_documents): read back on resume
+        self.documents_written = (written_document_hashes(read_jsonl(self.audit.path))
+                                  if state.get("audit_offset") else set())
         self.low_valid_streak = state.get("low_valid_streak", 0)
         self.low_reward_streak = state.get("low_reward_streak", 0)
         self._ids: dict[str, list[int]] = {}
@@ -239,7 +244,7 @@ class Driver:
             fixed = self.fixed_challenger_generate if self.challenger_fleet else None
             result = run_iteration(docs, self.generate, self.verifier, sp, self.rng, self.tokenizer,
                                    weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed,
-                                   max_model_len=self.cfg.rollout.max_model_len)
+                                   max_model_len=self.cfg.rollout.max_model_len, token_ids=self.prompt_ids)
         seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
                               s.completion.logprobs or None, s.role, s.completion.versions or None,
                               s.completion.routed_experts)
@@ -260,7 +265,7 @@ class Driver:
 
     def log(self, iteration: int, stats: dict[str, float], records: list[dict]) -> None:
         """An iteration's audit records and metrics, in that order (a checkpoint holds both offsets)."""
-        self.audit.write(records)
+        self.audit.write(compact_documents(records, self.documents_written))
         self.metrics.log(iteration, stats)
 
     def check_kill_switch(self, stats: dict[str, float], loss: float, grad_norm: float) -> None:

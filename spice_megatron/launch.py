@@ -10,12 +10,23 @@ _handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A port nothing listens on now and that this process has not handed out before: two calls
-    made before either port is bound (a learner's master port and a sync port) must not collide."""
+    """A free port that no other bind(0) on this machine will be given for about a minute, so that
+    another process (a parallel test worker, another run) cannot take it before its user binds it.
+    The port is reserved through TCP's TIME_WAIT: a connection to it is accepted and closed from
+    the listening side first, which leaves that side's socket in TIME_WAIT on the port (60 s on
+    Linux). The kernel hands out no port with a socket in TIME_WAIT to bind(0), while a server that
+    binds it with SO_REUSEADDR (uvicorn's and torch's TCPStore do) gets it at once. This process
+    never hands out a port twice either (a learner's master port and a sync port, before binding)."""
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            port = listener.getsockname()[1]
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                accepted, _ = listener.accept()
+                accepted.close()  # the listening side closes first: its end waits in TIME_WAIT
+                client.recv(1)  # the peer's FIN, so our close completes the handshake
         if port not in _handed_out:
             _handed_out.add(port)
             return port

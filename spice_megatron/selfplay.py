@@ -116,13 +116,16 @@ def _round_seed(seed: int | None, attempt: int) -> int | None:
 def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier: AnswerVerifier,
                   cfg: SelfPlayConfig, rng: random.Random, tokenizer=None, weights_version: int = 0,
                   iteration: int = 0, seed: int | None = None,
-                  challenger_generate: GenerateFn | None = None, max_model_len: int | None = None) -> IterationResult:
+                  challenger_generate: GenerateFn | None = None, max_model_len: int | None = None,
+                  token_ids: Callable[[str], list[int]] | None = None) -> IterationResult:
     """One iteration's data. `seed` (None: unseeded sampling) makes the engine's sampling
     reproducible for exact resume. `challenger_generate`: a fixed challenger model's generate
     function (selfplay.challenger=model); its attempts are recorded, never trained.
     `max_model_len` (with a tokenizer): a document whose challenger request would not fit the
     engines' context is skipped (counted, logged, recorded), and a task whose reasoner request would
-    not fit is an invalid attempt, rather than a request vLLM truncates or rejects."""
+    not fit is an invalid attempt, rather than a request vLLM truncates or rejects. `token_ids`: the
+    caller's (cached) prompt tokenisation, so that a reasoner prompt measured here is not tokenised
+    again when it is sent."""
     stats: dict[str, float] = {}
     # a fixed challenger may have a format of its own (selfplay.challenger_template)
     challenger_template = (cfg.challenger_template if challenger_generate else "") or cfg.template
@@ -160,7 +163,7 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
                 for a in att:
                     attempts[i] += 1
                     if context and a.parsed.valid:
-                        _check_reasoner_request(a, cfg, tokenizer, context)
+                        _check_reasoner_request(a, cfg, tokenizer, context, token_ids)
                     records.append(_challenger_record(documents[i], attempts[i], a, weights_version, iteration))
                     a.record = len(records) - 1
                     if a.parsed.valid:
@@ -329,12 +332,13 @@ def _documents_that_fit(documents: Sequence[Document], prompts: ChallengerPrompt
     return fit, too_long
 
 
-def _check_reasoner_request(a: "Attempt", cfg: SelfPlayConfig, tokenizer, context: int) -> None:
+def _check_reasoner_request(a: "Attempt", cfg: SelfPlayConfig, tokenizer, context: int,
+                            token_ids: Callable[[str], list[int]] | None = None) -> None:
     """A valid task whose reasoner request cannot fit the context becomes an invalid attempt."""
-    from spice_megatron.context_budget import request_tokens
+    from spice_megatron.templates import prompt_token_ids
 
-    need = request_tokens(reasoner_prompt(a.parsed.task, cfg.template, tokenizer, cfg.prompt_dir),
-                          cfg.reasoner_max_tokens, tokenizer)
+    prompt = reasoner_prompt(a.parsed.task, cfg.template, tokenizer, cfg.prompt_dir)
+    need = len(token_ids(prompt) if token_ids else prompt_token_ids(prompt, tokenizer)) + cfg.reasoner_max_tokens
     if need > context:
         a.parsed = ParseResult(None, "question_over_context", {"tokens": need, "max_model_len": context})
 

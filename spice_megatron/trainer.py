@@ -98,13 +98,13 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     from transformers import AutoTokenizer
 
     from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint, write_training_prompts
-    from spice_megatron.context_budget import check_context_budget
+    from spice_megatron.context_budget import check_context_budget_once
     from spice_megatron.policy.checkpoint import latest_checkpoint, read_trainer_state, resumable_checkpoint, save_checkpoint
     from spice_megatron.policy.learner import Learner
 
     ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")
     tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
-    check_context_budget(cfg, tokenizer)  # before the learner loads and the engines start
+    check_context_budget_once(cfg, tokenizer)  # before the learner loads and the engines start (the CLI may have)
 
     # --- The learner: the base model (HF -> Megatron), or on resume the newest checkpoint that
     # matches its manifest and loads (a damaged one is named and the one before it used).

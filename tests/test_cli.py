@@ -101,3 +101,32 @@ def test_audit_leaks_shows_tasks_whose_answer_stands_in_the_question(tmp_path, c
     out = capsys.readouterr().out
     assert "s/1/0" in out and "s/3/0" in out and "s/2/0" not in out
     assert out.count("LEAK: the answer can be read off the question") == 2
+
+
+def test_a_document_read_again_is_stored_once_and_shown_with_its_text(tmp_path, capsys):
+    """The trail holds a document's text with its first record only (a paper run rereads documents);
+    `spice audit` shows it for every reading, and a resumed run goes on from the trail's hashes."""
+    import json
+
+    from spice_megatron.audit import compact_documents, written_document_hashes
+    from spice_megatron.run_log import read_jsonl
+
+    text = "Gus had 5 cards. A friend gave Gus 8 more cards. Now Gus has 13 cards."
+
+    def iteration(i):
+        return [{"kind": "document", "iteration": i, "doc_id": "stories/3/0", "doc_sha256": "abc", "weights_version": 0,
+                 "text": text},
+                {"kind": "challenger", "iteration": i, "doc_id": "stories/3/0", "weights_version": 0, "valid": True,
+                 "trained": True, "reward": 0.5, "advantage": 0.25,
+                 "task": {"question": f"Question {i}?", "answer": "13", "answer_type": "integer"}}]
+
+    written: set[str] = set()
+    path = tmp_path / "audit.jsonl"
+    with open(path, "w") as f:
+        for i in (1, 2, 3):
+            f.write("".join(json.dumps(r) + "\n" for r in compact_documents(iteration(i), written)))
+    stored = [r for r in read_jsonl(str(path)) if r["kind"] == "document"]
+    assert ["text" in r for r in stored] == [True, False, False] and path.read_text().count(text) == 1
+    assert written_document_hashes(read_jsonl(str(path))) == {"abc"}
+    assert main(["audit", str(tmp_path), "--valid"]) == 0
+    assert capsys.readouterr().out.count("document: Gus had 5 cards.") == 3

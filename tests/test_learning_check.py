@@ -77,3 +77,21 @@ def test_story_task_curves_follow_the_gold_and_the_numbers_per_iteration(tmp_pat
     curves = learning_check.story_task_curves(str(path))
     assert curves["gold_right"] == pytest.approx([2 / 3, 1.0])
     assert curves["numbers_kept"] == pytest.approx([2 / 3, 1.0])
+
+
+def test_a_changed_prompt_or_recipe_does_not_reuse_kept_runs(tmp_path):
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "reasoner.txt").write_text("Q: {question}\nA:")
+    recipe = tmp_path / "tiny_cpu.py"
+    recipe.write_text("ITERATIONS = 3\n")
+    before = learning_check.content_hash([str(recipe), str(prompts)])
+    settings = {"iterations": 4, "content": before}
+    learning_check._keep(str(tmp_path), "trained_a", settings, {"accuracy": 40.0})
+    assert learning_check._finished(str(tmp_path), "trained_a", settings) == {"accuracy": 40.0}
+    (prompts / "reasoner.txt").write_text("Answer: {question}\n")
+    after = learning_check.content_hash([str(recipe), str(prompts)])
+    assert after != before
+    assert learning_check._finished(str(tmp_path), "trained_a", {**settings, "content": after}) is None
+    recipe.write_text("ITERATIONS = 4\n")
+    assert learning_check.content_hash([str(recipe), str(prompts)]) not in (before, after)

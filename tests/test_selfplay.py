@@ -5,6 +5,8 @@ from collections import Counter
 
 import pytest
 
+from spice_megatron.templates import prompt_token_ids
+
 from spice_megatron.config import SelfPlayConfig
 from spice_megatron.corpus import Document
 from spice_megatron.rollout.types import Completion, SamplingSpec
@@ -421,6 +423,25 @@ def test_a_document_too_long_for_the_context_is_a_counted_skip_and_a_long_questi
     result = run_iteration([doc(0, "SPEC[k4]")], ScriptedModel(), _verifier(), tight, random.Random(0),
                            tokenizer=qwen3_tokenizer, max_model_len=1024)
     assert result.stats["invalid/question_over_context"] == 1.0 and result.stats["valid_task_rate"] == 0.0
+    # with the caller's tokenisation (the driver's per-iteration cache), a reasoner prompt measured
+    # here is tokenised once, by that cache, and sent from it
+    cache: dict[str, list[int]] = {}
+
+    def token_ids(prompt):
+        if prompt not in cache:
+            cache[prompt] = prompt_token_ids(prompt, qwen3_tokenizer)
+        return cache[prompt]
+
+    sent = []
+
+    def generate(prompts, spec):
+        if spec.role == "reasoner":
+            sent.extend(prompts)
+        return ScriptedModel()(prompts, spec)
+
+    result = run_iteration([doc(0, "SPEC[k4]")], generate, _verifier(), cfg, random.Random(0),
+                           tokenizer=qwen3_tokenizer, max_model_len=1024, token_ids=token_ids)
+    assert result.stats["valid_task_rate"] == 1.0 and sent and all(p in cache for p in sent)
 
 
 def test_start_up_refuses_a_context_that_cannot_hold_the_longest_document(qwen3_tokenizer, tmp_path):
@@ -460,3 +481,16 @@ def test_a_fixed_challenger_writes_in_its_own_template_and_the_reasoner_in_the_p
     result = run_iteration([doc(0, "SPEC[k4]")], policy, _verifier(), cfg, random.Random(0), challenger_generate=fixed)
     assert seen["challenger"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert seen["reasoner"].endswith("<|im_start|>assistant\n") and result.stats["valid_task_rate"] == 1.0
+
+
+def test_the_context_budget_is_checked_once_per_setting_across_the_cli_and_its_ranks(qwen3_tokenizer, monkeypatch):
+    """The CLI checks before torchrun; the ranks it starts inherit the mark and do not check again."""
+    from recipes import get_recipe
+    from spice_megatron import context_budget
+
+    monkeypatch.delenv(context_budget.CHECKED_ENV, raising=False)
+    cfg = get_recipe("qwen3_8b")
+    assert context_budget.check_context_budget_once(cfg, qwen3_tokenizer) is True
+    assert context_budget.check_context_budget_once(cfg, qwen3_tokenizer) is False  # rank 0 of that run
+    cfg.rollout.max_model_len = 16384  # other settings: checked again
+    assert context_budget.check_context_budget_once(cfg, qwen3_tokenizer) is True

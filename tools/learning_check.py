@@ -34,6 +34,7 @@ learning_check.png (reward and held-out accuracy over iterations) under --out.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -132,6 +133,19 @@ def _baseline(out: str, heldout: str, args) -> dict:
     return {"accuracy": r.accuracy, "correct": r.correct, "items": r.items, "no_boxed": r.no_answer}
 
 
+def content_hash(paths: list[str]) -> str:
+    """SHA-256 over the bytes of these files (a directory: every file under it, by relative path)."""
+    h = hashlib.sha256()
+    for path in paths:
+        files = [path] if os.path.isfile(path) else sorted(
+            os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
+        for f in files:
+            h.update(os.path.relpath(f, path if os.path.isdir(path) else os.path.dirname(path)).encode() + b"\0")
+            with open(f, "rb") as fh:
+                h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()
+
+
 def _finished(out: str, name: str, settings: dict) -> dict | None:
     """A run (or the baseline) an earlier invocation finished with the same settings: a check killed
     after its first run, or run piecemeal with --only, keeps what it has."""
@@ -175,18 +189,19 @@ def story_task_curves(audit_path: str) -> dict[str, list[float]]:
     other numbers (without them the reasoner cannot reach the result). A task with a wrong gold or a
     lost number is unsolvable and earns the floor reward: these are what the variance reward should
     teach the challenger, and what the first checks' trained runs did not learn (README)."""
+    from spice_megatron.audit import with_document_texts
+    from spice_megatron.run_log import read_jsonl
+
     docs, per_iteration = {}, {}
-    with open(audit_path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["kind"] == "document":
-                docs[r["doc_id"]] = re.findall(r"\d+", r["text"])
-            elif r["kind"] == "challenger" and r["valid"] and r.get("task"):
-                numbers = docs.get(r["doc_id"]) or ["?"]
-                question = set(re.findall(r"\d+", r["task"]["question"]))
-                right = r["task"]["answer"].strip().replace(",", "") == numbers[-1]
-                kept = set(numbers[:-1]) <= question
-                per_iteration.setdefault(r["iteration"], []).append((right, kept))
+    for r in with_document_texts(read_jsonl(audit_path)):
+        if r["kind"] == "document":
+            docs[r["doc_id"]] = re.findall(r"\d+", r["text"])
+        elif r["kind"] == "challenger" and r["valid"] and r.get("task"):
+            numbers = docs.get(r["doc_id"]) or ["?"]
+            question = set(re.findall(r"\d+", r["task"]["question"]))
+            right = r["task"]["answer"].strip().replace(",", "") == numbers[-1]
+            kept = set(numbers[:-1]) <= question
+            per_iteration.setdefault(r["iteration"], []).append((right, kept))
     rows = [per_iteration[i] for i in sorted(per_iteration)]
     return {"gold_right": [sum(r for r, _ in row) / len(row) for row in rows],
             "numbers_kept": [sum(k for _, k in row) / len(row) for row in rows]}
@@ -247,6 +262,9 @@ def main() -> int:
     settings = {k: getattr(args, k) for k in ("iterations", "eval_every", "batch", "group", "max_tokens", "lr",
                                               "heldout", "seeds", "staleness", "challenger_tokens", "model",
                                               "selfplay", "extra")}
+    # what the runs read besides their flags: a changed prompt or recipe must not reuse old runs
+    settings["content"] = content_hash([os.path.join(ROOT, "recipes", "tiny_cpu.py"), train_file,
+                                        heldout.split(":")[1], args.prompt_dir])
     before = _finished(args.out, "baseline", settings) or _keep(args.out, "baseline", settings,
                                                                 _baseline(args.out, heldout, args))
     before["ci"] = wilson(before["correct"], before["items"])
