@@ -9,7 +9,9 @@ weight sync's control plane and the evaluation hook stay on rank 0, through a fl
 
 Calls are answered in order, except `start_selfplay` (one step off): its sampler/RNG snapshot comes
 back at once and its batch when the rollouts finish, so that rank 0 can log, checkpoint and sync
-while they run. A checkpoint's driver state, the audit trail and the metrics are the driver's, as
+while they run. The driver process keeps each batch's records until rank 0 logs that batch, so they
+cross the pipe once (rank 0 holds them too: a checkpoint taken one step off saves the batch waiting
+to be trained, records included). A checkpoint's driver state, the audit trail and the metrics are the driver's, as
 in a thread, so kill -9 resume and engine restarts are exactly those of the in-thread driver. If the
 driver process dies, every waiting call fails with its exit code (the run stops, as rank 0 would); if
 rank 0 dies, the driver process sees its pipe close and stops its engines.
@@ -45,6 +47,8 @@ class DriverProcess:
         self._send_lock = threading.Lock()
         self._ids = itertools.count(_HELLO + 1)
         self._waiting: dict[int, Future] = {_HELLO: Future()}
+        # records of batches the driver process made, which it still holds: id(records) -> (records, iteration)
+        self._held: dict[int, tuple[list, int]] = {}
         self.process = ctx.Process(target=_serve, name="spice-driver",
                                    args=(child, cfg, resume_state, stop_file, logging.getLogger().level))
         self.process.start()
@@ -66,12 +70,19 @@ class DriverProcess:
     # ------------------------------------------------------------------------- the Driver's interface
 
     def selfplay(self, iteration: int, version: int) -> RolloutBatch:
-        return self._call("selfplay", iteration, version)
+        return self._hold(self._call("selfplay", iteration, version))
 
     def start_selfplay(self, iteration: int, version: int) -> tuple[Future, dict]:
-        batch = self._future()
-        snapshot = self._call("start_selfplay", iteration, version, batch[0])
-        return batch[1], snapshot
+        call_id, batch = self._future()
+        held: Future = Future()
+        batch.add_done_callback(lambda f: held.set_exception(f.exception()) if f.exception()
+                                else held.set_result(self._hold(f.result())))
+        snapshot = self._call("start_selfplay", iteration, version, call_id)
+        return held, snapshot
+
+    def _hold(self, batch: RolloutBatch) -> RolloutBatch:
+        self._held[id(batch.records)] = (batch.records, batch.iteration)
+        return batch
 
     def restart_dead_engines(self) -> bool:
         restarted = self._call("restart_dead_engines")
@@ -85,7 +96,11 @@ class DriverProcess:
         return reason
 
     def log(self, iteration: int, stats: dict[str, float], records: list[dict]) -> None:
-        self._call("log", iteration, stats, records)
+        held = self._held.pop(id(records), None)
+        if held is not None and held[0] is records:  # the driver process has them: name the batch
+            self._call("log_held", iteration, stats, held[1])
+        else:  # a batch it never made (one restored from a checkpoint)
+            self._call("log", iteration, stats, records)
 
     def check_kill_switch(self, stats: dict[str, float], loss: float, grad_norm: float) -> None:
         self._call("check_kill_switch", stats, loss, grad_norm)
@@ -182,10 +197,16 @@ def _serve(conn, cfg: SpiceConfig, resume_state: dict | None, stop_file: str, lo
         return
     answer(_HELLO, True, {"urls": [e.url for e in driver.fleet.engines], "token": driver.token})
 
+    held: dict[int, list[dict]] = {}  # batch iteration -> its records, until rank 0 logs them
+
+    def keep(batch: RolloutBatch) -> RolloutBatch:
+        held[batch.iteration] = batch.records
+        return batch
+
     def finished(call_id: int, future: Future) -> None:
         if not future.cancelled():
             error = future.exception()
-            answer(call_id, error is None, _portable(error) if error else future.result())
+            answer(call_id, error is None, _portable(error) if error else keep(future.result()))
 
     try:
         while True:
@@ -203,6 +224,14 @@ def _serve(conn, cfg: SpiceConfig, resume_state: dict | None, stop_file: str, lo
                     future, snapshot = driver.start_selfplay(iteration, version)
                     future.add_done_callback(lambda f, i=batch_id: finished(i, f))
                     answer(call_id, True, snapshot)
+                elif name == "log_held":
+                    iteration, stats, batch_iteration = args
+                    records = held.pop(batch_iteration)
+                    for old in [k for k in held if k < batch_iteration]:  # batches never logged (abandoned)
+                        del held[old]
+                    answer(call_id, True, driver.log(iteration, stats, records))
+                elif name == "selfplay":
+                    answer(call_id, True, keep(driver.selfplay(*args)))
                 else:
                     answer(call_id, True, getattr(driver, name)(*args))
             except Exception as e:  # noqa: BLE001 - raised on rank 0, where the loop decides

@@ -65,6 +65,10 @@ def test_the_driver_process_gives_the_in_thread_drivers_batches_logs_and_state(s
         stop_file = os.path.join(out, "STOP")
         driver = (DriverProcess(cfg, None, stop_file) if mode == "process" else
                   Driver(cfg, AutoTokenizer.from_pretrained(model), None))
+        sent = []
+        if mode == "process":  # what crosses the pipe: the records of a batch the process made stay there
+            call = driver._call
+            driver._call = lambda name, *args: sent.append((name, args)) or call(name, *args)
         try:
             assert driver.fleet.num_receivers == 1
             first = driver.selfplay(0, 0)
@@ -79,6 +83,9 @@ def test_the_driver_process_gives_the_in_thread_drivers_batches_logs_and_state(s
         with open(os.path.join(out, "audit.jsonl")) as f:
             audit = [json.loads(line) for line in f]
         results[mode] = (first, second, snapshot, state, audit)
+        if mode == "process":
+            (logged,) = [args for name, args in sent if name.startswith("log")]
+            assert [name for name, _ in sent if name.startswith("log")] == ["log_held"] and logged[2] == 0
     (a1, a2, snap_a, state_a, audit_a), (b1, b2, snap_b, state_b, audit_b) = results["thread"], results["process"]
     for x, y in ((a1, b1), (a2, b2)):
         assert (x.iteration, x.version, x.records) == (y.iteration, y.version, y.records)

@@ -505,6 +505,9 @@ def _mixed_replay_rank(model_dir):
         lp = learner.compute_logprobs(seqs)
         (m,) = learner.train_on_batch(seqs)
         out[replay] = (lp, m.routing_differs, sorted(m.router))
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    out["global_instances"] = len(RouterReplay.global_router_replay_instances)  # two learners built: none kept
     return out
 
 
@@ -512,6 +515,7 @@ def _mixed_replay_rank(model_dir):
 def test_replay_takes_vllms_layout_for_a_model_with_dense_layers(mixed_dir, tmp_path):
     (out,) = run_ranks(_mixed_replay_rank, 1, mixed_dir, tmp_path=tmp_path)
     (on, d_on, keys), (off, d_off, _) = out["on"], out["off"]
+    assert out["global_instances"] == 0
     assert max(abs(a - b) for x, y in zip(on, off) for a, b in zip(x, y)) < 1e-5
     assert d_on == 0.0 and d_off == 0.0  # layer by layer, the engine's experts are the learner's own
     assert keys == [f"router/{m}/{i}" for m in ("entropy", "max_load") for i in (1, 2, 3)]  # by decoder layer

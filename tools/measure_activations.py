@@ -87,24 +87,19 @@ def build(config: dict, tp: int, dtype: str, train: dict) -> SimpleNamespace:
     its gradient buffers and optimizer, so that real widths fit in host memory (Llama-3-70B's two
     layers are 1.7B parameters: 3.4 GB in bf16, 17 GB with the learner's fp32 buffers)."""
     from spice_megatron.config import ParallelConfig, PolicyTrainConfig
-    from spice_megatron.policy import cpu_compat
-    from spice_megatron.policy.activation_memory import activation_flags
     from spice_megatron.policy.learner import resolve_dtype
-    from spice_megatron.policy.model import (build_model, have_transformer_engine, model_spec_from_hf,
-                                             transformer_config)
-    from spice_megatron.policy.parallel import init_distributed
+    from spice_megatron.policy.model import build_policy_model, model_spec_from_hf
+    from spice_megatron.policy.parallel import current_layout, init_distributed
 
     parallel, train_cfg = ParallelConfig(tensor_parallel=tp), PolicyTrainConfig(dtype=dtype, **train)
     train_cfg.validate()
     init_distributed(parallel)
-    spec, torch_dtype = model_spec_from_hf(config), resolve_dtype(dtype)
-    flags = activation_flags(parallel, train_cfg, tp, torch.cuda.is_available(), have_transformer_engine())
+    spec = model_spec_from_hf(config)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     # the values do not matter for what is saved: no initialisation (megatron's CPU one makes fp32
     # master copies of every weight, 14 GB for Llama-3-70B's two layers)
-    tconfig = transformer_config(spec, tp, 1, torch_dtype, perform_initialization=False, **flags.megatron_kwargs())
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    with cpu_compat.cuda_to_cpu():
-        model = build_model(spec, tconfig, True, True).to(device=device, dtype=torch_dtype)
+    model, _, flags = build_policy_model(spec, parallel, train_cfg, current_layout(), resolve_dtype(dtype), device,
+                                         perform_initialization=False)
     return SimpleNamespace(model=model, spec=spec, device=device, activation_flags=flags)
 
 

@@ -19,10 +19,8 @@ import torch.distributed as dist
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
 from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
-from spice_megatron.policy.activation_memory import activation_flags
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
-from spice_megatron.policy.model import (ModelSpec, build_model, have_transformer_engine, model_spec_from_hf,
-                                         transformer_config)
+from spice_megatron.policy.model import ModelSpec, build_policy_model, model_spec_from_hf
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
 
@@ -107,27 +105,17 @@ class Learner:
             raise ConfigError(f"train.routing_replay: on, but {spec.architecture} has no experts to route")
         # megatron's RouterReplay hooks exist in every MoE model: with replay off they still measure
         # how often the learner's routing differs from the engine's
-        self.activation_flags = activation_flags(parallel, train, self.layout.tp, torch.cuda.is_available(),
-                                                 have_transformer_engine())
-        self.tconfig = transformer_config(spec, self.layout.tp, self.layout.pp, self.dtype, ep=self.layout.ep,
-                                          etp=self.layout.etp, aux_loss_coeff=train.moe_aux_loss_coeff,
-                                          routing_replay=spec.moe is not None,
-                                          **self.activation_flags.megatron_kwargs())
+        self.model, self.tconfig, self.activation_flags = build_policy_model(spec, parallel, train, self.layout,
+                                                                             self.dtype, self.device)
         # micro-batches are padded to a multiple of TP under sequence parallelism; on GPU of 128 too,
         # the alignment Transformer Engine's kernels want (on CPU the padding would cost the tests)
         self.seq_multiple = 1
+        if self.tconfig.sequence_parallel:
+            self.seq_multiple = math.lcm(self.layout.tp, 128) if torch.cuda.is_available() else self.layout.tp
         # An expert-parallel group wider than the TP group holds several DP replicas, and every MoE
         # layer's all-to-all needs each of them in each forward: they run equal micro-batch counts.
         self.ep_spans_dp = spec.moe is not None and self.layout.ep * self.layout.etp > self.layout.tp
         self.num_experts = spec.moe.num_experts if spec.moe is not None else 0
-        if self.tconfig.sequence_parallel:
-            self.seq_multiple = math.lcm(self.layout.tp, 128) if torch.cuda.is_available() else self.layout.tp
-        with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
-            model = build_model(spec, self.tconfig, self.layout.is_first_stage, self.layout.is_last_stage)
-        # Uniformly in the training dtype, as megatron's Float16Module makes it: the local layer
-        # spec (no Transformer Engine) builds its RMSNorms in fp32 next to bf16 linears, and the
-        # bf16 optimizer's checkpoint mapping cannot handle the mix. (TE builds norms in bf16.)
-        self.model = model.to(device=self.device, dtype=self.dtype)
         self.replay: RoutingReplay | None = None
         if spec.moe is not None:
             from spice_megatron.bridge.hf_io import layer_offset

@@ -253,3 +253,24 @@ def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool)
     if spec.rope_scaling_factor is not None:
         kwargs.update(rope_scaling=True, rope_scaling_factor=spec.rope_scaling_factor)
     return GPTModel(**kwargs)
+
+
+def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dtype, device: torch.device,
+                       **overrides: Any):
+    """The learner's model on this rank, as the Learner trains it: megatron's config for the layout
+    and the activation flags of `train` (recompute, fused SwiGLU, sequence parallelism), in `dtype`
+    on `device`. Returns (model, transformer config, activation flags). `overrides` go to the
+    transformer config (tools/measure_activations.py: perform_initialization=False)."""
+    from spice_megatron.policy import cpu_compat
+    from spice_megatron.policy.activation_memory import activation_flags
+
+    flags = activation_flags(parallel, train, layout.tp, torch.cuda.is_available(), have_transformer_engine())
+    tconfig = transformer_config(spec, layout.tp, layout.pp, dtype, ep=layout.ep, etp=layout.etp,
+                                 aux_loss_coeff=train.moe_aux_loss_coeff, routing_replay=spec.moe is not None,
+                                 **flags.megatron_kwargs(), **overrides)
+    with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
+        model = build_model(spec, tconfig, layout.is_first_stage, layout.is_last_stage)
+    # Uniformly in the training dtype, as megatron's Float16Module makes it: the local layer spec (no
+    # Transformer Engine) builds its RMSNorms in fp32 next to bf16 linears, and the bf16 optimizer's
+    # checkpoint mapping cannot handle the mix. (TE builds norms in bf16.)
+    return model.to(device=device, dtype=dtype), tconfig, flags

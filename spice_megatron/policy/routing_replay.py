@@ -82,6 +82,15 @@ class RoutingReplay:
             if m and getattr(module, "router_replay", None) is not None:
                 self.routers.append((module.router_replay, int(m.group(1)) + layer_offset))
                 self._wrap(module.router_replay)
+        # megatron appends every RouterReplay to a class-level list (for its static set/record
+        # helpers, which address routers by instantiation order across the whole process); these are
+        # addressed by module name, so they leave it: a process that builds several learners would
+        # otherwise keep every one of their routers alive
+        mine = {id(rr) for rr, _ in self.routers}
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.global_router_replay_instances[:] = [
+            rr for rr in RouterReplay.global_router_replay_instances if id(rr) not in mine]
         self._valid: torch.Tensor | None = None
         self._real: torch.Tensor | None = None
         # summed over the step's forwards on the router's device, copied to the host once per step
