@@ -72,130 +72,6 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    """Run SPICE: the recipe's config, overridden by key=value pairs."""
-    from spice_megatron import offline_data
-    from spice_megatron.config import ConfigError
-    from spice_megatron.launch import global_rank, relaunch_with_torchrun, rollout_urls_from_env, under_launcher
-
-    try:
-        cfg = _recipe_config(args.recipe, args.overrides, args.general_corpus)
-    except (KeyError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.output_dir:
-        cfg.run.output_dir = args.output_dir
-    if args.model:
-        cfg.run.model = args.model
-    if args.corpus:
-        from spice_megatron.config import SourceConfig
-
-        cfg.corpus.sources = [SourceConfig(path=p) for p in args.corpus]
-    from spice_megatron.corpus import StagingError, resolve_sources
-
-    try:  # before any rank starts: a missing staging step is named at once, not after model loading
-        resolve_sources(cfg.corpus, args.recipe)
-    except StagingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
-        cfg.rollout.engines = rollout_urls_from_env()
-    if not under_launcher():  # one-machine conveniences, done once before any rank starts
-        from spice_megatron.run_lock import RunDirLocked, check_unlocked
-
-        try:  # the lock itself is taken by rank 0; this names a live holder before anything starts
-            check_unlocked(cfg.run.output_dir)
-        except RunDirLocked as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if not cfg.run.model:
-            from spice_megatron.offline_assets import smollm2_dir
-
-            cfg.run.model = smollm2_dir()
-        try:  # a bad value is one line here, before torchrun, Megatron and the engines start
-            cfg.validate()
-            from transformers import AutoTokenizer
-
-            from spice_megatron.context_budget import check_context_budget_once
-
-            check_context_budget_once(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        offline_data.prepare_for(cfg.corpus.sources)
-        argv = list(sys.argv[1:])
-        if "--model" not in argv:
-            argv += ["--model", cfg.run.model]
-        relaunch_with_torchrun(cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel,
-                               [sys.argv[0], *argv])
-    from spice_megatron.planner import PlanError
-    from spice_megatron.policy.checkpoint import NoUsableCheckpoint
-    from spice_megatron.run_lock import RunDirLocked
-    from spice_megatron.trainer import EnginesLost, Interrupted, KillSwitch, train
-
-    eval_hook = None
-    if args.eval_benchmarks and cfg.run.eval_every and global_rank() == 0:
-        from transformers import AutoTokenizer
-
-        from spice_megatron.eval.benchmarks import benchmark_names
-        from spice_megatron.eval.harness import EvalSettings
-        from spice_megatron.eval.run import training_eval_hook
-
-        settings = EvalSettings(max_tokens=cfg.selfplay.reasoner_max_tokens, seed=cfg.run.seed,
-                                template=cfg.selfplay.template, prompt_dir=cfg.selfplay.prompt_dir,
-                                stop=tuple(cfg.selfplay.reasoner_stop))
-        eval_hook = training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data,
-                                       AutoTokenizer.from_pretrained(cfg.run.model), settings, args.eval_limit or None)
-    try:
-        summary = train(cfg, resume=args.resume or args.resume_after_kill_switch, eval_hook=eval_hook,
-                        resume_after_kill_switch=args.resume_after_kill_switch)
-    except KillSwitch as e:
-        print(f"kill switch: {e}", file=sys.stderr)
-        return 3
-    except Interrupted as e:
-        print(f"interrupted: {e}", file=sys.stderr)
-        return 130
-    except EnginesLost as e:
-        print(f"error: rollout engines lost: {e}", file=sys.stderr)
-        return 1
-    except (ConfigError, PlanError, RunDirLocked) as e:  # the checks that need the model or the GPUs run here
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NoUsableCheckpoint as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if summary and global_rank() == 0:
-        keys = ["weights_version", "valid_task_rate", "attempts_per_doc", "reasoner_pass_rate", "challenger_reward_mean",
-                "train/loss", "train/grad_norm", "train/logprob_gap", "weight_sync/seconds", "time/iteration"]
-        print("\nSPICE run finished: " + cfg.run.output_dir)
-        for k in keys:
-            if k in summary:
-                print(f"  {k:24s} {summary[k]:.4f}")
-        print(f"  metrics: {cfg.run.output_dir}/metrics.jsonl, TensorBoard: {cfg.run.output_dir}/tensorboard, "
-              f"audit: {cfg.run.output_dir}/audit.jsonl, HF checkpoint: {cfg.run.output_dir}/hf_final")
-        print(f"  plots: spice curves {cfg.run.output_dir}; evaluation: spice eval --model {cfg.run.output_dir}")
-        print(_moved_line(os.path.join(cfg.run.output_dir, "metrics.jsonl")))
-        print("  evidence of learning: tools/learning_check.py --selfplay (both roles against a frozen control) and "
-              "tools/learning_check.py (the reasoner on fixed tasks); README \"Does it learn?\"")
-    return 0
-
-
-MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasoner_pass_rate"),
-         ("challenger reward", "challenger_reward_mean"), ("frontier share", "challenger/frontier_share"))
-
-
-def _moved_line(metrics_path: str) -> str:
-    """One line: what moved from the run's first iteration to its last."""
-    from spice_megatron.run_log import read_jsonl
-
-    metrics = list(read_jsonl(metrics_path)) if os.path.exists(metrics_path) else []
-    if len(metrics) < 2:
-        return "  moved: one iteration only"
-    first, last = metrics[0], metrics[-1]
-    parts = [f"{label} {first[key]:.2f} -> {last[key]:.2f}" for label, key in MOVED if key in first and key in last]
-    return f"  moved (iteration {first['iteration']} -> {last['iteration']}): " + ", ".join(parts)
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Check a recipe's layout against a cluster (or choose one) and estimate its step time."""
     from recipes import get_recipe
@@ -240,161 +116,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
-    """Evaluate a model on benchmarks; writes results.md, results.json and items.jsonl."""
-    from spice_megatron.eval.benchmarks import benchmark_names
-    from spice_megatron.eval.harness import EvalSettings, markdown_table
-    from spice_megatron.eval.run import run_evaluation
-
-    try:
-        names = benchmark_names(args.benchmarks)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    template, prompt_dir, stop = args.template, "", ()
-    if args.recipe:  # the recipe's training prompts, unless --template names another
-        from recipes import get_recipe
-
-        recipe = get_recipe(args.recipe).selfplay
-        template, prompt_dir = args.template or recipe.template, recipe.prompt_dir
-        stop = tuple(recipe.reasoner_stop)
-    # no --recipe or --template: the prompts the model was trained with (an exported SPICE model records
-    # them), else plain
-    settings = EvalSettings(max_tokens=args.max_tokens, sample_temperature=args.sample_temperature, seed=args.seed,
-                            template=template or "", prompt_dir=prompt_dir, stop=stop)
-    judge = None
-    if args.judge_engines:  # off by default: the paper's table uses a judge model, the rules are the baseline
-        from spice_megatron.eval.harness import LLMJudge
-        from spice_megatron.rollout.fleet import RolloutFleet
-
-        tokenizer = None
-        if args.judge_tokenizer:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(args.judge_tokenizer)
-        judge = LLMJudge(RolloutFleet(args.judge_engines.split(","), os.environ.get("SPICE_ROLLOUT_TOKEN", "")), tokenizer)
-    try:
-        report, paths = run_evaluation(args.model, names, args.output, args.data, args.source, args.limit or None,
-                                       settings, engines=args.engines.split(",") if args.engines else None,
-                                       judge=judge, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(markdown_table(report))
-    print(f"written: {paths['markdown']}, {paths['json']}, per-item records {paths['items']}")
-    return 0
-
-
-def _run_file(run: str, name: str) -> str | None:
-    """RUN/name for a run directory, else `run` itself; None, with the error printed, when missing."""
-    path = os.path.join(run, name) if os.path.isdir(run) else run
-    if not os.path.exists(path):
-        print(f"error: {path} does not exist", file=sys.stderr)
-        return None
-    return path
-
-
-def _cmd_curves(args: argparse.Namespace) -> int:
-    """Training curves of a run (metrics.jsonl) as a PNG."""
-    from spice_megatron.eval.analysis import plot_training_curves
-
-    path = _run_file(args.run, "metrics.jsonl")
-    if path is None:
-        return 1
-    out = args.out or os.path.join(os.path.dirname(path), "training_curves.png")
-    try:
-        print(f"written: {plot_training_curves(path, out)}")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _cmd_coevolution(args: argparse.Namespace) -> int:
-    """Paper fig. 3 for a list of HF checkpoints on a fixed pool of documents."""
-    from transformers import AutoTokenizer
-
-    from recipes import get_recipe
-    from spice_megatron.config import SourceConfig, apply_overrides
-    from spice_megatron.corpus import CorpusError
-    from spice_megatron.eval.analysis import coevolution, fixed_documents
-
-    checkpoints = [c for c in args.checkpoints.split(",") if c]
-    missing = [c for c in checkpoints if not os.path.exists(os.path.join(c, "config.json"))]
-    if len(checkpoints) < 2 or missing:
-        print(f"error: --checkpoints needs at least two HF directories; without config.json: {missing}", file=sys.stderr)
-        return 2
-    cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
-    # the recipe's training corpus (staged for a paper recipe), documents as long as in training
-    corpus_cfg = cfg.corpus
-    if args.source:
-        corpus_cfg.sources = [SourceConfig(path=p) for p in args.source]
-    if args.max_doc_tokens:
-        corpus_cfg.max_doc_tokens = args.max_doc_tokens
-    corpus_cfg.max_docs = max(args.documents * 4, 100)
-    max_model_len = args.max_model_len or cfg.rollout.max_model_len
-    from spice_megatron import offline_data
-
-    offline_data.prepare_for(corpus_cfg.sources)  # the demo's local files, as `spice train` makes them
-    try:
-        docs = fixed_documents(corpus_cfg, AutoTokenizer.from_pretrained(checkpoints[0]), args.documents, args.seed,
-                               args.recipe)
-    except CorpusError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    result = coevolution(checkpoints, docs, cfg.selfplay, args.output, args.fixed_reasoner, args.fixed_challenger,
-                         args.seed, args.kv_cache_gib, max_model_len, args.attempts)
-    for key in ("fixed_reasoner_vs_challengers", "reasoners_vs_fixed_challenger"):
-        print(key)
-        for r in result[key]:
-            print(f"  {r['checkpoint']}: {r['correct']}/{r['answers']} correct on {r['tasks']} tasks")
-    print(f"written: {args.output}/coevolution.json, {result['png']}")
-    return 0
-
-
-def _cmd_audit(args: argparse.Namespace) -> int:
-    """Print audit records of a run, filtered; each traces to its document and weights version. A
-    valid challenger task is shown with its document and the reasoner's answers (--full: raw JSON)."""
-    from spice_megatron.audit import IterationIndex, iterations, leaks, one_line, task_block, with_document_texts
-    from spice_megatron.run_log import read_jsonl
-
-    path = _run_file(args.run, "audit.jsonl")
-    if path is None:
-        return 1
-    shown = 0
-    for group in iterations(with_document_texts(read_jsonl(path))):
-        indexed = IterationIndex(group)
-        for k, r in enumerate(group):
-            if ((args.kind and r.get("kind") != args.kind) or (args.doc and r.get("doc_id") != args.doc)
-                    or (args.iteration is not None and r.get("iteration") != args.iteration)
-                    or (args.version is not None and r.get("weights_version") != args.version)
-                    or (args.valid and not r.get("valid")) or (args.trained and not r.get("trained"))
-                    or (args.leaks and not (r.get("valid") and leaks(r)))):
-                continue
-            if args.full:
-                print(json.dumps(r, ensure_ascii=False))
-            elif r.get("kind") == "reasoner" and _shown_in_task_block(r, group, args):
-                continue
-            elif r.get("kind") == "challenger" and r.get("valid"):
-                print(task_block(k, indexed))
-            else:
-                print(one_line(r))
-            shown += 1
-            if args.limit and shown >= args.limit:
-                return 0
-    return 0
-
-
-def _shown_in_task_block(answer: dict, group: list[dict], args: argparse.Namespace) -> bool:
-    """A reasoner answer already printed inside its task's block (same filters, --kind not set)."""
-    k = answer.get("challenger_record")
-    if args.kind or not isinstance(k, int) or not 0 <= k < len(group):
-        return False
-    task = group[k]
-    return task.get("kind") == "challenger" and bool(task.get("valid")) and (task.get("trained") or not args.trained)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from spice_megatron.cli_runs import cmd_audit, cmd_coevolution, cmd_curves, cmd_eval
+    from spice_megatron.cli_train import cmd_train
+
     from spice_megatron.config import TEMPLATES
     from spice_megatron.offline_data import DEFAULT_CACHE, DEFAULT_OUT
 
@@ -439,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--eval-limit", type=int, default=0, help="items per benchmark during training (0: all)")
     st.add_argument("--eval-data", default=DEFAULT_OUT, help="prepared data directory holding eval/")
     st.add_argument("overrides", nargs="*", help="config overrides such as selfplay.batch_docs=8 run.iterations=5")
-    st.set_defaults(func=_cmd_train)
+    st.set_defaults(func=cmd_train)
 
     sl = sub.add_parser("plan", help="check or choose a cluster layout for a recipe, with memory and step-time estimates")
     sl.add_argument("--recipe", default="qwen3_8b")
@@ -474,12 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--judge-tokenizer", default="", help="the judge model's HF directory, for its chat template")
     se.add_argument("--kv-cache-gib", type=float, default=1.0)
     se.add_argument("--max-model-len", type=int, default=8192)
-    se.set_defaults(func=_cmd_eval)
+    se.set_defaults(func=cmd_eval)
 
     sv = sub.add_parser("curves", help="plot a run's training curves (valid-task rate, pass rate, rewards, loss, times)")
     sv.add_argument("run", help="run output directory (or its metrics.jsonl)")
     sv.add_argument("--out", help="PNG path (default: RUN/training_curves.png)")
-    sv.set_defaults(func=_cmd_curves)
+    sv.set_defaults(func=cmd_curves)
 
     so = sub.add_parser("coevolution", help="pass rates of fixed vs evolving challenger/reasoner checkpoints (paper fig. 3)")
     so.add_argument("--checkpoints", required=True, help="comma-separated HF directories, in training order")
@@ -496,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--kv-cache-gib", type=float, default=1.0)
     so.add_argument("--max-model-len", type=int, default=0, help="default: the recipe's rollout.max_model_len")
     so.add_argument("overrides", nargs="*", help="config overrides, e.g. selfplay.group_size=8")
-    so.set_defaults(func=_cmd_coevolution)
+    so.set_defaults(func=cmd_coevolution)
 
     sa = sub.add_parser("audit", help="print or filter a run's audit trail")
     sa.add_argument("run", help="run output directory (or its audit.jsonl)")
@@ -510,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="valid tasks whose answer can be read off the question (an MCQ: an answer marker in it)")
     sa.add_argument("--full", action="store_true", help="whole records as JSON")
     sa.add_argument("--limit", type=int, default=0)
-    sa.set_defaults(func=_cmd_audit)
+    sa.set_defaults(func=cmd_audit)
     return p
 
 

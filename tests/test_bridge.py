@@ -156,8 +156,8 @@ def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes, concurrent=False, e
     """Ranks < n_learners form the learner (PP stages, TP over the rest, or experts over `ep` of
     them); the last rank is the receiver."""
     rank = int(os.environ["RANK"])
-    from spice_megatron.bridge.weight_sync import (ReceivedManifest, WeightSyncGroup, receive_all,
-                                                   send_learner_weights, verify_checksums)
+    from spice_megatron.bridge.sync_integrity import ReceivedManifest, verify_checksums
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all, send_learner_weights
 
     if rank == n_learners:  # the receiver: not part of the learner's world
         group = WeightSyncGroup("127.0.0.1", port, pp, pp, 1)
@@ -344,7 +344,7 @@ def test_expert_shards_placed_back_rebuild_every_hf_tensor():
 
 
 def test_checksums_are_exact_and_position_sensitive():
-    from spice_megatron.bridge.weight_sync import tensor_checksum
+    from spice_megatron.bridge.sync_integrity import tensor_checksum
 
     a = torch.randn(300, 7)
     assert tensor_checksum(a) == tensor_checksum(a.clone())

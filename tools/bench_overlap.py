@@ -49,8 +49,8 @@ def serve_standin(model: str, port: int, tokens_per_s: float, token: str) -> Non
     from fastapi import Body, FastAPI
     from transformers import AutoTokenizer
 
-    from spice_megatron.bridge.weight_sync import (ReceivedManifest, WeightSyncGroup, compare_checksums, receive_all,
-                                                   tensor_checksum)
+    from spice_megatron.bridge.sync_integrity import ReceivedManifest, compare_checksums, tensor_checksum
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all
     from spice_megatron.rollout.types import SamplingSpec
 
     torch.set_num_threads(1)

@@ -211,7 +211,8 @@ def check_checkpoint_resume(model_dir: str, work: str) -> tuple[bool, str]:
 
 
 def _receiver(port: int, backend: str, out: str) -> None:
-    from spice_megatron.bridge.weight_sync import ReceivedManifest, WeightSyncGroup, receive_all, verify_checksums
+    from spice_megatron.bridge.sync_integrity import ReceivedManifest, verify_checksums
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all
 
     group = WeightSyncGroup("127.0.0.1", port, 1, 1, 1, backend=backend, timeout_s=120)
     received, manifest = {}, ReceivedManifest()
@@ -270,7 +271,8 @@ def check_concurrent_receive(on_gpu: bool) -> tuple[bool, str]:
     StreamHandover turned off (the race in the real code) and once as shipped. On CPU (the smoke
     run) the same path with CPU buckets, where there is no stream to race."""
     from spice_megatron.bridge import weight_sync
-    from spice_megatron.bridge.weight_sync import ReceivedManifest, WeightSyncGroup, receive_all, tensor_checksum
+    from spice_megatron.bridge.sync_integrity import ReceivedManifest, tensor_checksum
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all
 
     results = {}
     for with_handover in (False, True):
@@ -344,7 +346,7 @@ def check_versions_and_checksums(on_gpu: bool) -> tuple[bool, str]:
     import torch.distributed as dist
     from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 
-    from spice_megatron.bridge.weight_sync import tensor_checksum
+    from spice_megatron.bridge.sync_integrity import tensor_checksum
     from spice_megatron.policy.model import have_transformer_engine
 
     g = torch.Generator().manual_seed(0)

@@ -96,8 +96,9 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
     def receive_weights(self, update_info: SpiceUpdateInfo) -> None:
         """Every stage's buckets, loaded as they arrive; then each tensor's checksum against the
         sender's (raises naming the first tensor that differs)."""
-        from spice_megatron.bridge.weight_sync import (ReceivedManifest, WeightSyncError, compare_checksums,
-                                                       receive_all, tensor_checksum)
+        from spice_megatron.bridge.sync_integrity import (ReceivedManifest, WeightSyncError, compare_checksums,
+                                                          tensor_checksum)
+        from spice_megatron.bridge.weight_sync import receive_all
 
         if self.group is None:
             raise WeightSyncError("spice weight transfer: init_weight_transfer_engine was not called")

@@ -1,0 +1,160 @@
+"""The `spice` commands that read models and runs: eval, curves, coevolution, audit."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a model on benchmarks; writes results.md, results.json and items.jsonl."""
+    from spice_megatron.eval.benchmarks import benchmark_names
+    from spice_megatron.eval.harness import EvalSettings, markdown_table
+    from spice_megatron.eval.run import run_evaluation
+
+    try:
+        names = benchmark_names(args.benchmarks)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    template, prompt_dir, stop = args.template, "", ()
+    if args.recipe:  # the recipe's training prompts, unless --template names another
+        from recipes import get_recipe
+
+        recipe = get_recipe(args.recipe).selfplay
+        template, prompt_dir = args.template or recipe.template, recipe.prompt_dir
+        stop = tuple(recipe.reasoner_stop)
+    # no --recipe or --template: the prompts the model was trained with (an exported SPICE model records
+    # them), else plain
+    settings = EvalSettings(max_tokens=args.max_tokens, sample_temperature=args.sample_temperature, seed=args.seed,
+                            template=template or "", prompt_dir=prompt_dir, stop=stop)
+    judge = None
+    if args.judge_engines:  # off by default: the paper's table uses a judge model, the rules are the baseline
+        from spice_megatron.eval.harness import LLMJudge
+        from spice_megatron.rollout.fleet import RolloutFleet
+
+        tokenizer = None
+        if args.judge_tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.judge_tokenizer)
+        judge = LLMJudge(RolloutFleet(args.judge_engines.split(","), os.environ.get("SPICE_ROLLOUT_TOKEN", "")), tokenizer)
+    try:
+        report, paths = run_evaluation(args.model, names, args.output, args.data, args.source, args.limit or None,
+                                       settings, engines=args.engines.split(",") if args.engines else None,
+                                       judge=judge, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(markdown_table(report))
+    print(f"written: {paths['markdown']}, {paths['json']}, per-item records {paths['items']}")
+    return 0
+
+
+def _run_file(run: str, name: str) -> str | None:
+    """RUN/name for a run directory, else `run` itself; None, with the error printed, when missing."""
+    path = os.path.join(run, name) if os.path.isdir(run) else run
+    if not os.path.exists(path):
+        print(f"error: {path} does not exist", file=sys.stderr)
+        return None
+    return path
+
+
+def cmd_curves(args: argparse.Namespace) -> int:
+    """Training curves of a run (metrics.jsonl) as a PNG."""
+    from spice_megatron.eval.analysis import plot_training_curves
+
+    path = _run_file(args.run, "metrics.jsonl")
+    if path is None:
+        return 1
+    out = args.out or os.path.join(os.path.dirname(path), "training_curves.png")
+    try:
+        print(f"written: {plot_training_curves(path, out)}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_coevolution(args: argparse.Namespace) -> int:
+    """Paper fig. 3 for a list of HF checkpoints on a fixed pool of documents."""
+    from transformers import AutoTokenizer
+
+    from recipes import get_recipe
+    from spice_megatron.config import SourceConfig, apply_overrides
+    from spice_megatron.corpus import CorpusError
+    from spice_megatron.eval.analysis import coevolution, fixed_documents
+
+    checkpoints = [c for c in args.checkpoints.split(",") if c]
+    missing = [c for c in checkpoints if not os.path.exists(os.path.join(c, "config.json"))]
+    if len(checkpoints) < 2 or missing:
+        print(f"error: --checkpoints needs at least two HF directories; without config.json: {missing}", file=sys.stderr)
+        return 2
+    cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+    # the recipe's training corpus (staged for a paper recipe), documents as long as in training
+    corpus_cfg = cfg.corpus
+    if args.source:
+        corpus_cfg.sources = [SourceConfig(path=p) for p in args.source]
+    if args.max_doc_tokens:
+        corpus_cfg.max_doc_tokens = args.max_doc_tokens
+    corpus_cfg.max_docs = max(args.documents * 4, 100)
+    max_model_len = args.max_model_len or cfg.rollout.max_model_len
+    from spice_megatron import offline_data
+
+    offline_data.prepare_for(corpus_cfg.sources)  # the demo's local files, as `spice train` makes them
+    try:
+        docs = fixed_documents(corpus_cfg, AutoTokenizer.from_pretrained(checkpoints[0]), args.documents, args.seed,
+                               args.recipe)
+    except CorpusError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = coevolution(checkpoints, docs, cfg.selfplay, args.output, args.fixed_reasoner, args.fixed_challenger,
+                         args.seed, args.kv_cache_gib, max_model_len, args.attempts)
+    for key in ("fixed_reasoner_vs_challengers", "reasoners_vs_fixed_challenger"):
+        print(key)
+        for r in result[key]:
+            print(f"  {r['checkpoint']}: {r['correct']}/{r['answers']} correct on {r['tasks']} tasks")
+    print(f"written: {args.output}/coevolution.json, {result['png']}")
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Print audit records of a run, filtered; each traces to its document and weights version. A
+    valid challenger task is shown with its document and the reasoner's answers (--full: raw JSON)."""
+    from spice_megatron.audit import IterationIndex, iterations, leaks, one_line, task_block, with_document_texts
+    from spice_megatron.run_log import read_jsonl
+
+    path = _run_file(args.run, "audit.jsonl")
+    if path is None:
+        return 1
+    shown = 0
+    for group in iterations(with_document_texts(read_jsonl(path))):
+        indexed = IterationIndex(group)
+        for k, r in enumerate(group):
+            if ((args.kind and r.get("kind") != args.kind) or (args.doc and r.get("doc_id") != args.doc)
+                    or (args.iteration is not None and r.get("iteration") != args.iteration)
+                    or (args.version is not None and r.get("weights_version") != args.version)
+                    or (args.valid and not r.get("valid")) or (args.trained and not r.get("trained"))
+                    or (args.leaks and not (r.get("valid") and leaks(r)))):
+                continue
+            if args.full:
+                print(json.dumps(r, ensure_ascii=False))
+            elif r.get("kind") == "reasoner" and _shown_in_task_block(r, group, args):
+                continue
+            elif r.get("kind") == "challenger" and r.get("valid"):
+                print(task_block(k, indexed))
+            else:
+                print(one_line(r))
+            shown += 1
+            if args.limit and shown >= args.limit:
+                return 0
+    return 0
+
+
+def _shown_in_task_block(answer: dict, group: list[dict], args: argparse.Namespace) -> bool:
+    """A reasoner answer already printed inside its task's block (same filters, --kind not set)."""
+    k = answer.get("challenger_record")
+    if args.kind or not isinstance(k, int) or not 0 <= k < len(group):
+        return False
+    task = group[k]
+    return task.get("kind") == "challenger" and bool(task.get("valid")) and (task.get("trained") or not args.trained)

@@ -1,0 +1,132 @@
+"""`spice train`: a recipe's config and overrides, the one-machine conveniences before torchrun
+(one-line refusals, offline data, the relaunch), then the trainer; its exit codes and summary."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from spice_megatron.cli import _recipe_config
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run SPICE: the recipe's config, overridden by key=value pairs."""
+    from spice_megatron import offline_data
+    from spice_megatron.config import ConfigError
+    from spice_megatron.launch import global_rank, relaunch_with_torchrun, rollout_urls_from_env, under_launcher
+
+    try:
+        cfg = _recipe_config(args.recipe, args.overrides, args.general_corpus)
+    except (KeyError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.output_dir:
+        cfg.run.output_dir = args.output_dir
+    if args.model:
+        cfg.run.model = args.model
+    if args.corpus:
+        from spice_megatron.config import SourceConfig
+
+        cfg.corpus.sources = [SourceConfig(path=p) for p in args.corpus]
+    from spice_megatron.corpus import StagingError, resolve_sources
+
+    try:  # before any rank starts: a missing staging step is named at once, not after model loading
+        resolve_sources(cfg.corpus, args.recipe)
+    except StagingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
+        cfg.rollout.engines = rollout_urls_from_env()
+    if not under_launcher():  # one-machine conveniences, done once before any rank starts
+        from spice_megatron.run_lock import RunDirLocked, check_unlocked
+
+        try:  # the lock itself is taken by rank 0; this names a live holder before anything starts
+            check_unlocked(cfg.run.output_dir)
+        except RunDirLocked as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not cfg.run.model:
+            from spice_megatron.offline_assets import smollm2_dir
+
+            cfg.run.model = smollm2_dir()
+        try:  # a bad value is one line here, before torchrun, Megatron and the engines start
+            cfg.validate()
+            from transformers import AutoTokenizer
+
+            from spice_megatron.context_budget import check_context_budget_once
+
+            check_context_budget_once(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        offline_data.prepare_for(cfg.corpus.sources)
+        argv = list(sys.argv[1:])
+        if "--model" not in argv:
+            argv += ["--model", cfg.run.model]
+        relaunch_with_torchrun(cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel,
+                               [sys.argv[0], *argv])
+    from spice_megatron.planner import PlanError
+    from spice_megatron.policy.checkpoint import NoUsableCheckpoint
+    from spice_megatron.run_lock import RunDirLocked
+    from spice_megatron.trainer import EnginesLost, Interrupted, KillSwitch, train
+
+    eval_hook = None
+    if args.eval_benchmarks and cfg.run.eval_every and global_rank() == 0:
+        from transformers import AutoTokenizer
+
+        from spice_megatron.eval.benchmarks import benchmark_names
+        from spice_megatron.eval.harness import EvalSettings
+        from spice_megatron.eval.run import training_eval_hook
+
+        settings = EvalSettings(max_tokens=cfg.selfplay.reasoner_max_tokens, seed=cfg.run.seed,
+                                template=cfg.selfplay.template, prompt_dir=cfg.selfplay.prompt_dir,
+                                stop=tuple(cfg.selfplay.reasoner_stop))
+        eval_hook = training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data,
+                                       AutoTokenizer.from_pretrained(cfg.run.model), settings, args.eval_limit or None)
+    try:
+        summary = train(cfg, resume=args.resume or args.resume_after_kill_switch, eval_hook=eval_hook,
+                        resume_after_kill_switch=args.resume_after_kill_switch)
+    except KillSwitch as e:
+        print(f"kill switch: {e}", file=sys.stderr)
+        return 3
+    except Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 130
+    except EnginesLost as e:
+        print(f"error: rollout engines lost: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, PlanError, RunDirLocked) as e:  # the checks that need the model or the GPUs run here
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NoUsableCheckpoint as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if summary and global_rank() == 0:
+        keys = ["weights_version", "valid_task_rate", "attempts_per_doc", "reasoner_pass_rate", "challenger_reward_mean",
+                "train/loss", "train/grad_norm", "train/logprob_gap", "weight_sync/seconds", "time/iteration"]
+        print("\nSPICE run finished: " + cfg.run.output_dir)
+        for k in keys:
+            if k in summary:
+                print(f"  {k:24s} {summary[k]:.4f}")
+        print(f"  metrics: {cfg.run.output_dir}/metrics.jsonl, TensorBoard: {cfg.run.output_dir}/tensorboard, "
+              f"audit: {cfg.run.output_dir}/audit.jsonl, HF checkpoint: {cfg.run.output_dir}/hf_final")
+        print(f"  plots: spice curves {cfg.run.output_dir}; evaluation: spice eval --model {cfg.run.output_dir}")
+        print(_moved_line(os.path.join(cfg.run.output_dir, "metrics.jsonl")))
+        print("  evidence of learning: tools/learning_check.py --selfplay (both roles against a frozen control) and "
+              "tools/learning_check.py (the reasoner on fixed tasks); README \"Does it learn?\"")
+    return 0
+
+
+MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasoner_pass_rate"),
+         ("challenger reward", "challenger_reward_mean"), ("frontier share", "challenger/frontier_share"))
+
+
+def _moved_line(metrics_path: str) -> str:
+    """One line: what moved from the run's first iteration to its last."""
+    from spice_megatron.run_log import read_jsonl
+
+    metrics = list(read_jsonl(metrics_path)) if os.path.exists(metrics_path) else []
+    if len(metrics) < 2:
+        return "  moved: one iteration only"
+    first, last = metrics[0], metrics[-1]
+    parts = [f"{label} {first[key]:.2f} -> {last[key]:.2f}" for label, key in MOVED if key in first and key in last]
+    return f"  moved (iteration {first['iteration']} -> {last['iteration']}): " + ", ".join(parts)
