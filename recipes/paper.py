@@ -46,7 +46,7 @@ def with_general_corpus(cfg: SpiceConfig, general: str) -> SpiceConfig:
 # The longest challenger request: the paper's published generation prompt (about 2,200 tokens for the
 # free-form one, loaded through selfplay.prompt_dir; the built-in prompts are ~350), a document of up to
 # 5,992 tokens and 2,048 output tokens: ~10,300. 8,192 held the built-in prompts only with documents
-# under ~5,800 tokens, and a published prompt not at all (README "Fidelity"). Start-up refuses a
+# under ~5,800 tokens, and a published prompt not at all (docs/fidelity.md). Start-up refuses a
 # context that cannot hold the worst case (context_budget.py). Every paper base model serves 32k+.
 MAX_MODEL_LEN = 12288
 

@@ -2,7 +2,7 @@
 gloo learner rank; a few iterations in minutes on 2 cores. The algorithm is the paper's (document
 challenger groups, variance reward, DrGRPO on both roles), scaled down to what a 135M model can play.
 
-Why these settings (measured with the base model, README "Self-play learning check"):
+Why these settings (measured with the base model, docs/learning.md):
 - Documents: `story_corpus` stories that end with their result. On the offline Wikipedia/math corpus
   this model writes no valid task at all, so every advantage is zero.
 - Prompts: the few-shot files in `spice_megatron/prompts/stories` (compact tags for the challenger,
@@ -18,14 +18,14 @@ Why these settings (measured with the base model, README "Self-play learning che
   (question first).
 - leak_check="all": a task whose answer stands in its question is invalid, however short. The
   stories' answers are small numbers, which the default rule lets through; in the first self-play
-  check (README) one trained run learned to copy the story's result into the question and the
+  check (docs/learning.md) one trained run learned to copy the story's result into the question and the
   reasoner to copy it back (leak rate 0.13 -> 0.38, held-out accuracy 25% -> 0%).
 - invalid_penalty (rho) = -0.5, the paper's -0.1 five times over: with leak_check="all" a leak is
   invalid, but at -0.1 it cost little against the 0.04 of a valid task nobody solves, and copying
   more of the story into the question is also what makes valid tasks answerable; in the lr 1e-5
   check seed 4321's leak attempts grew from 12.5% to 25% of attempts; at -0.5 they stayed at
   10-15% (seed 1234's fell to 2%), and held-out accuracy after 4 iterations was 44.5% (seed 1234)
-  and 32.5% (seed 4321) from 25% (README "Does it learn?").
+  and 32.5% (seed 4321) from 25% (docs/learning.md).
 - reasoner_task="frontier": each document's reasoner group is one of its tasks at the reasoner's
   frontier (0 < pass rate < 1) where it has one; the paper draws among all its valid tasks. At 4-6
   documents an iteration most random draws are tasks nobody solves (zero advantage): in the lr 1e-5

@@ -18,7 +18,7 @@
 #   OUTPUT_DIR        run directory (default: $SPICE_HOME/runs/$RECIPE)
 #   GPUS_PER_NODE     (default: $SLURM_GPUS_ON_NODE or 8)
 #   WEIGHT_TRANSFER   vLLM weight-transfer backend of engines and learner alike (default: spice; nccl
-#                     needs pipeline parallelism 1 and vLLM in the learner's image; see the README)
+#                     needs pipeline parallelism 1 and vLLM in the learner's image; docs/weight-sync.md)
 #   ROLLOUT_PORT      first engine port on each rollout node (default: 8100)
 #   RDZV_PORT         torchrun rendezvous port on the first learner node (default: 29500)
 #   HEALTH_TIMEOUT    seconds to wait for the engines (default: 1800)

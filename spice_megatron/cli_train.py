@@ -112,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"  plots: spice curves {cfg.run.output_dir}; evaluation: spice eval --model {cfg.run.output_dir}")
         print(_moved_line(os.path.join(cfg.run.output_dir, "metrics.jsonl")))
         print("  evidence of learning: tools/learning_check.py --selfplay (both roles against a frozen control) and "
-              "tools/learning_check.py (the reasoner on fixed tasks); README \"Does it learn?\"")
+              "tools/learning_check.py (the reasoner on fixed tasks); docs/learning.md")
     return 0
 
 

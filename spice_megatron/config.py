@@ -344,7 +344,7 @@ class RolloutConfig:
     engine_expert_parallel: bool = False
     challenger_engine_tensor_parallel: int = 0  # a local fixed challenger's engine (0: engine_tensor_parallel)
     gpu_memory_utilization: float = 0.85  # vLLM's share of each engine GPU (weights + KV cache)
-    # vLLM weight-transfer backend the engines receive through (see WEIGHT_TRANSFER_REFUSED and the README):
+    # vLLM weight-transfer backend the engines receive through (see WEIGHT_TRANSFER_REFUSED and docs/weight-sync.md):
     # spice: ours, every pipeline stage sends at once, gloo or NCCL; nccl: vLLM's, one sender (PP=1, GPU)
     weight_transfer: str = "spice"
 

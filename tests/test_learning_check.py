@@ -1,4 +1,4 @@
-"""tools/learning_check.py's pieces (the check itself runs for ~25-60 minutes: README, "Does it learn?")."""
+"""tools/learning_check.py's pieces (the check itself runs for ~25-60 minutes: docs/learning.md)."""
 import os
 import sys
 

@@ -6,7 +6,7 @@ each in fresh processes: seconds per save, the host memory each rank's resident 
 during the save (sampled every 5 ms), bytes on disk.
 
 On CPU megatron-core 0.16.1 runs the distributed optimizer on its torch fallback, whose *restore*
-is broken (the learner refuses it, README): this benchmark measures saves only and turns the
+is broken (the learner refuses it, docs/architecture.md): this benchmark measures saves only and turns the
 refusal off for itself (`learner.ALLOW_TORCH_DISTRIBUTED_OPTIMIZER`).
 
   python tools/bench_checkpoint.py [--hidden 1024] [--layers 6] [--vocab 16384]

@@ -188,7 +188,7 @@ def story_task_curves(audit_path: str) -> dict[str, list[float]]:
     gold is the story's result (its last number) and the share whose question keeps the story's
     other numbers (without them the reasoner cannot reach the result). A task with a wrong gold or a
     lost number is unsolvable and earns the floor reward: these are what the variance reward should
-    teach the challenger, and what the first checks' trained runs did not learn (README)."""
+    teach the challenger, and what the first checks' trained runs did not learn (docs/learning.md)."""
     from spice_megatron.audit import with_document_texts
     from spice_megatron.run_log import read_jsonl
 
@@ -220,7 +220,7 @@ def main() -> int:
                     help="reasoner tokens (default 10: ' \\boxed{123}' is 6-8; --selfplay 24: a worked answer)")
     ap.add_argument("--challenger-tokens", type=int, default=80, help="--selfplay: a compact task is 40-60 tokens")
     ap.add_argument("--lr", type=float, default=None, help="default 1e-5 (--selfplay too: at 2e-5 seed 4321 lost "
-                    "held-out accuracy, README)")
+                    "held-out accuracy, docs/learning.md)")
     ap.add_argument("--heldout", type=int, default=None,
                     help="held-out items (default 200; --selfplay 300: near the base model's 25%% a 200-item "
                          "interval is +-6 points, so non-overlap needs +13 points, stricter than the 10-point "

@@ -138,7 +138,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
               convert=_free(("id",), ("problem",), ("answer",), "aime24"), samples=32, expected_items=30),
     Benchmark("aime25", "math", "math-ai/aime25", split="test",
               convert=_free(("id",), ("problem",), ("answer",), "aime25"), samples=32, expected_items=30),
-    # the general sets: full test sets; the paper does not state a subset (README, fidelity table)
+    # the general sets: full test sets; the paper does not state a subset (docs/fidelity.md)
     Benchmark("mmlu_pro", "general", "TIGER-Lab/MMLU-Pro", split="test",
               convert=_mcq_with_letters(("question",), "mmlu_pro", "answer"), expected_items=12032),
     Benchmark("gpqa_diamond", "general", "Idavidrein/gpqa", "gpqa_diamond", "train", _gpqa, expected_items=198),

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""The tables in README.md and docs/ that the code can produce: recipe layouts and memory
+(`spice plan`), the planner's step-time estimates, and config defaults. Each lives between
+
+  <!-- generated: NAME (tools/docs_tables.py) -->
+  ...
+  <!-- end generated -->
+
+  python tools/docs_tables.py           # rewrite every generated block from the code
+  python tools/docs_tables.py --check   # exit 1, naming the block, if any differs (tests/test_docs.py)
+
+Measured figures (benchmarks, learning checks) are not generated: they keep their date and machine.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import sys
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+BLOCK = re.compile(r"(<!-- generated: (\w+) \(tools/docs_tables\.py\) -->\n)(.*?)(<!-- end generated -->)", re.S)
+
+
+def _plan(name: str, nodes: int | None = None):
+    from recipes import get_recipe
+    from spice_megatron.planner import Throughput, estimate_step_time, model_spec, plan_layout
+
+    cfg = get_recipe(name)
+    if nodes is not None:
+        cfg.cluster.nodes, cfg.cluster.learner_nodes = nodes, 0
+    spec = model_spec(cfg.run.model)
+    plan = plan_layout(cfg, spec)
+    return cfg, plan, estimate_step_time(plan, spec, cfg, Throughput())
+
+
+def recipes_table() -> str:
+    """Every GPU recipe: model, nodes, the learner's layout and planned GiB per GPU, the engines."""
+    from recipes import BASELINE_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES
+
+    rows = ["| recipe | model | nodes x GPUs | learner | planned per GPU | engines |", "|---|---|---|---|---|---|"]
+    for name in (*PAPER_RECIPES, *BASELINE_RECIPES, *LARGE_RECIPES, *MOE_RECIPES):
+        cfg, plan, _ = _plan(name)
+        layout = f"{plan.learner_gpus} GPUs: TP={plan.tp} PP={plan.pp} DP={plan.dp}" + (
+            f" EP={plan.ep}" if plan.ep > 1 else "")
+        rows.append(f"| `{name}` | {cfg.run.model} | {plan.nodes} x {plan.gpus_per_node} ({plan.gpu_memory_gib:.0f} GB) "
+                    f"| {layout} | {plan.learner.total:.1f} GiB | {plan.engines} x TP={plan.engine_tp} |")
+    return "\n".join(rows)
+
+
+def step_time_table() -> str:
+    """qwen3_8b's estimated seconds per iteration at 2, 4 and 8 nodes (`spice plan --nodes N`)."""
+    rows = ["| nodes (8 x H100) | learner | rollout | challenger | reasoner | train | sync | s/iteration "
+            "| 640 iterations | tokens/s/GPU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for nodes in (2, 4, 8):
+        cfg, plan, s = _plan("qwen3_8b", nodes)
+        rows.append(f"| {nodes} | {plan.learner_gpus} GPUs, TP={plan.tp} DP={plan.dp} | {plan.engines} engines "
+                    f"| {s['challenger_rollout']:.0f} s | {s['reasoner_rollout']:.0f} s | {s['train']:.0f} s "
+                    f"| {s['weight_sync']:.0f} s | {s['total']:.0f} | {s['total'] * cfg.run.iterations / 3600:.0f} h "
+                    f"| {s['tokens_per_s_per_gpu']:,.0f} |")
+    return "\n".join(rows)
+
+
+def _defaults(cls) -> str:
+    rows = ["| field | default |", "|---|---|"]
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            value = f.default_factory()  # type: ignore[misc]
+        else:
+            continue
+        if dataclasses.is_dataclass(value):
+            continue
+        rows.append(f"| `{f.name}` | `{value!r}` |")
+    return "\n".join(rows)
+
+
+def run_defaults() -> str:
+    from spice_megatron.config import RunConfig
+
+    return _defaults(RunConfig)
+
+
+def train_defaults() -> str:
+    from spice_megatron.config import PolicyTrainConfig
+
+    return _defaults(PolicyTrainConfig)
+
+
+TABLES: dict[str, Callable[[], str]] = {"recipes": recipes_table, "step_time": step_time_table,
+                                        "run_defaults": run_defaults, "train_defaults": train_defaults}
+
+
+def doc_files() -> list[str]:
+    return [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+
+
+def render(text: str, tables: dict[str, str]) -> str:
+    def block(m: re.Match) -> str:
+        if m.group(2) not in tables:
+            raise KeyError(f"generated block {m.group(2)!r}: no such table ({', '.join(TABLES)})")
+        return m.group(1) + tables[m.group(2)] + "\n" + m.group(4)
+
+    return BLOCK.sub(block, text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a generated block differs from the code")
+    args = ap.parse_args()
+    used = {m.group(2) for path in doc_files() for m in BLOCK.finditer(open(path).read())}
+    tables = {name: TABLES[name]() for name in used if name in TABLES}
+    stale = []
+    for path in doc_files():
+        text = open(path).read()
+        new = render(text, tables)
+        if new != text:
+            stale.append(os.path.relpath(path, ROOT))
+            if not args.check:
+                with open(path, "w") as f:
+                    f.write(new)
+    if args.check and stale:
+        print(f"docs differ from the code in {', '.join(stale)}: run python tools/docs_tables.py", file=sys.stderr)
+        return 1
+    print(("stale: " + ", ".join(stale)) if stale and args.check else
+          f"{'checked' if args.check else 'wrote'} {len(used)} generated table(s) in {len(doc_files())} file(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
