@@ -66,7 +66,13 @@ class MetricsLogger:
         self.jsonl = JsonlLog(os.path.join(out_dir, "metrics.jsonl"), resume_at)
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+        # a resumed run hides the events of iterations after its checkpoint (written before a kill,
+        # or before a damaged checkpoint was passed over): TensorBoard shows each iteration once
+        purge = None
+        if resume_at is not None:
+            logged = [r.get("iteration", 0) for r in read_jsonl(self.jsonl.path)]
+            purge = (max(logged) if logged else 0) + 1
+        self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=purge)
         self.wandb = None
         if wandb_project:
             try:

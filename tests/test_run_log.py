@@ -27,3 +27,21 @@ def test_metrics_reach_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch):
     m.log(2, {"valid_task_rate": 0.8})
     m.close()
     assert [json.loads(line)["valid_task_rate"] for line in open(os.path.join(out, "metrics.jsonl"))] == [0.5, 0.8]
+
+
+def test_a_resumed_run_hides_the_tensorboard_events_of_the_iterations_it_runs_again(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = str(tmp_path)
+    m = MetricsLogger(out)
+    m.log(1, {"loss": 1.0})
+    offset = m.jsonl.offset()
+    m.log(2, {"loss": 2.0})
+    m.log(3, {"loss": 3.0})
+    m.close()
+    m = MetricsLogger(out, resume_at=offset)  # the checkpoint held iteration 1: 2 and 3 run again
+    m.log(2, {"loss": 20.0})
+    m.close()
+    acc = EventAccumulator(os.path.join(out, "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 20.0)]
