@@ -63,14 +63,20 @@ def local_experiment(recipe: str, overrides: list[str] | None = None, output_dir
     return exp
 
 
-def slurm_experiment(recipe: str, *, account: str, partition: str | None, container_image: str, model_dir: str,
-                     data_dir: str, mounts: list[str] | None = None, time: str = "24:00:00", output_dir: str = "",
-                     overrides: list[str] | None = None, env: dict[str, str] | None = None, retries: int = 3,
-                     job_dir: str = "", tunnel=None, packager=None, rollout_container_image: str = ""):
+def slurm_experiment(recipe: str, *, account: str, partition: str | None, container_image: str | None,
+                     model_dir: str, data_dir: str, mounts: list[str] | None = None, time: str = "24:00:00",
+                     output_dir: str = "", overrides: list[str] | None = None, env: dict[str, str] | None = None,
+                     retries: int = 3, job_dir: str = "", tunnel=None, packager=None, rollout_container_image: str = "",
+                     group_wait_s: int = 30, group_monitor_s: int = 60, request_gpus: bool = True):
     """An Experiment with one Slurm job: rollout services on the rollout nodes, the learner on the
     learner nodes, as the recipe's `cluster` section splits them. `data_dir` (inside the container)
     holds the corpus staged by `spice prepare --recipe NAME`. The rollout group runs in
-    `rollout_container_image` (the vLLM image; default: `container_image`)."""
+    `rollout_container_image` (the vLLM image; default: `container_image`). No `container_image`
+    (None, "" or "none"): both groups run in the submitting environment's Python, from the code
+    NeMo-Run packages into the job directory. `group_wait_s` / `group_monitor_s`: NeMo-Run's pause
+    between starting the two groups and its wait after the first one ends (30 s / 60 s by default).
+    `request_gpus=False`: nodes without GPUs to request (the tiny CPU recipe on a CPU cluster;
+    cluster.gpus_per_node then counts engines and learner ranks per node)."""
     import nemo_run as run
 
     overrides = list(overrides or [])
@@ -83,8 +89,15 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
         raise ValueError("--output-dir: a Slurm run needs an output directory under one of the --mount destinations "
                          "(shared storage): checkpoints, metrics and hf_final are lost in the container otherwise")
     mounts = list(mounts or [])
-    for flag, path in (("--output-dir", output_dir), ("--data-dir", data_dir), ("--model-dir", model_dir)):
-        require_mounted(flag, path, mounts)
+    container_image = None if container_image in (None, "", "none") else container_image
+    rollout_image = None if rollout_container_image in ("", "none") and container_image is None else (
+        rollout_container_image or container_image)
+    if container_image is not None:
+        for flag, path in (("--output-dir", output_dir), ("--data-dir", data_dir), ("--model-dir", model_dir)):
+            require_mounted(flag, path, mounts)
+    else:  # NeMo-Run's script runs `python` and `bash` from PATH on the nodes: this environment's first
+        bin_dir = os.path.dirname(sys.executable)
+        (env := dict(env or {})).setdefault("PATH", f"{bin_dir}:$PATH")
     shared = {"PYTHONPATH": CODE_DIR, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
               # NCCL_CUMEM_ENABLE stays NCCL's default (NVLS for the learner's collectives): no node holds
               # both a weight-sync sender and an engine (slurm/spice_job.sh); an `env` entry sets it for both
@@ -94,18 +107,23 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
         "{ set +x; } 2>/dev/null",
         'export SPICE_ROLLOUT_TOKEN="${SPICE_ROLLOUT_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d \' \\n\')}"',
         "set -x",
-        f'export SPICE_ROLLOUT_NODES="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n +{learner_nodes + 1} '
+        # the engines' addresses as Slurm knows them (NodeAddr: a name or an IP)
+        f'export SPICE_ROLLOUT_NODES="$(for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n '
+        f"+{learner_nodes + 1}); do scontrol show node -o \"$n\" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2; done "
         f'| paste -sd, -)"',
-        f"export SPICE_ENGINES_PER_NODE={gpus // cfg.rollout.engine_tensor_parallel} SPICE_ROLLOUT_PORT={ROLLOUT_PORT}",
+        f"export SPICE_ENGINES_PER_NODE={gpus // cfg.rollout.engine_tensor_parallel} "
+        f"SPICE_ROLLOUT_PORT={os.environ.get('SPICE_ROLLOUT_PORT', ROLLOUT_PORT)}",
     ])
 
-    def executor(srun_args: list[str], extra_env: dict[str, str], image: str):
+    def executor(srun_args: list[str], extra_env: dict[str, str], image: str | None):
         return run.SlurmExecutor(
-            account=account, partition=partition, nodes=cfg.cluster.nodes, ntasks_per_node=1, gpus_per_node=gpus,
-            time=time, container_image=image, container_mounts=mounts,
+            account=account, partition=partition, nodes=cfg.cluster.nodes, ntasks_per_node=1,
+            gpus_per_node=gpus if request_gpus else None,
+            time=time, container_image=image, container_mounts=mounts if image else [],
             env_vars={**shared, **extra_env}, exclusive=True, mem="0", srun_args=srun_args, setup_lines=setup,
             retries=retries, tunnel=tunnel or run.LocalTunnel(job_dir=job_dir or _default_job_dir()),
-            packager=packager or run.GitArchivePackager())
+            packager=packager or run.GitArchivePackager(), wait_time_for_group_job=group_wait_s,
+            monitor_group_job_wait_time=group_monitor_s)
 
     # --ntasks on every srun: the job's SLURM_NTASKS (one task per node) is inherited by srun and
     # would override --ntasks-per-node (a learner on `nodes` GPUs instead of 8 per node).
@@ -116,11 +134,11 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
                         "SPICE_GPU_MEMORY_UTILIZATION": str(cfg.rollout.gpu_memory_utilization),
                         "SPICE_WEIGHT_TRANSFER": cfg.rollout.weight_transfer,
                         **({"SPICE_ENGINE_EXPERT_PARALLEL": "1"} if cfg.rollout.engine_expert_parallel else {}),
-                        "SPICE_LOG_DIR": f"{output_dir}/logs"}, rollout_container_image or container_image)
+                        "SPICE_LOG_DIR": f"{output_dir}/logs"}, rollout_image)
     # One task per GPU (srun, not torchrun): Megatron's init reads SLURM_PROCID / SLURM_NTASKS.
     learner = executor([f"--nodes={learner_nodes}", f"--ntasks={learner_nodes * gpus}", f"--ntasks-per-node={gpus}",
                         "--relative=0"],
-                       {"MASTER_ADDR": "$head_node_ip", "MASTER_PORT": "29500", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                       {"MASTER_ADDR": "$head_node_ip", "MASTER_PORT": os.environ.get("SPICE_MASTER_PORT", "29500"), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
                         "SPICE_DATA_DIR": data_dir}, container_image)
     exp = run.Experiment(f"spice_{recipe}", executor=rollout)
     with exp:
@@ -152,7 +170,41 @@ def completed_iterations(output_dir: str) -> int:
 
 
 def _default_job_dir() -> str:
-    return os.path.join(os.path.expanduser(os.environ.get("NEMORUN_HOME", "~/.nemo_run")), "slurm_jobs")
+    """Where NeMo-Run writes an experiment's sbatch script, and so where sbatch must read it: its
+    own default ($NEMORUN_HOME/experiments, nemo_run/core/tunnel/client.py). A LocalTunnel given
+    another directory makes sbatch look for a script that was never written there."""
+    from nemo_run.config import get_nemorun_home
+
+    return os.path.join(get_nemorun_home(), "experiments")
+
+
+def wait_for_job(job_id: str, poll_s: float = 5.0, timeout_s: float | None = None) -> str:
+    """Poll until Slurm job `job_id` has left the queue; its final state from `scontrol show job`
+    (Slurm keeps it MinJobAge seconds). squeue/scontrol, not sacct: NeMo-Run's status calls use
+    sacct, which a cluster without accounting storage refuses."""
+    import subprocess
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+        states = queued.stdout.split()
+        if queued.returncode == 0 and states and not set(states) <= {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}:
+            if deadline is not None and time.monotonic() > deadline:
+                return "RUNNING"
+            time.sleep(poll_s)
+            continue
+        shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        state = next((w.split("=", 1)[1] for w in shown.split() if w.startswith("JobState=")), "")
+        if state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING"):  # a requeue between polls
+            time.sleep(poll_s)
+            continue
+        return state or "UNKNOWN"
+
+
+def submitted_job_id(exp) -> str:
+    """The Slurm job id of a submitted experiment (its handle ends with it)."""
+    return str(exp.jobs[0].handle).rstrip("/").split("/")[-1]
 
 
 def dryrun_sbatch(exp) -> str:
@@ -173,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default="", help="HF directory of the base model (inside the container on Slurm)")
     ap.add_argument("--account")
     ap.add_argument("--partition")
-    ap.add_argument("--container-image", help="the learner's image (NGC PyTorch + megatron-core + TE/apex)")
+    ap.add_argument("--container-image", default="", help="the learner's image (NGC PyTorch + megatron-core + "
+                    "TE/apex); none or unset: no container, this environment's Python on the nodes")
     ap.add_argument("--rollout-container-image", default="", help="the engines' image (vLLM); default: --container-image")
     ap.add_argument("--data-dir", default="", help="directory with the staged corpus, inside the container (Slurm; "
                     "stage it first with `spice prepare --recipe NAME`)")
@@ -181,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time", default="24:00:00")
     ap.add_argument("--retries", type=int, default=3, help="requeues after a failure (Slurm)")
     ap.add_argument("--dryrun", action="store_true", help="print the sbatch script instead of submitting (Slurm)")
+    ap.add_argument("--wait", action="store_true", help="after submitting, wait until the job ends; exit 0 if it "
+                    "COMPLETED (polls squeue and scontrol: no accounting storage needed)")
+    ap.add_argument("--cpu-only", action="store_true", help="nodes without GPUs to request (the tiny CPU recipe)")
+    ap.add_argument("--group-wait", type=int, default=30, help="seconds NeMo-Run waits between starting the rollout "
+                    "and learner groups (and, doubled, after the first one ends)")
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = ap.parse_args(argv)
     if args.executor == "local":
@@ -199,14 +257,16 @@ def main(argv: list[str] | None = None) -> int:
         done = completed_iterations(os.path.abspath(args.output_dir or cfg.run.output_dir))
         print(f"spice run through NeMo-Run: {done} of {cfg.run.iterations} iterations completed")
         return 0 if done >= cfg.run.iterations else 1
-    missing = [n for n in ("account", "container_image", "model_dir", "data_dir", "output_dir") if not getattr(args, n)]
+    missing = [n for n in ("account", "model_dir", "data_dir", "output_dir") if not getattr(args, n)]
     if missing:
         ap.error("--executor slurm needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
     try:
         exp = slurm_experiment(args.recipe, account=args.account, partition=args.partition,
                                container_image=args.container_image, model_dir=args.model_dir, data_dir=args.data_dir,
                                rollout_container_image=args.rollout_container_image, mounts=args.mount, time=args.time,
-                               output_dir=args.output_dir, overrides=args.overrides, retries=args.retries)
+                               output_dir=args.output_dir, overrides=args.overrides, retries=args.retries,
+                               group_wait_s=args.group_wait, group_monitor_s=2 * args.group_wait,
+                               request_gpus=not args.cpu_only)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -215,7 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with exp:
         exp.run(detach=True)
-    return 0
+        job_id = submitted_job_id(exp)
+    print(f"spice: submitted Slurm job {job_id}")
+    if not args.wait:
+        return 0
+    state = wait_for_job(job_id)
+    print(f"spice: Slurm job {job_id} {state}")
+    return 0 if state == "COMPLETED" else 1
 
 
 if __name__ == "__main__":

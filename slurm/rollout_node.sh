@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Runs inside the container on one rollout node: one vLLM rollout service per group of
-# SPICE_ENGINE_TP GPUs, engine i listening on SPICE_ROLLOUT_PORT + i. If any engine exits, the
-# others are stopped and the script fails, so that srun (--kill-on-bad-exit) ends the job and
-# Slurm requeues it; the learner resumes from its last checkpoint.
+# Runs on one rollout node (in its container, if any): one vLLM rollout service per group of
+# SPICE_ENGINE_TP GPUs; engine i of this node (the step's SLURM_NODEID k) listens on
+# SPICE_ROLLOUT_PORT + k * engines per node + i. An engine that exits is started again on its port
+# and GPUs (up to SPICE_ENGINE_RESTARTS times per engine, default 3; each logged): the trainer sees
+# it come back at weights version 0 and sends it the current weights, so the kill -9 of one engine
+# costs no requeue. Past the bound the others are stopped and the script fails, so that srun
+# (--kill-on-bad-exit) ends the job and Slurm requeues it; the learner resumes from its checkpoint.
 set -euo pipefail
 
 : "${SPICE_MODEL:?SPICE_MODEL: the HF directory of the base model}"
@@ -11,8 +14,9 @@ engine_tp=${SPICE_ENGINE_TP:-1}
 port=${SPICE_ROLLOUT_PORT:-8100}
 gpus=${SPICE_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 log_dir=${SPICE_LOG_DIR:-logs}
-node=$(hostname -s)
+node=${SLURMD_NODENAME:-$(hostname -s)}
 node_index=${SLURM_NODEID:-0}
+restarts_allowed=${SPICE_ENGINE_RESTARTS:-3}
 mkdir -p "$log_dir"
 
 if (( gpus % engine_tp != 0 )); then
@@ -20,25 +24,47 @@ if (( gpus % engine_tp != 0 )); then
   exit 2
 fi
 
-pids=()
-for (( i = 0; i < gpus / engine_tp; i++ )); do
+engines=$(( gpus / engine_tp ))
+first_port=$(( port + node_index * engines ))
+
+start_engine() {  # engine $1 on its GPUs and port, appending to its log
+  local i=$1 devices
   devices=$(seq -s, $(( i * engine_tp )) $(( (i + 1) * engine_tp - 1 )))
   CUDA_VISIBLE_DEVICES=$devices python -m spice_megatron.rollout.serve \
-    --model "$SPICE_MODEL" --host 0.0.0.0 --port $(( port + i )) \
+    --model "$SPICE_MODEL" --host 0.0.0.0 --port $(( first_port + i )) \
     --tensor-parallel-size "$engine_tp" ${SPICE_ENGINE_EXPERT_PARALLEL:+--enable-expert-parallel} \
     --max-model-len "${SPICE_MAX_MODEL_LEN:-12288}" \
     --gpu-memory-utilization "${SPICE_GPU_MEMORY_UTILIZATION:-0.85}" \
     --weight-transfer "${SPICE_WEIGHT_TRANSFER:-spice}" \
     --seed $(( ${SPICE_SEED:-1234} + 1000 * node_index + i )) \
-    > "$log_dir/rollout_${node}_$(( port + i )).log" 2>&1 &
-  pids+=("$!")
+    >> "$log_dir/rollout_${node}_$(( first_port + i )).log" 2>&1 &
+  pids[i]=$!
+}
+
+pids=()
+restarts=()
+for (( i = 0; i < engines; i++ )); do
+  start_engine "$i"
+  restarts[i]=0
 done
-echo "rollout_node.sh: $node started ${#pids[@]} engine(s) (TP=$engine_tp) on ports $port..$(( port + ${#pids[@]} - 1 ))"
+echo "rollout_node.sh: $node started $engines engine(s) (TP=$engine_tp) on ports $first_port..$(( first_port + engines - 1 ))"
 
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT TERM INT
 set +e
-wait -n "${pids[@]}"
-rc=$?
-set -e
-echo "rollout_node.sh: an engine on $node exited with code $rc; stopping the others" >&2
-exit $(( rc == 0 ? 1 : rc ))
+while true; do
+  wait -n "${pids[@]}"
+  rc=$?
+  for (( i = 0; i < engines; i++ )); do
+    kill -0 "${pids[i]}" 2>/dev/null && continue
+    wait "${pids[i]}" 2>/dev/null
+    if (( restarts[i] >= restarts_allowed )); then
+      echo "rollout_node.sh: engine $i on $node (port $(( first_port + i ))) exited (code $rc) after" \
+           "${restarts[i]} restart(s); stopping the others" >&2
+      exit $(( rc == 0 ? 1 : rc ))
+    fi
+    restarts[i]=$(( restarts[i] + 1 ))
+    echo "rollout_node.sh: engine $i on $node (port $(( first_port + i ))) exited (code $rc); restart" \
+         "${restarts[i]} of $restarts_allowed" >&2
+    start_engine "$i"
+  done
+done

@@ -1,13 +1,16 @@
 # shellcheck shell=bash
 # The body of slurm/spice_*.sbatch (sourced by them after they set RECIPE, LEARNER_NODES,
-# ENGINE_TP and MAX_MODEL_LEN). Splits the allocation into learner and rollout nodes, starts
+# ENGINE_TP and MAX_MODEL_LEN, each overridable from the environment: SPICE_RECIPE,
+# SPICE_LEARNER_NODES, SPICE_ENGINE_TP, SPICE_MAX_MODEL_LEN, so that one sbatch body serves the paper
+# recipe and the tiny CPU recipe alike). Splits the allocation into learner and rollout nodes, starts
 # the rollout services, waits until they are healthy, then runs the learner with torchrun over
 # the learner nodes. A failed run is requeued and resumes from its last checkpoint.
 #
 # Settings (environment, with defaults):
 #   MODEL_DIR         HF directory of the base model, as seen inside the container (required)
 #   CONTAINER_IMAGE   the learner's enroot/pyxis image: NGC PyTorch + megatron-core (+ TE, apex) + this
-#                     package (default: spice-megatron.sqsh; tools/containers/learner.Dockerfile)
+#                     package (tools/containers/learner.Dockerfile); unset or "none": no container, the
+#                     job's own Python environment (sbatch exports the submitting shell's PATH)
 #   ROLLOUT_CONTAINER_IMAGE  the engines' image: vLLM 0.32 + this package (default: CONTAINER_IMAGE;
 #                     tools/containers/rollout.Dockerfile). vLLM pins its own torch, which breaks
 #                     an NGC image's TE/apex builds, hence two images.
@@ -16,10 +19,11 @@
 #   CONTAINER_MOUNTS  extra mounts, comma-separated src:dst (models, data, output)
 #   SPICE_HOME        the repository, mounted at the same path (default: the submit directory)
 #   OUTPUT_DIR        run directory (default: $SPICE_HOME/runs/$RECIPE)
-#   GPUS_PER_NODE     (default: $SLURM_GPUS_ON_NODE or 8)
+#   GPUS_PER_NODE     (default: the allocation's $SLURM_GPUS_ON_NODE, else 8; on CPU nodes set it: 1)
 #   WEIGHT_TRANSFER   vLLM weight-transfer backend of engines and learner alike (default: spice; nccl
 #                     needs pipeline parallelism 1 and vLLM in the learner's image; docs/weight-sync.md)
-#   ROLLOUT_PORT      first engine port on each rollout node (default: 8100)
+#   ROLLOUT_PORT      first engine port (default: 8100); engine i of rollout node k listens on
+#                     ROLLOUT_PORT + k * engines per node + i, so that nodes sharing a host do not collide
 #   RDZV_PORT         torchrun rendezvous port on the first learner node (default: 29500)
 #   HEALTH_TIMEOUT    seconds to wait for the engines (default: 1800)
 #   MAX_RESTARTS      requeues after a failure (default: 3); time-limit requeues are not counted
@@ -28,10 +32,11 @@
 #   Extra arguments to sbatch's script become config overrides: sbatch slurm/spice_8b.sbatch run.iterations=100
 set -euo pipefail
 
-: "${RECIPE:?}" "${LEARNER_NODES:?}" "${ENGINE_TP:?}" "${MAX_MODEL_LEN:?}"
+RECIPE=${SPICE_RECIPE:-${RECIPE:?}} LEARNER_NODES=${SPICE_LEARNER_NODES:-${LEARNER_NODES:?}}
+ENGINE_TP=${SPICE_ENGINE_TP:-${ENGINE_TP:?}} MAX_MODEL_LEN=${SPICE_MAX_MODEL_LEN:-${MAX_MODEL_LEN:?}}
 : "${MODEL_DIR:?set MODEL_DIR to the HF directory of the base model, as seen inside the container}"
 SPICE_HOME=${SPICE_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
-CONTAINER_IMAGE=${CONTAINER_IMAGE:-$SPICE_HOME/spice-megatron.sqsh}
+CONTAINER_IMAGE=${CONTAINER_IMAGE:-none}
 ROLLOUT_CONTAINER_IMAGE=${ROLLOUT_CONTAINER_IMAGE:-$CONTAINER_IMAGE}
 export SPICE_DATA_DIR=${SPICE_DATA_DIR:-$SPICE_HOME/data}
 OUTPUT_DIR=${OUTPUT_DIR:-$SPICE_HOME/runs/$RECIPE}
@@ -73,13 +78,26 @@ rollout_list=$(IFS=,; echo "${ROLLOUT[*]}")
 # Every srun names its task count: the allocation's SLURM_NTASKS (one task per node) is inherited
 # by srun and would override --ntasks-per-node.
 head_ip=$(srun --nodes=1 --ntasks=1 -w "${LEARNER[0]}" hostname --ip-address | awk '{print $1}')
+# The engines' addresses as Slurm knows them (NodeAddr: the name or an IP), each checked to resolve
+# here: a name that does not is one line now, not a health wait of HEALTH_TIMEOUT and a requeue.
+ROLLOUT_ADDRS=()
+for node in "${ROLLOUT[@]}"; do
+  addr=$(scontrol show node -o "$node" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+  addr=${addr:-$node}
+  if ! getent ahosts "$addr" >/dev/null; then
+    echo "spice: rollout node $node's address $addr does not resolve on $(hostname -s); not starting" >&2
+    exit 2
+  fi
+  ROLLOUT_ADDRS+=("$addr")
+done
 echo "spice: job $SLURM_JOB_ID restart $RESTART: learner nodes $learner_list, rollout nodes $rollout_list"
 
 # What both roles read. The token is a fresh secret per attempt; it travels in the environment,
 # never on a command line.
 SPICE_ROLLOUT_TOKEN=${SPICE_ROLLOUT_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 export SPICE_ROLLOUT_TOKEN
-export SPICE_ROLLOUT_NODES=$rollout_list
+SPICE_ROLLOUT_NODES=$(IFS=,; echo "${ROLLOUT_ADDRS[*]}")
+export SPICE_ROLLOUT_NODES
 export SPICE_ENGINES_PER_NODE=$(( GPUS_PER_NODE / ENGINE_TP ))
 export SPICE_ROLLOUT_PORT=$ROLLOUT_PORT SPICE_ENGINE_TP=$ENGINE_TP SPICE_MAX_MODEL_LEN=$MAX_MODEL_LEN
 # mixture-of-experts recipes: vLLM's expert parallelism inside each engine (ENGINE_EP=1 in the sbatch)
@@ -99,8 +117,15 @@ export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 if [[ -n "${NCCL_SOCKET_IFNAME:-}" ]]; then export NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}; fi
 
-container=(--container-workdir="$SPICE_HOME" --no-container-mount-home
-           --container-mounts="$SPICE_HOME:$SPICE_HOME${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")
+# pyxis flags for an image ("none": no container, the job's own environment)
+in_image() {
+  if [[ $1 == none ]]; then return; fi
+  printf '%s\n' --container-image="$1" --container-workdir="$SPICE_HOME" --no-container-mount-home \
+    --container-mounts="$SPICE_HOME:$SPICE_HOME${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}"
+}
+mapfile -t rollout_container < <(in_image "$ROLLOUT_CONTAINER_IMAGE")
+mapfile -t learner_container < <(in_image "$CONTAINER_IMAGE")
+if [[ $CONTAINER_IMAGE == none ]]; then cd "$SPICE_HOME"; fi
 
 count() { cat "$1" 2>/dev/null || echo 0; }
 # Requeue after a failure (at most MAX_RESTARTS failed attempts) or at the time limit (always).
@@ -138,16 +163,16 @@ trap on_time_limit USR1
 
 # --- rollout: one service per ENGINE_TP GPUs on every rollout node
 srun --nodes=${#ROLLOUT[@]} --ntasks=${#ROLLOUT[@]} --ntasks-per-node=1 -w "$rollout_list" \
-  --container-image="$ROLLOUT_CONTAINER_IMAGE" "${container[@]}" \
-  --output="$LOG_DIR/rollout_%N.out" --kill-on-bad-exit=1 bash slurm/rollout_node.sh &
+  "${rollout_container[@]}" \
+  --output="$LOG_DIR/rollout_%N_%n.out" --kill-on-bad-exit=1 bash slurm/rollout_node.sh &
 rollout_pid=$!
 trap 'kill "$rollout_pid" 2>/dev/null || true' EXIT
 
 # --- wait until every engine answers /health
 deadline=$(( SECONDS + HEALTH_TIMEOUT ))
-for host in "${ROLLOUT[@]}"; do
+for k in "${!ROLLOUT_ADDRS[@]}"; do
   for (( i = 0; i < SPICE_ENGINES_PER_NODE; i++ )); do
-    url="http://$host:$(( ROLLOUT_PORT + i ))/health"
+    url="http://${ROLLOUT_ADDRS[k]}:$(( ROLLOUT_PORT + k * SPICE_ENGINES_PER_NODE + i ))/health"
     until curl -sf -o /dev/null --max-time 5 "$url"; do
       if ! kill -0 "$rollout_pid" 2>/dev/null; then
         echo "spice: the rollout services exited before $url was healthy; see $LOG_DIR" >&2
@@ -167,8 +192,8 @@ echo "spice: ${#ROLLOUT[@]} x $SPICE_ENGINES_PER_NODE rollout engine(s) healthy"
 
 # --- learner: torchrun over the learner nodes; always --resume (a requeued job continues)
 srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" \
-  --container-image="$CONTAINER_IMAGE" "${container[@]}" \
-  --output="$LOG_DIR/learner_%N.out" --kill-on-bad-exit=1 \
+  "${learner_container[@]}" \
+  --output="$LOG_DIR/learner_%N_%n.out" --kill-on-bad-exit=1 \
   env CUDA_DEVICE_MAX_CONNECTIONS=1 \
   python -m torch.distributed.run --nnodes="$LEARNER_NODES" --nproc-per-node="$GPUS_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$head_ip:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \

@@ -170,8 +170,10 @@ class Driver:
         Returns whether the weight-sync group must be formed again."""
         from spice_megatron.rollout.local import restart, wait_healthy
 
+        if not self.engines:
+            return self._cluster_engines_restarted()
         restarted = False
-        health = self.fleet.health() if self.engines else {}
+        health = self.fleet.health()
         for i, e in enumerate(self.engines):
             if e.alive() and health.get(e.url) is None:  # exiting (its sockets closed first) or hung
                 try:
@@ -187,6 +189,22 @@ class Driver:
         if restarted:
             self.fleet.wait_until_healthy()
         return restarted
+
+    def _cluster_engines_restarted(self) -> bool:
+        """Engines a cluster started (slurm/rollout_node.sh restarts one that dies, on its port): one
+        that is down is waited for (rollout.health_timeout), and one that came back holds the base
+        model (weights version 0 among engines at the current one). Either way every engine must
+        join a fresh sync group and take the current weights: True."""
+        health = self.fleet.health()
+        versions = {str(st["version"]) for st in health.values() if st is not None}
+        if all(st is not None for st in health.values()) and len(versions) <= 1:
+            return False
+        down = [url for url, st in health.items() if st is None]
+        log.warning("rollout engine(s) %s; waiting up to %.0fs for every engine, then all take the current weights",
+                    f"down: {', '.join(down)}" if down else f"restarted (weights versions {sorted(versions)})",
+                    self.cfg.rollout.health_timeout)
+        self.fleet.wait_until_healthy(self.cfg.rollout.health_timeout)
+        return True
 
     def recover_engines(self, why: str) -> str:
         """No healthy engine is left (`why`). The engines this driver started are restarted (with the

@@ -51,14 +51,16 @@ def relaunch_with_torchrun(nproc: int, argv: list[str] | None = None) -> None:
 def rollout_urls_from_env(env: dict | None = None) -> list[str]:
     """Engine addresses handed over by a cluster launcher (slurm/*.sbatch, recipes/launch.py):
     SPICE_ROLLOUT_NODES (comma-separated hosts), SPICE_ENGINES_PER_NODE and SPICE_ROLLOUT_PORT
-    (engine i of a node listens on port + i). Empty when SPICE_ROLLOUT_NODES is unset."""
+    (engine i of rollout node k listens on port + k * engines per node + i, as slurm/rollout_node.sh
+    starts them: rollout nodes that share a host do not collide). Empty when SPICE_ROLLOUT_NODES is
+    unset."""
     env = os.environ if env is None else env
-    hosts = [h for h in env.get("SPICE_ROLLOUT_NODES", "").split(",") if h.strip()]
+    hosts = [h.strip() for h in env.get("SPICE_ROLLOUT_NODES", "").split(",") if h.strip()]
     if not hosts:
         return []
     per_node = int(env.get("SPICE_ENGINES_PER_NODE", "1"))
     port = int(env.get("SPICE_ROLLOUT_PORT", "8100"))
-    return [f"http://{h.strip()}:{port + i}" for h in hosts for i in range(per_node)]
+    return [f"http://{h}:{port + k * per_node + i}" for k, h in enumerate(hosts) for i in range(per_node)]
 
 
 def global_rank() -> int:

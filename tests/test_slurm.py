@@ -47,6 +47,9 @@ with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps(rec) + "\n")
 if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
     print("\n".join(os.environ["FAKE_NODES"].split()))
+elif name == "scontrol" and argv[:3] == ["show", "node", "-o"]:  # Slurm's address of a node: 10.0.0.<index>
+    print("NodeName=" + argv[3] + " Arch=x86_64 NodeAddr=10.0.0." + str(os.environ["FAKE_NODES"].split().index(argv[3]))
+          + " State=IDLE")
 elif name == "squeue":  # FAKE_SQUEUE: the state it prints for any job (none: not in the queue)
     print(os.environ.get("FAKE_SQUEUE", ""))
 elif name == "srun" and "hostname" in argv:
@@ -172,7 +175,10 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     engines = int(s["nodes"]) - int(s["LEARNER_NODES"])
     per_node = 8 // int(s["ENGINE_TP"])
     health = [c["argv"][-1] for c in calls if c["cmd"] == "curl"]
-    assert sorted(health) == sorted(f"http://{h}:{8100 + i}/health" for h in rollouts for i in range(per_node))
+    # the engines at Slurm's node addresses; engine i of rollout node k on 8100 + k * per_node + i
+    addrs = [f"10.0.0.{nodes.index(h)}" for h in rollouts]
+    assert sorted(health) == sorted(f"http://{a}:{8100 + k * per_node + i}/health"
+                                    for k, a in enumerate(addrs) for i in range(per_node))
     assert len(health) == engines * per_node and order.index("srun:learner") > max(
         i for i, o in enumerate(order) if o == "curl")
     # torchrun rendezvous over the learner nodes; the recipe, resume and overrides reach the trainer
@@ -182,7 +188,7 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     assert a[a.index("--recipe") + 1] == s["RECIPE"] and "--resume" in a and "run.iterations=5" in a
     # addresses and token through the environment, the token never on a command line
     env = learner["env"]
-    assert env["SPICE_ROLLOUT_NODES"] == ",".join(rollouts) and env["SPICE_ENGINES_PER_NODE"] == str(per_node)
+    assert env["SPICE_ROLLOUT_NODES"] == ",".join(addrs) and env["SPICE_ENGINES_PER_NODE"] == str(per_node)
     assert len(env["SPICE_ROLLOUT_TOKEN"]) == 32 and rollout["env"]["SPICE_ROLLOUT_TOKEN"] == env["SPICE_ROLLOUT_TOKEN"]
     assert all(env["SPICE_ROLLOUT_TOKEN"] not in " ".join(c["argv"]) for c in calls)
     # NCCL's default cuMem (NVLS for the learner's collectives): no node holds a sender and an engine
@@ -258,17 +264,24 @@ def test_time_limit_lets_the_learner_checkpoint_then_requeues(fake_bin, tmp_path
         assert "did not stop within 3s" in err and 3 <= seconds < 30
 
 
-def test_rollout_node_starts_one_engine_per_gpu_group_and_fails_with_any(fake_bin, tmp_path):
+def test_rollout_node_starts_one_engine_per_gpu_group_restarts_one_that_dies_and_fails_past_the_bound(
+        fake_bin, tmp_path):
     log = tmp_path / "calls.jsonl"
-    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_EXIT_PORT": "8102",
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_EXIT_PORT": "8106",
            "SPICE_MODEL": "/models/base", "SPICE_ROLLOUT_TOKEN": "t" * 32, "SPICE_ENGINE_TP": "2",
-           "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": "8100", "SPICE_LOG_DIR": str(tmp_path / "logs")}
+           "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": "8100", "SPICE_LOG_DIR": str(tmp_path / "logs"),
+           "SLURM_NODEID": "1", "SLURMD_NODENAME": "gpu007", "SPICE_ENGINE_RESTARTS": "2"}
     r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], env=env, capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode == 7, r.stderr  # the engine on port 8102 exited with 7: the node fails with it
+    # the engine on port 8106 exits with 7 each time: started again twice on its GPUs and port, then
+    # the node fails with it (a requeue)
+    assert r.returncode == 7, r.stderr
+    assert "restart 1 of 2" in r.stderr and "restart 2 of 2" in r.stderr and "after 2 restart(s)" in r.stderr
     engines = [c for c in _records(log) if c["cmd"] == "python"]
+    # rollout node 1 of the step: its engines after node 0's four (ports that cannot collide on one host)
     assert sorted((c["env"]["CUDA_VISIBLE_DEVICES"], c["argv"][c["argv"].index("--port") + 1]) for c in engines) == [
-        ("0,1", "8100"), ("2,3", "8101"), ("4,5", "8102"), ("6,7", "8103")]
+        ("0,1", "8104"), ("2,3", "8105"), ("4,5", "8106"), ("4,5", "8106"), ("4,5", "8106"), ("6,7", "8107")]
+    assert os.path.exists(tmp_path / "logs" / "rollout_gpu007_8106.log")  # named by Slurm's node name
     assert all(c["argv"][c["argv"].index("--tensor-parallel-size") + 1] == "2" for c in engines)
     assert all("t" * 32 not in c["argv"] for c in engines)
     assert not any("--enable-expert-parallel" in c["argv"] for c in engines)
@@ -279,7 +292,7 @@ def test_rollout_node_passes_expert_parallelism_to_moe_engines(fake_bin, tmp_pat
     env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_EXIT_PORT": "8100",
            "SPICE_MODEL": "/models/moe", "SPICE_ROLLOUT_TOKEN": "t" * 32, "SPICE_ENGINE_TP": "8",
            "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": "8100", "SPICE_LOG_DIR": str(tmp_path / "logs"),
-           "SPICE_ENGINE_EXPERT_PARALLEL": "1"}
+           "SPICE_ENGINE_EXPERT_PARALLEL": "1", "SPICE_ENGINE_RESTARTS": "0"}
     subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], env=env, capture_output=True, text=True,
                    timeout=60)
     (engine,) = [c for c in _records(log) if c["cmd"] == "python"]

@@ -109,3 +109,34 @@ def test_a_rollout_batch_survives_json_and_its_lag_is_per_role():
     # a sequence without spans counts as sampled by the batch's version
     assert stats["staleness/reasoner_lag_max"] == 1.0 and stats["staleness/reasoner_lag_mean"] == 1.0
     assert stats["rollout_version"] == 4 and stats["weights_version"] == 6
+
+
+def test_a_cluster_engine_restarted_by_its_node_script_gets_the_current_weights():
+    """slurm/rollout_node.sh restarts an engine that dies, with the base model: the driver sees it
+    down, then back at weights version 0 among engines at the current one, and has every engine
+    join a fresh sync group and take the current weights (no requeue)."""
+    from types import SimpleNamespace
+
+    from spice_megatron.driver import Driver
+
+    class Fleet:
+        def __init__(self, states):
+            self.states, self.waited = list(states), 0
+
+        def health(self):
+            return self.states[0] if len(self.states) == 1 else self.states.pop(0)
+
+        def wait_until_healthy(self, timeout):
+            self.waited += 1
+            self.states = [self.states[-1]]
+
+    driver = object.__new__(Driver)
+    driver.engines = []  # a cluster's engines: none started by this driver
+    driver.cfg = SimpleNamespace(rollout=SimpleNamespace(health_timeout=5.0))
+    steady = {"http://a:8100": {"version": "3"}, "http://b:8101": {"version": "3"}}
+    driver.fleet = Fleet([steady])
+    assert driver.restart_dead_engines() is False and driver.fleet.waited == 0
+    driver.fleet = Fleet([{"http://a:8100": {"version": "3"}, "http://b:8101": None}, steady])  # b restarting
+    assert driver.restart_dead_engines() is True and driver.fleet.waited == 1
+    driver.fleet = Fleet([{"http://a:8100": {"version": "3"}, "http://b:8101": {"version": "0"}}])  # b came back
+    assert driver.restart_dead_engines() is True
