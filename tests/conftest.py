@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 # loadfile with --no-loadscope-reorder, which hands out modules in collection order: started first,
 # these end together instead of one of them running alone on one core at the end (xdist's own
 # order puts modules with the most tests first, which put all of these last).
-LONGEST_FIRST = ("test_trainer_resilience.py", "test_trainer_faults.py", "test_trainer.py", "test_selfplay_learning.py",
+LONGEST_FIRST = ("test_slurm_box.py", "test_trainer_resilience.py", "test_trainer_faults.py", "test_trainer.py", "test_selfplay_learning.py",
                  "test_rollout.py", "test_eval.py", "test_policy.py", "test_moe.py", "test_gpu_check.py",
                  "test_recipes.py")
 

