@@ -48,8 +48,8 @@ with open(os.environ["FAKE_LOG"], "a") as f:
 if name == "scontrol" and argv[:2] == ["show", "hostnames"]:
     print("\n".join(os.environ["FAKE_NODES"].split()))
 elif name == "scontrol" and argv[:3] == ["show", "node", "-o"]:  # Slurm's address of a node: 10.0.0.<index>
-    print("NodeName=" + argv[3] + " Arch=x86_64 NodeAddr=10.0.0." + str(os.environ["FAKE_NODES"].split().index(argv[3]))
-          + " State=IDLE")
+    addr = os.environ.get("FAKE_NODE_ADDR") or "10.0.0." + str(os.environ["FAKE_NODES"].split().index(argv[3]))
+    print("NodeName=" + argv[3] + " Arch=x86_64 NodeAddr=" + addr + " State=IDLE")
 elif name == "squeue":  # FAKE_SQUEUE: the state it prints for any job (none: not in the queue)
     print(os.environ.get("FAKE_SQUEUE", ""))
 elif name == "srun" and "hostname" in argv:
@@ -229,6 +229,17 @@ def test_a_run_directory_another_running_job_holds_is_refused_untouched(fake_bin
     else:
         assert r.returncode == 2 and "in use by Slurm job 99" in r.stderr
         assert (run / "STOP").exists() and not [c for c in calls if c["cmd"] in ("srun", "scontrol")]
+
+
+def test_a_rollout_node_address_that_does_not_resolve_is_one_line_at_once(fake_bin, tmp_path):
+    """Not a health wait of HEALTH_TIMEOUT (30 minutes) and a requeue: the line names node and address."""
+    import time
+
+    script = os.path.join(ROOT, "slurm", "spice_8b.sbatch")
+    t0 = time.monotonic()
+    r, calls, nodes, _ = _run_job(script, fake_bin, tmp_path, FAKE_NODE_ADDR="n2.invalid")
+    assert r.returncode == 2 and f"rollout node {nodes[1]}'s address n2.invalid does not resolve" in r.stderr
+    assert time.monotonic() - t0 < 30 and not [c for c in calls if c["cmd"] == "curl" or "requeue" in c["argv"]]
 
 
 def _time_limit_run(script, fake_bin, tmp_path, learner, grace):
