@@ -21,6 +21,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# Every run's length: long enough that the time-limit test's USR1 (sent 60-90 s before its 3-minute
+# limit: Slurm checks the limits every ~30 s) falls in the middle of the first attempt on a fast
+# machine too (an iteration is 3-5 s here, the start ~35-60 s).
+ITERATIONS = 30
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +43,16 @@ def box(tmp_path_factory):
     (data / "corpus").mkdir(parents=True)
     (data / "corpus" / "stories.jsonl").write_text(
         "".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    previous_conf = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf  # for the squeue/scontrol polls of recipes.launch.wait_for_job
     env = {**os.environ, "SLURM_CONF": conf, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
            "SPICE_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     yield env, str(model), root
     subprocess.run(["scancel", "--user", str(os.getuid())], env=env, capture_output=True)
+    if previous_conf is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = previous_conf
     if not was_up:
         subprocess.run(["bash", "tools/slurm_box.sh", "down"], cwd=ROOT, capture_output=True)
 
@@ -54,7 +64,7 @@ def _job_env(env, model, out, **extra):
             "HEALTH_TIMEOUT": "600", "SPICE_HOME": ROOT, **extra}
 
 
-def _sbatch(env, out, *args, iterations=3):
+def _sbatch(env, out, *args, iterations=ITERATIONS):
     os.makedirs(out, exist_ok=True)
     r = subprocess.run(["sbatch", "--parsable", "--nodes=3", "--gpus-per-node=0", f"--output={out}/slurm-%j.out",
                         *args, "slurm/spice_8b.sbatch", *TINY_RUN, f"run.iterations={iterations}"],
@@ -92,7 +102,7 @@ def _same_run(out: str, reference: str) -> None:
     import torch
 
     assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(reference, "audit.jsonl"))
-    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == list(range(1, ITERATIONS + 1))
     a, b = weights(reference), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -114,11 +124,11 @@ def plain(box):
 
 
 def test_sbatch_runs_the_tiny_recipe_on_three_nodes_and_leaves_nothing_behind(plain):
-    """a. Three iterations, hf_final/, COMPLETED, a log per learner node, no process left."""
+    """a. Every iteration, hf_final/, COMPLETED, a log per learner node, no process left."""
     out, job, state, port = plain
     assert state == "COMPLETED", _log(out, job)[-4000:]
     assert "spice: run finished" in _log(out, job)
-    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == list(range(1, ITERATIONS + 1))
     assert os.path.exists(os.path.join(out, "hf_final", "config.json"))
     logs = os.listdir(os.path.join(out, "logs", f"slurm_{job}_restart0"))
     assert len([f for f in logs if f.startswith("learner_")]) == 2  # one per learner node, names that cannot collide
@@ -134,7 +144,7 @@ def test_the_time_limit_stops_checkpoints_requeues_and_the_run_ends_as_if_uninte
     out = str(root / "time_limit")
     t0 = time.monotonic()
     job_env = _job_env(env, model, out, STOP_GRACE="60")
-    job = _sbatch(job_env, out, "--time=4", "--signal=B:USR1@120")  # USR1 90-120 s in: mid-run
+    job = _sbatch(job_env, out, "--time=3", "--signal=B:USR1@60")  # USR1 ~90-120 s in: mid-run
     state = wait_for_job(job, poll_s=2, timeout_s=1500)
     log = _log(out, job)
     assert state == "COMPLETED", log[-4000:]
@@ -215,7 +225,9 @@ def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
                         "--account", "box", "--cpu-only", "--wait", "--group-wait", "2", "--time", "00:20:00",
                         "--model-dir", model, "--data-dir", env["SPICE_DATA_DIR"], "--output-dir", out,
                         "cluster.nodes=2", "cluster.gpus_per_node=1", "run.iterations=1", *TINY_RUN],
-                       cwd=ROOT, env={**env, "NEMORUN_HOME": str(tmp_path / "nemo_run"), "SPICE_ROLLOUT_PORT": port,
+                       # not ".../nemo_run": without a container NeMo-Run rewrites every "/nemo_run" in its
+                       # script to the job directory, a home path's included
+                       cwd=ROOT, env={**env, "NEMORUN_HOME": str(tmp_path / "nemorun_home"), "SPICE_ROLLOUT_PORT": port,
                                       "SPICE_MASTER_PORT": str(free_port())},
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0 and "COMPLETED" in r.stdout, (r.stdout + r.stderr)[-4000:]
