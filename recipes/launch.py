@@ -95,7 +95,14 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     if container_image is not None:
         for flag, path in (("--output-dir", output_dir), ("--data-dir", data_dir), ("--model-dir", model_dir)):
             require_mounted(flag, path, mounts)
-    else:  # NeMo-Run's script runs `python` and `bash` from PATH on the nodes: this environment's first
+    else:
+        # without a container NeMo-Run rewrites every "/nemo_run" in its script to the job directory
+        # (nemo_run/core/execution/slurm.py, RUNDIR_NAME): a path holding it would silently move
+        for flag, path in (("--output-dir", output_dir), ("--data-dir", data_dir), ("--model-dir", model_dir)):
+            if "/nemo_run" in path:
+                raise ValueError(f"{flag} {path!r}: without a container NeMo-Run rewrites '/nemo_run' in every path "
+                                 "of its script to the job directory; use a path without it")
+        # NeMo-Run's script runs `python` and `bash` from PATH on the nodes: this environment's first
         bin_dir = os.path.dirname(sys.executable)
         (env := dict(env or {})).setdefault("PATH", f"{bin_dir}:$PATH")
     shared = {"PYTHONPATH": CODE_DIR, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",

@@ -377,3 +377,13 @@ def test_activations_are_planned_at_the_longest_sequence_a_run_can_train():
     c = copy.deepcopy(cfg)
     c.run.model = "not/a-known-tokenizer"  # nothing to measure the prompts with: the context limit bounds it
     assert longest_sequence(c) == (cfg.rollout.max_model_len, "rollout.max_model_len")
+
+
+def test_without_a_container_a_path_nemo_run_would_rewrite_is_refused():
+    """NeMo-Run's non-container script replaces every '/nemo_run' with the job directory: an output
+    directory holding it would move silently (found by tests/test_slurm_box.py)."""
+    from recipes.launch import slurm_experiment
+
+    with pytest.raises(ValueError, match="--output-dir '/results/nemo_run/x': without a container NeMo-Run rewrites"):
+        slurm_experiment("tiny_cpu", account="box", partition=None, container_image=None, model_dir="/m",
+                         data_dir="/d", output_dir="/results/nemo_run/x", overrides=["cluster.nodes=2"])

@@ -218,7 +218,7 @@ def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
     box through NeMo-Run's own sbatch script and the run completes (NeMo-Run's job directory is the
     one sbatch reads; status through squeue/scontrol, no sacct)."""
     env, model, root = box
-    out = str(root / "nemo_run")
+    out = str(root / "via_nemorun")
     t0 = time.monotonic()
     port = str(free_port())
     r = subprocess.run([sys.executable, "-m", "recipes.launch", "--recipe", "tiny_cpu", "--executor", "slurm",
