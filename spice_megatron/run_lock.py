@@ -130,6 +130,13 @@ def holder_gone(holder: Holder | None, age: float, me: Holder) -> str:
     return ""
 
 
+def _in_use(path: str, holder: Holder | None, still: str = "") -> RunDirLocked:
+    """The one line a refused run prints: the directory, its holder, the lock file, the remedy."""
+    return RunDirLocked(f"{os.path.dirname(path) or '.'} is in use by another run{still}: "
+                        f"{holder.describe() if holder else 'holder unreadable'} (lock file {path}); "
+                        "use another --output-dir, or stop that run first")
+
+
 def earlier_attempt(holder: Holder | None, me: Holder) -> bool:
     """The holder is an earlier attempt of this Slurm job (requeued since)."""
     return bool(holder and me.slurm_job_id and holder.slurm_job_id == me.slurm_job_id
@@ -171,10 +178,7 @@ class RunLock:
                         waited = True
                     time.sleep(1.0)
                     continue
-                still = f" after waiting {self.wait_s:.0f} s" if waited else ""
-                raise RunDirLocked(f"{os.path.dirname(self.path) or '.'} is in use by another run{still}: "
-                                   f"{holder.describe() if holder else 'holder unreadable'} (lock file {self.path}); "
-                                   "use another --output-dir, or stop that run first") from None
+                raise _in_use(self.path, holder, f" after waiting {self.wait_s:.0f} s" if waited else "") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(asdict(self.me), f)
                 f.flush()
@@ -224,9 +228,7 @@ def check_unlocked(output_dir: str) -> None:
     except FileNotFoundError:
         return
     if not holder_gone(holder, age, me) and not earlier_attempt(holder, me):
-        raise RunDirLocked(f"{output_dir} is in use by another run: "
-                           f"{holder.describe() if holder else 'holder unreadable'} (lock file {path}); "
-                           "use another --output-dir, or stop that run first")
+        raise _in_use(path, holder)
 
 
 @contextlib.contextmanager

@@ -143,12 +143,18 @@ def _writer(name: str, world: int) -> int:
     return int(m.group(1)) if m and int(m.group(1)) < world else 0
 
 
+def _crc32(f) -> int:
+    """CRC-32 of an open file from its current position to the end, 16 MiB at a time."""
+    crc = 0
+    while chunk := f.read(1 << 24):
+        crc = zlib.crc32(chunk, crc)
+    return crc
+
+
 def _file_entry(path: str) -> dict:
     """Flush a file to disk; its size and CRC-32."""
-    crc = 0
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
+        crc = _crc32(f)
         os.fsync(f.fileno())
         return {"size": f.tell(), "crc32": crc}
 
@@ -243,10 +249,8 @@ def verify_checkpoint(path: str, part: int = 0, parts: int = 1) -> str:
         size = os.path.getsize(file)
         if size != want["size"]:
             return f"{file} has {size} bytes, its manifest says {want['size']}"
-        crc = 0
         with open(file, "rb") as f:
-            while chunk := f.read(1 << 24):
-                crc = zlib.crc32(chunk, crc)
+            crc = _crc32(f)
         if crc != want["crc32"]:
             return f"{file} fails its CRC-32 (manifest {want['crc32']}, file {crc})"
     return ""

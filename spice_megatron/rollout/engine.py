@@ -363,13 +363,18 @@ class MoEShape:
         return np.dtype(np.uint8 if self.num_experts <= 256 else np.int16)
 
 
-def _moe_shape(model_dir: str) -> MoEShape | None:
-    """The routing shape of a mixture-of-experts model directory, None for a dense one."""
+def _text_config(model_dir: str) -> dict:
+    """The model directory's config.json (a multimodal one's text_config)."""
     import json
 
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
-    config = config.get("text_config", config)
+    return config.get("text_config", config)
+
+
+def _moe_shape(model_dir: str, config: dict | None = None) -> MoEShape | None:
+    """The routing shape of a mixture-of-experts model directory, None for a dense one."""
+    config = config or _text_config(model_dir)
     experts = config.get("num_experts", config.get("num_local_experts"))
     if not experts or "num_experts_per_tok" not in config:
         return None
@@ -382,12 +387,8 @@ def routing_store_bytes(model_dir: str, tensor_parallel: int, gpu_bytes: int, ut
     evicted raises BlockObjectStoreError, which kills the engine (store.py). Twice the routing of
     every token the engine's whole memory share could cache, weights ignored: ~2-4x vLLM's default
     (Qwen3-30B-A3B, TP=2, 80 GB at 0.85: 1.1 GB)."""
-    import json
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    config = config.get("text_config", config)
-    moe = _moe_shape(model_dir)
+    config = _text_config(model_dir)
+    moe = _moe_shape(model_dir, config)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = max(1, config.get("num_key_value_heads", config["num_attention_heads"]) // tensor_parallel)
     kv_bytes_per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2  # K and V, bf16, one GPU's share
