@@ -286,6 +286,15 @@ class PolicyTrainConfig:
     fused_swiglu: str = "auto"
     recompute: str = "off"
     recompute_modules: list[str] = field(default_factory=lambda: ["mlp"])
+    # Each group's prompt runs once, its completions packed after it, and logits only where a token
+    # is scored (policy/packing.py): the same log-probs and gradients, a fraction of the tokens.
+    # auto: on wherever it is exact, i.e. unless moe_aux_loss_coeff > 0 (the load-balancing loss
+    # counts tokens, and a shared prompt is counted once); on; off: one padded row per sequence
+    shared_prefix: str = "auto"
+
+    @property
+    def use_shared_prefix(self) -> bool:
+        return self.shared_prefix == "on" or (self.shared_prefix == "auto" and self.moe_aux_loss_coeff == 0)
 
     @property
     def use_tis(self) -> bool:
@@ -317,6 +326,7 @@ class PolicyTrainConfig:
         _require(self.dtype in ("auto", "fp32", "bf16"), f"{prefix}.dtype", "must be auto, fp32 or bf16")
         _require(self.moe_aux_loss_coeff >= 0, f"{prefix}.moe_aux_loss_coeff", "must be >= 0 (0: off)")
         _require(self.routing_replay in ("auto", "on", "off"), f"{prefix}.routing_replay", "must be auto, on or off")
+        _require(self.shared_prefix in ("auto", "on", "off"), f"{prefix}.shared_prefix", "must be auto, on or off")
 
 
 @dataclass

@@ -1,10 +1,9 @@
-"""Training sequences and their micro-batches.
+"""Training sequences and their micro-batches, unshared: one padded row per sequence.
 
-Length-bucketed padding rather than pad-free packing: packing needs THD-format attention with
-cu_seqlens (Transformer Engine / flash-attn), which the local layer spec used on CPU lacks, so the
-same code could not run on both. Sorting by length and filling each micro-batch up to a token
-budget (longest sequence x count) keeps padding small for RL batches, whose G answers to one
-question have similar lengths.
+This is the learner's layout with train.shared_prefix off (policy/packing.py packs each group's
+prompt once). Sorting by length and filling each micro-batch up to a token budget (longest
+sequence x count) keeps padding small for RL batches, whose G answers to one question have
+similar lengths.
 """
 from __future__ import annotations
 
@@ -48,6 +47,12 @@ class MicroBatch:
     routing: torch.Tensor | None = None  # [b, s, decoder layers, k] the engine's experts (routing_replay.py)
     routing_valid: torch.Tensor | None = None  # [b, s] bool: routing given by the engine
     token_mask: torch.Tensor | None = None  # [b, s] bool: a real token, not padding
+    # shared-prefix packing (policy/packing.py): one row [1, S]; labels are then [1, n], the tokens
+    # scored at positions score_index, and the loss tensors completion-aligned [b, longest completion]
+    attention_mask: torch.Tensor | None = None  # [3, S] int: the row's attention structure
+    score_index: torch.Tensor | None = None  # [n] the positions whose logits are computed
+    score_rows: torch.Tensor | None = None  # [n] each scored token's sequence (row of loss_mask)
+    score_cols: torch.Tensor | None = None  # [n] and its place in that completion
 
 
 def _completion_aligned(values: list[float], x: TrainSequence, what: str, where: int) -> torch.Tensor:

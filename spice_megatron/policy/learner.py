@@ -21,8 +21,10 @@ from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
 from spice_megatron.policy.model import ModelSpec, build_policy_model, model_spec_from_hf
+from spice_megatron.policy.packing import packed_microbatches, split_units_data_parallel
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
+from spice_megatron.policy.shared_prefix import PackedForward, scored_logprobs
 
 log = logging.getLogger(__name__)
 # tools/bench_checkpoint.py measures the distributed optimizer's saves on CPU, where its restore is
@@ -53,6 +55,7 @@ class StepMetrics:
     grad_norm: float
     lr: float
     tokens: int
+    tokens_run: int  # real tokens through the forward (shared prompts once), fillers and padding aside
     sequences: int  # the step's mini-batch (DrGRPO's normaliser)
     trained_sequences: int  # of them, those with a non-zero advantage: the others add no gradient
     clip_fraction: float
@@ -116,6 +119,12 @@ class Learner:
         # layer's all-to-all needs each of them in each forward: they run equal micro-batch counts.
         self.ep_spans_dp = spec.moe is not None and self.layout.ep * self.layout.etp > self.layout.tp
         self.num_experts = spec.moe.num_experts if spec.moe is not None else 0
+        self.shared_prefix = train.use_shared_prefix
+        self.packed: PackedForward | None = None
+        if self.shared_prefix:
+            from megatron.core import parallel_state as ps
+
+            self.packed = PackedForward(self.model, ps.get_tensor_model_parallel_group())
         self.replay: RoutingReplay | None = None
         if spec.moe is not None:
             from spice_megatron.bridge.hf_io import layer_offset
@@ -185,7 +194,15 @@ class Learner:
             mb = next(data_iterator)
             if self.replay is not None:
                 self.replay.set(mb.routing, mb.routing_valid, mb.token_mask)
-            out = model(mb.tokens.to(self.device), mb.position_ids.to(self.device), attention_mask=None)
+            if self.packed is not None:
+                self.packed.set(mb, self.device)
+            try:
+                # a packed row's structure stays on the host: each core attention reads its segments
+                out = model(mb.tokens.to(self.device), mb.position_ids.to(self.device),
+                            attention_mask=mb.attention_mask)
+            finally:
+                if self.packed is not None:
+                    self.packed.clear()
             return out, lambda output: loss_fn(mb, output)
 
         with cpu_compat.cuda_to_cpu():
@@ -207,12 +224,10 @@ class Learner:
         gets the full result)."""
         self._check_routing(seqs)
         self.model.eval()
-        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens,
-                                self.pad_id, pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp,
-                                num_experts=self.num_experts)
+        mbs = self._microbatches(seqs)
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            lp = token_logprobs(logits, mb.labels.to(logits.device), self.train_cfg.temperature)
+            lp = scored_logprobs(mb, logits, self.train_cfg.temperature)
             keep = torch.tensor([i >= 0 for i in mb.index])
             mask = (mb.loss_mask > 0) & keep.unsqueeze(-1)
             # this micro-batch's sequences, their completion lengths and log-probs, kept on the device
@@ -226,6 +241,18 @@ class Learner:
         for i, part in zip(index.tolist(), values.split(counts.tolist())):
             result[i] = part.tolist()
         return result
+
+    def _microbatches(self, seqs: list[TrainSequence], old: list[list[float]] | None = None) -> list[MicroBatch]:
+        """This DP rank's micro-batches: shared-prefix packed rows, or one padded row per sequence."""
+        make = packed_microbatches if self.shared_prefix else make_microbatches
+        return make(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens, self.pad_id, old,
+                    pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp, num_experts=self.num_experts)
+
+    def data_parallel_split(self, seqs: list[TrainSequence]) -> list[list[int]]:
+        """Sequence indices per DP rank, as _microbatches splits them (a prompt's group on one rank)."""
+        if self.shared_prefix:
+            return split_units_data_parallel(seqs, self.layout.dp)
+        return split_data_parallel([len(x) for x in seqs], self.layout.dp)
 
     def _gather_logprobs(self, outs: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every (sequence index, count, log-probs) that the last stages' TP rank 0 hold, on every
@@ -275,7 +302,7 @@ class Learner:
         """The routing of the sequences this DP rank runs (the driver sends each replica only its own)."""
         if self.routing_replay:
             moe = self.spec.moe
-            mine = split_data_parallel([len(x) for x in seqs], self.layout.dp)[self.layout.dp_rank]
+            mine = self.data_parallel_split(seqs)[self.layout.dp_rank]
             check_routing([seqs[i] for i in sorted(mine)], self.spec.num_layers, moe.top_k, moe.num_experts)
 
     def _routing_metrics(self) -> tuple[float | None, dict[str, float] | None]:
@@ -319,13 +346,13 @@ class Learner:
         """For each sequence, the data-parallel ranks whose micro-batches hold it in
         train_on_batch (the old-log-prob pass and the optimiser steps split the batch apart);
         empty: not trained. What the driver sends each replica's routing by."""
-        trains, k, dp = self.trained_mask(seqs), self.steps_for(len(seqs)), self.layout.dp
+        trains, k = self.trained_mask(seqs), self.steps_for(len(seqs))
         passes = [[i for i in range(j, len(seqs), k) if trains[i]] for j in range(k)]
         if k > 1 and self.train_cfg.old_logprobs == "forward":  # train_on_batch's old-log-prob pass
             passes.append([i for i, t in enumerate(trains) if t])
         dest: list[set[int]] = [set() for _ in seqs]
         for idx in passes:
-            for rank, part in enumerate(split_data_parallel([len(seqs[i]) for i in idx], dp)):
+            for rank, part in enumerate(self.data_parallel_split([seqs[i] for i in idx])):
                 for m in part:
                     dest[idx[m]].add(rank)
         return dest
@@ -363,8 +390,7 @@ class Learner:
         self._check_routing(seqs)
         self.model.train()
         cfg = self.train_cfg
-        mbs = make_microbatches(seqs, self.layout.dp, self.layout.dp_rank, cfg.micro_batch_tokens, self.pad_id, old,
-                                pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp, num_experts=self.num_experts)
+        mbs = self._microbatches(seqs, old)
         # megatron divides each micro-batch loss by the rank's micro-batch count and DDP averages
         # gradients over DP; undo both so that gradients are those of the global DrGRPO objective.
         scale = len(mbs) * self.layout.dp
@@ -373,7 +399,7 @@ class Learner:
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             dev = logits.device
-            lp = token_logprobs(logits, mb.labels.to(dev), cfg.temperature)
+            lp = scored_logprobs(mb, logits, cfg.temperature)
             mask = mb.loss_mask.to(dev)
             old_lp = mb.old_logprobs.to(dev) if mb.old_logprobs is not None else None
             engine_lp = mb.rollout_logprobs.to(dev)
@@ -384,13 +410,14 @@ class Learner:
                                         num_sequences=n_global, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                         engine_logprobs=engine_lp if tis_cap is not None else None, tis_cap=tis_cap)
             gap = ((lp.detach() - mb.rollout_logprobs.to(dev)).abs() * rollout_mask).sum()
+            run = mb.token_mask.sum().to(dev)
             scalars = torch.stack([loss.detach(), m["tokens"], m["clip_fraction"] * m["tokens"],
-                                   m["approx_kl"] * m["tokens"], gap, rollout_mask.sum()]).float()
+                                   m["approx_kl"] * m["tokens"], gap, rollout_mask.sum(), run]).float()
             rows = _mismatch_rows(lp.detach(), old_lp, mb.rollout_logprobs.to(dev), rollout_mask, cfg.tis_cap)
             # one device-to-host copy per micro-batch for all of its metrics
             host = torch.cat([scalars, rows.reshape(-1).float()]).tolist()
-            stats = dict(zip(("loss", "tokens", "clipped", "kl", "gap", "gap_tokens"), host[:6]))
-            stats["mismatch"] = _mismatch_by_role([host[6 + 5 * i:11 + 5 * i] for i in range(len(mb.roles))], mb.roles)
+            stats = dict(zip(("loss", "tokens", "clipped", "kl", "gap", "gap_tokens", "run"), host[:7]))
+            stats["mismatch"] = _mismatch_by_role([host[7 + 5 * i:12 + 5 * i] for i in range(len(mb.roles))], mb.roles)
             return loss * scale, stats
 
         # optim.lr=0 (a control run): Adam's update and its decoupled weight decay are both scaled by
@@ -417,6 +444,7 @@ class Learner:
         return StepMetrics(
             loss=sum(p["loss"] for p in parts), grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"], tokens=int(tokens), sequences=n_global,
+            tokens_run=int(sum(p["run"] for p in parts)),
             trained_sequences=len(seqs),
             clip_fraction=sum(p["clipped"] for p in parts) / max(tokens, 1),
             approx_kl=sum(p["kl"] for p in parts) / max(tokens, 1),

@@ -232,21 +232,30 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(spec: ModelSpec, tconfig):
+def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False):
+    """megatron's layer spec for the family (Transformer Engine's on GPU); `shared_prefix`: with
+    the core attention of shared-prefix packed rows (policy/shared_prefix.py)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec.moe is not None:  # per layer, experts or the dense MLP as tconfig.moe_layer_freq says
-        return gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=have_transformer_engine(),
-                                                          normalization="RMSNorm")
-    if have_transformer_engine():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.family.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.family.qk_norm, normalization="RMSNorm")
+        out = gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=have_transformer_engine(),
+                                                         normalization="RMSNorm")
+    elif have_transformer_engine():
+        out = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.family.qk_norm)
+    else:
+        out = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.family.qk_norm, normalization="RMSNorm")
+    if shared_prefix:
+        from spice_megatron.policy.shared_prefix import with_shared_prefix_attention
+
+        out = with_shared_prefix_attention(out)
+    return out
 
 
-def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool):
+def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool, shared_prefix: bool = False):
     from megatron.core.models.gpt import GPTModel
 
-    kwargs = dict(config=tconfig, transformer_layer_spec=layer_spec(spec, tconfig), vocab_size=spec.vocab_size,
+    kwargs = dict(config=tconfig, transformer_layer_spec=layer_spec(spec, tconfig, shared_prefix),
+                  vocab_size=spec.vocab_size,
                   max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
                   post_process=post_process, share_embeddings_and_output_weights=spec.tied_embeddings,
                   position_embedding_type="rope", rotary_base=int(spec.rope_theta))
@@ -269,7 +278,7 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
                                  aux_loss_coeff=train.moe_aux_loss_coeff, routing_replay=spec.moe is not None,
                                  **flags.megatron_kwargs(), **overrides)
     with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
-        model = build_model(spec, tconfig, layout.is_first_stage, layout.is_last_stage)
+        model = build_model(spec, tconfig, layout.is_first_stage, layout.is_last_stage, train.use_shared_prefix)
     # Uniformly in the training dtype, as megatron's Float16Module makes it: the local layer spec (no
     # Transformer Engine) builds its RMSNorms in fp32 next to bf16 linears, and the bf16 optimizer's
     # checkpoint mapping cannot handle the mix. (TE builds norms in bf16.)

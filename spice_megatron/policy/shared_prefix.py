@@ -1,0 +1,195 @@
+"""The learner's forward on shared-prefix packed rows (policy/packing.py): core attention, rotary
+positions and logits only where a token is scored.
+
+Core attention: Prefix Grouper's decomposition (arXiv 2506.05433): each prefix attends to itself
+causally, each completion attends over [its prefix; itself], causally in its own part; nothing else
+is computed, so a completion can never see another completion. Each piece is one call of torch's
+`scaled_dot_product_attention`: on GPU it dispatches the prefix pieces (no mask, `is_causal`) to
+its flash kernel and the completion pieces (a boolean mask) to its memory-efficient kernel; on
+CPU to its fused CPU kernel. It replaces megatron's core attention (local DotProductAttention or
+TEDotProductAttention) in the layer spec; the q/k/v projections, rotary embedding and output
+projection stay megatron's, Transformer Engine's on GPU. A forward without a row structure
+(attention_mask None) is plain causal attention.
+
+Rotary embedding: megatron's GPTModel applies RoPE at positions 0..S-1 of the row and ignores
+position_ids; `PackedForward` makes the model's RotaryEmbedding return its table at the row's
+position ids instead. Output layer: the final hidden states are gathered at the scored positions
+before the vocabulary projection (under sequence parallelism after gathering the sequence, as
+megatron's own last-token inference path does), so the vocab-parallel log-softmax runs on n
+scored tokens, not on S positions.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+from spice_megatron.policy.batching import MicroBatch
+
+# a row structure tensor carries its parsed segments and their completion masks per device as an
+# attribute: built by the first layer that reads it, read by every other (and gone with the tensor)
+_PARSED = "_spice_segments"
+
+
+def row_segments(structure: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(prefix start, prefix end, segment start, segment end) of each run of positions that share
+    a prefix and a segment; a prefix (or a padding position) has segment start == prefix start."""
+    cached = getattr(structure, _PARSED, None)
+    if cached is not None:
+        return cached["segments"]
+    prefix_start, prefix_end, own = structure.tolist()
+    segments: list[tuple[int, int, int, int]] = []
+    t = 0
+    while t < len(own):
+        end = t + 1
+        while end < len(own) and own[end] == own[t] and prefix_start[end] == prefix_start[t]:
+            end += 1
+        segments.append((prefix_start[t], prefix_end[t], t, end))
+        t = end
+    setattr(structure, _PARSED, {"segments": segments, "masks": {}})
+    return segments
+
+
+def _completion_mask(structure: torch.Tensor, prefix: int, n: int, device: torch.device) -> torch.Tensor:
+    """[n, prefix + n] bool: every prefix key, and the completion's own keys causally."""
+    masks = getattr(structure, _PARSED)["masks"]
+    key = (prefix, n, str(device))
+    if key not in masks:
+        own = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        masks[key] = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device), own], dim=1)
+    return masks[key]
+
+
+class SharedPrefixAttention(MegatronModule):
+    """megatron's core-attention interface (q, k, v [s, b, heads, head dim] -> [s, b, heads x head
+    dim]) over a packed row's segments; no parameters."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        from megatron.core import parallel_state as ps
+
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise ValueError("train.shared_prefix: context parallelism splits the row's sequence; not supported")
+        tp = pg_collection.tp.size() if pg_collection is not None else ps.get_tensor_model_parallel_world_size()
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
+        self.head_dim = config.kv_channels
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        if config.apply_query_key_layer_scaling:
+            scale /= max(1, layer_number)
+        self.scale = scale
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("shared-prefix attention takes neither an attention bias nor packed_seq_params")
+        s, b = query.shape[:2]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+        if self.groups != self.heads:  # grouped-query attention: megatron's head order
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        p = self.dropout if self.training else 0.0
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=p)
+        else:
+            if b != 1:
+                raise ValueError(f"a shared-prefix packed micro-batch is one row, got {b}")
+            pieces = []
+            for prefix_start, prefix_end, start, end in row_segments(attention_mask):
+                if start == prefix_start:  # a prefix, causal over itself
+                    pieces.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end],
+                                                                 v[:, :, start:end], is_causal=True,
+                                                                 scale=self.scale, dropout_p=p))
+                    continue
+                keys = torch.cat([k[:, :, prefix_start:prefix_end], k[:, :, start:end]], dim=2)
+                values = torch.cat([v[:, :, prefix_start:prefix_end], v[:, :, start:end]], dim=2)
+                mask = _completion_mask(attention_mask, prefix_end - prefix_start, end - start, q.device)
+                pieces.append(F.scaled_dot_product_attention(q[:, :, start:end], keys, values, attn_mask=mask,
+                                                             scale=self.scale, dropout_p=p))
+            out = torch.cat(pieces, dim=2)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+
+
+def with_shared_prefix_attention(layer_spec):
+    """A copy of a GPT layer spec (or a decoder block spec's layers) with this core attention."""
+    import copy
+
+    spec = copy.deepcopy(layer_spec)
+    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
+    for layer in layers:
+        layer.submodules.self_attention.submodules.core_attention = SharedPrefixAttention
+    return spec
+
+
+class PackedForward:
+    """The micro-batch facts megatron's rotary embedding and output layer read during one model
+    call (set before it, cleared after): the row's position ids and the scored positions."""
+
+    def __init__(self, model, tp_group):
+        self.positions: torch.Tensor | None = None
+        self.score_index: torch.Tensor | None = None
+        self.max_positions = int(getattr(model, "max_sequence_length", 0) or 0)
+        rope = getattr(model, "rotary_pos_emb", None)
+        if rope is not None:
+            rope.forward = self._rope_forward(rope.forward)
+        layer = getattr(model, "output_layer", None)
+        if layer is not None:
+            layer.forward = self._output_forward(layer, layer.forward, tp_group)
+
+    def set(self, mb: MicroBatch, device: torch.device) -> None:
+        packed = mb.score_index is not None
+        self.positions = mb.position_ids[0].to(device) if packed else None
+        self.score_index = mb.score_index.to(device) if packed else None
+
+    def clear(self) -> None:
+        self.positions = self.score_index = None
+
+    def _rope_forward(self, original):
+        def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+            if self.positions is None:
+                return original(max_seq_len, offset, packed_seq, cp_group)
+            if self.positions.numel() != max_seq_len:
+                raise ValueError(f"rotary embedding for {max_seq_len} positions, the packed row has "
+                                 f"{self.positions.numel()}")
+            # one table (lru-cached by megatron) at every position the model can take
+            table = original(max(self.max_positions, int(self.positions.max()) + 1), 0, False, cp_group)
+            return table[self.positions.to(table.device)]
+        return forward
+
+    def _output_forward(self, layer, original, tp_group):
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        def forward(hidden, *args, **kwargs):
+            if self.score_index is None:
+                return original(hidden, *args, **kwargs)
+            sequence_parallel = layer.sequence_parallel
+            if sequence_parallel:
+                # backward: each rank keeps its chunk of the gradient; the layer's own input copy
+                # (sequence parallelism off below) all-reduces it over the TP ranks first
+                hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                              group=tp_group)
+            hidden = hidden[self.score_index.to(hidden.device)]
+            layer.sequence_parallel = False
+            try:
+                return original(hidden, *args, **kwargs)
+            finally:
+                layer.sequence_parallel = sequence_parallel
+        return forward
+
+
+def scored_logprobs(mb: MicroBatch, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p of the scored tokens, laid out like mb.loss_mask: [b, s] for an unshared micro-batch,
+    [b, longest completion] for a packed one (logits [1, n, V/TP] at its scored positions)."""
+    from spice_megatron.policy.learner import token_logprobs
+
+    lp = token_logprobs(logits, mb.labels.to(logits.device), temperature)
+    if mb.score_index is None:
+        return lp
+    dev = lp.device
+    out = lp.new_zeros(mb.loss_mask.shape)
+    return out.index_put((mb.score_rows.to(dev), mb.score_cols.to(dev)), lp[0])
