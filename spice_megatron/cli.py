@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -92,14 +93,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     step = estimate_step_time(plan, spec, cfg, Throughput())
+    unshared = estimate_step_time(plan, spec, replace(cfg, train=replace(cfg.train, shared_prefix="off")), Throughput())
     if args.json:
-        print(json.dumps({"plan": plan.as_dict(), "step_seconds": step}, indent=2))
+        print(json.dumps({"plan": plan.as_dict(), "step_seconds": step, "step_seconds_unshared": unshared}, indent=2))
         return 0
     print(plan.describe())
     print(f"estimated seconds per iteration (B={cfg.selfplay.batch_docs}, G={cfg.selfplay.group_size}; "
           f"assumptions in spice_megatron/planner.py:Throughput):")
     for k, v in step.items():
-        if k not in ("train_tokens", "tokens_per_s_per_gpu", "tokens_per_s_per_gpu_one_step_off"):
+        if k not in ("train_tokens", "learner_tokens", "tokens_per_s_per_gpu", "tokens_per_s_per_gpu_one_step_off"):
             print(f"  {k:20s} {v:8.1f}")
     print(f"  {cfg.run.iterations} iterations: {step['total'] * cfg.run.iterations / 3600:.1f} h")
     from spice_megatron.planner import NEMO_RL_TOKENS_PER_S_PER_GPU as nemo
@@ -109,6 +111,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"off (train.max_staleness=1); NeMo-RL publishes {nemo['synchronous']:,.0f} and {nemo['one step off']:,.0f} "
           "for GRPO on Llama-3.1-8B, 16 H100s (other workload: its math prompts are short, SPICE's challenger reads "
           "~3,000-token documents)")
+    shared = "on" if cfg.train.use_shared_prefix else "off"
+    print(f"train.shared_prefix ({shared}): the learner runs {step['learner_tokens']:,.0f} tokens, "
+          f"{step['train']:.1f} s, {step['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU on-policy; without it "
+          f"{unshared['learner_tokens']:,.0f} tokens, {unshared['train']:.1f} s, "
+          f"{unshared['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
     if args.choose:
         print(f"to use it: parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
               + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")

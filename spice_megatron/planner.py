@@ -365,6 +365,10 @@ class Throughput:
     challenger_gen_tokens: int = 600
     question_tokens: int = 200
     reasoner_gen_tokens: int = 1000  # mean; the tail runs to the reasoner's max tokens
+    # train.shared_prefix: distinct prompts among a document's G challenger trajectories (the compact
+    # protocol: 1; the paper's generation prompt names the answer type, and an invalid selection's
+    # trajectory has the selection prompt)
+    paper_challenger_prompts: float = 3.0
 
 
 def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Throughput | None = None) -> dict[str, float]:
@@ -372,7 +376,8 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     weights and the live KV cache once; a phase lasts at least as long as its longest sequence
     takes at that step time. Training costs 8 x params FLOPs per token (a forward pass for the
     old log-probs, then forward and backward), and 2 x the recomputed parameters more with
-    train.recompute (full: every layer's; selective mlp: the dense MLPs')."""
+    train.recompute (full: every layer's; selective mlp: the dense MLPs'), per token the learner
+    runs: with train.shared_prefix each group's prompt once."""
     t = t or Throughput()
     sp = cfg.selfplay
     # decode reads every weight once per step (a batch of hundreds of tokens touches every expert);
@@ -405,19 +410,27 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     challenger_trained = docs * (sp.group_size if sp.challenger_group == "document" else 1)
     train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
                     + answers * (t.question_tokens + t.reasoner_gen_tokens))
+    learner_tokens = train_tokens
+    if cfg.train.use_shared_prefix:
+        prompts = 1.0 if sp.protocol == "compact" else t.paper_challenger_prompts
+        challenger_prompts = docs * min(prompts, sp.group_size) if sp.challenger_group == "document" \
+            else challenger_trained
+        learner_tokens = (challenger_prompts * t.doc_tokens + challenger_trained * t.challenger_gen_tokens
+                          + docs * t.question_tokens + answers * t.reasoner_gen_tokens)
     recomputed = 0.0
     if cfg.train.recompute == "full":
         recomputed = active
     elif cfg.train.recompute == "selective" and "mlp" in cfg.train.recompute_modules and spec.moe is None:
         recomputed = spec.num_layers * 3 * spec.hidden_size * spec.ffn_hidden_size
-    train = (8 * active + 2 * recomputed) * train_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
+    train = (8 * active + 2 * recomputed) * learner_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
     if plan.learner.all_to_all_gib:  # the experts' all-to-all, not overlapped with compute
-        micro_batches = train_tokens / cfg.train.micro_batch_tokens / plan.dp
+        micro_batches = learner_tokens / cfg.train.micro_batch_tokens / plan.dp
         train += micro_batches * plan.learner.all_to_all_gib * GiB / (t.all_to_all_gb_s * 1e9)
     sync = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
     out = {"challenger_rollout": challenger, "reasoner_rollout": reasoner, "train": train, "weight_sync": sync}
     out["total"] = sum(out.values())
     out["train_tokens"] = float(train_tokens)
+    out["learner_tokens"] = float(learner_tokens)
     # NeMo-RL's throughput unit: tokens (prompt + generated) through the loop per second per GPU of
     # the job; one step off, the rollouts overlap the learner's step and sync
     gpus = plan.learner_gpus + plan.rollout_gpus

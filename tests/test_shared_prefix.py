@@ -77,6 +77,15 @@ def test_groups_stay_on_one_data_parallel_rank_and_a_long_group_is_split_with_it
     assert counts[0] == counts[1]
 
 
+def test_mini_batches_hold_whole_groups_dealt_round_robin():
+    from spice_megatron.policy.packing import minibatch_split
+
+    seqs = [TrainSequence([g], [1, 2]) for g in (0, 0, 1, 1, 2, 2, 3, 3)]
+    assert minibatch_split(seqs, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert minibatch_split(seqs, 1) == [list(range(8))]
+    assert minibatch_split(seqs[:2], 2) == [[0], [1]]  # fewer groups than steps: seqs[j::k]
+
+
 def _attention(heads=2, groups=1, dim=4):
     from spice_megatron.policy.shared_prefix import SharedPrefixAttention
 
@@ -143,9 +152,9 @@ def _flipped(seqs):
     return out
 
 
-def _compare_rank(model_dir, layouts, dtype="fp32", routing_layers=0, replay="off"):
-    """Per layout and shared_prefix off/on: completion log-probs, (loss, grad norm) of two
-    optimiser steps, the weights after them and the tokens the forward ran."""
+def _compare_rank(model_dir, layouts, dtype="fp32", routing_layers=0, replay="off", per_update=0):
+    """Per layout and shared_prefix off/on: completion log-probs, (loss, grad norm) of the first
+    two optimiser steps, the weights after them and the tokens the forward ran."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
     from spice_megatron.policy.learner import Learner
 
@@ -155,11 +164,12 @@ def _compare_rank(model_dir, layouts, dtype="fp32", routing_layers=0, replay="of
             learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp, expert_parallel=ep),
                                       OptimConfig(lr=1e-3, adam_eps=1e-5),
                                       PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=24, shared_prefix=shared,
-                                                        dtype=dtype, routing_replay=replay))
+                                                        dtype=dtype, routing_replay=replay,
+                                                        trajectories_per_update=per_update))
             batch = groups_batch(routing_layers=routing_layers)
             lps = learner.compute_logprobs(batch)
             first = learner.train_on_batch(batch)[0]
-            second = learner.train_on_batch(_flipped(batch))[0]
+            second = learner.train_on_batch(_flipped(batch))[-1]
             weights = {k: v.float() for k, v in (gathered_hf_state_dict(learner) or {}).items()}  # on rank 0
             out[(tp, pp, ep, shared)] = (lps, [first.loss, first.grad_norm, second.loss, second.grad_norm], weights,
                                          first.tokens_run)
@@ -195,6 +205,9 @@ def test_shared_prefix_equals_the_unshared_forward_and_steps_at_one_rank_fp32_an
     (fp32,) = run_ranks(_compare_rank, 1, dense_dir, [(1, 1, 1)], tmp_path=tmp_path)
     _assert_same(fp32, [(1, 1, 1)])
     assert fp32[(1, 1, 1, "on")][3] == 36 and fp32[(1, 1, 1, "off")][3] == 63
+    # two mini-batches of whole groups per batch: the old-log-prob pass and the PPO clip
+    (clipped,) = run_ranks(_compare_rank, 1, dense_dir, [(1, 1, 1)], "fp32", 0, "off", 4, tmp_path=tmp_path)
+    _assert_same(clipped, [(1, 1, 1)])
     (bf16,) = run_ranks(_compare_rank, 1, dense_dir, [(1, 1, 1)], "bf16", tmp_path=tmp_path)
     # bf16: 8 bits of mantissa; the two forwards sum in other orders
     _assert_same(bf16, [(1, 1, 1)], lp_tol=0.1, rel=0.05)

@@ -68,14 +68,14 @@ def batch(n: int = 6, seed: int = 3):
     return seqs
 
 
-def learner(model_dir: str, dtype: str, lr: float, routing_replay: str = "off"):
+def learner(model_dir: str, dtype: str, lr: float, routing_replay: str = "off", **train):
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
     from spice_megatron.policy.learner import Learner
 
     # routing replay needs an engine's routing: off, unless a check brings routing of its own
     return Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=lr, adam_eps=1e-5, weight_decay=0.0),
-                           PolicyTrainConfig(max_gen_len=16, micro_batch_tokens=256, dtype=dtype,
-                                             routing_replay=routing_replay))
+                           PolicyTrainConfig(**{**dict(max_gen_len=16, micro_batch_tokens=256, dtype=dtype,
+                                                       routing_replay=routing_replay), **train}))
 
 
 def own_routing(lr, seqs) -> list:
@@ -193,6 +193,41 @@ def check_logprobs_gpu_vs_cpu(model_dir: str, work: str) -> tuple[bool, str]:
     mean, worst = sum(diffs) / len(diffs), max(diffs)
     # bf16 weights and activations against fp32: per-token log-probs within a few hundredths
     return mean < 0.02 and worst < 0.15, f"bf16 GPU vs fp32 CPU |dlogp| mean {mean:.4f} max {worst:.4f} over {len(diffs)} tokens"
+
+
+def check_shared_prefix(model_dir: str) -> tuple[bool, str]:
+    """Shared-prefix packing (policy/shared_prefix.py: torch SDPA's flash / memory-efficient kernels
+    under Transformer Engine's projections on GPU) against one padded row per sequence, bf16: the
+    completion log-probs and the step time of four groups of 8 x (512 prompt + ~128 completion)."""
+    from spice_megatron.policy.batching import TrainSequence
+
+    g = torch.Generator().manual_seed(5)
+    seqs = []
+    for k in range(4):
+        prompt = torch.randint(0, TINY["vocab_size"], (512,), generator=g).tolist()
+        seqs += [TrainSequence(prompt, torch.randint(0, TINY["vocab_size"], (96 + 8 * i,), generator=g).tolist(),
+                               advantage=(-1.0) ** i * 0.5) for i in range(8)]
+    got, seconds = {}, {}
+    for mode in ("off", "on"):
+        lr = learner(model_dir, "bf16", 1e-6, shared_prefix=mode, max_gen_len=256, micro_batch_tokens=4096)
+        got[mode] = lr.compute_logprobs(seqs)
+        lr.train_on_batch(seqs)  # warm-up
+        times = []
+        for _ in range(3):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            lr.train_on_batch(seqs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        seconds[mode] = sorted(times)[1]
+    diffs = [abs(a - b) for x, y in zip(got["on"], got["off"]) for a, b in zip(x, y)]
+    mean, worst = sum(diffs) / len(diffs), max(diffs)
+    return mean < 0.02 and worst < 0.15, (f"bf16 shared vs unshared |dlogp| mean {mean:.4f} max {worst:.4f} over "
+                                          f"{len(diffs)} tokens; step {seconds['off'] * 1e3:.0f} ms unshared, "
+                                          f"{seconds['on'] * 1e3:.0f} ms shared "
+                                          f"({seconds['off'] / seconds['on']:.2f}x)")
 
 
 def check_checkpoint_resume(model_dir: str, work: str) -> tuple[bool, str]:
@@ -509,6 +544,7 @@ def main() -> int:
                    else (None, "needs a GPU (vLLM's routed-experts return needs Model Runner V2)")),
                   ("logprobs_gpu_vs_cpu", lambda: check_logprobs_gpu_vs_cpu(model_dir, work)),
                   ("bf16_checkpoint_resume", lambda: check_checkpoint_resume(model_dir, work)),
+                  ("shared_prefix_vs_unshared", lambda: check_shared_prefix(model_dir)),
                   ("weight_sync_gloo_to_cpu_receiver", lambda: check_weight_sync(model_dir, work, "gloo")),
                   ("weight_sync_nccl", lambda: check_weight_sync(model_dir, work, "nccl") if on_gpu
                    else (None, "needs GPUs")),

@@ -91,7 +91,7 @@ def build(config: dict, tp: int, dtype: str, train: dict) -> SimpleNamespace:
     from spice_megatron.policy.model import build_policy_model, model_spec_from_hf
     from spice_megatron.policy.parallel import current_layout, init_distributed
 
-    parallel, train_cfg = ParallelConfig(tensor_parallel=tp), PolicyTrainConfig(dtype=dtype, **train)
+    parallel, train_cfg = ParallelConfig(tensor_parallel=tp), PolicyTrainConfig(dtype=dtype, shared_prefix="off", **train)
     train_cfg.validate()
     init_distributed(parallel)
     spec = model_spec_from_hf(config)

@@ -21,7 +21,7 @@ from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
 from spice_megatron.policy.model import ModelSpec, build_policy_model, model_spec_from_hf
-from spice_megatron.policy.packing import packed_microbatches, split_units_data_parallel
+from spice_megatron.policy.packing import minibatch_split, packed_microbatches, split_units_data_parallel
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
 from spice_megatron.policy.shared_prefix import PackedForward, scored_logprobs
@@ -347,7 +347,7 @@ class Learner:
         train_on_batch (the old-log-prob pass and the optimiser steps split the batch apart);
         empty: not trained. What the driver sends each replica's routing by."""
         trains, k = self.trained_mask(seqs), self.steps_for(len(seqs))
-        passes = [[i for i in range(j, len(seqs), k) if trains[i]] for j in range(k)]
+        passes = [[i for i in part if trains[i]] for part in minibatch_split(seqs, k)]
         if k > 1 and self.train_cfg.old_logprobs == "forward":  # train_on_batch's old-log-prob pass
             passes.append([i for i, t in enumerate(trains) if t])
         dest: list[set[int]] = [set() for _ in seqs]
@@ -358,7 +358,7 @@ class Learner:
         return dest
 
     def train_on_batch(self, seqs: list[TrainSequence], version: int | None = None) -> list[StepMetrics]:
-        """Several optimiser steps on one rollout batch (mini-batches seqs[j::k], k = steps_for(n));
+        """Several optimiser steps on one rollout batch (k = steps_for(n) mini-batches, minibatch_split);
         from the second on, the PPO ratio is clipped against the log-probs before the first.
         `version`: the learner's weights version, checked against the sequences' (check_staleness)."""
         if version is not None:
@@ -377,10 +377,10 @@ class Learner:
                 old_all = {i: seqs[i].rollout_logprobs for i in kept}
         # With one step and recomputed old log-probs the ratio is exactly 1: skip the extra pass.
         metrics = []
-        for j in range(k):
-            idx = [i for i in range(j, len(seqs), k) if trains[i]]
+        for part in minibatch_split(seqs, k):
+            idx = [i for i in part if trains[i]]
             old = [old_all[i] for i in idx] if old_all is not None else None
-            metrics.append(self._optimizer_step([seqs[i] for i in idx], old, len(range(j, len(seqs), k))))
+            metrics.append(self._optimizer_step([seqs[i] for i in idx], old, len(part)))
         return metrics
 
     def _optimizer_step(self, seqs: list[TrainSequence], old: list[list[float]] | None, n_global: int) -> StepMetrics:

@@ -33,6 +33,22 @@ def prefix_groups(seqs: list[TrainSequence], indices: list[int]) -> list[list[in
     return list(groups.values())
 
 
+def minibatch_split(seqs: list[TrainSequence], k: int) -> list[list[int]]:
+    """The k mini-batches of a batch's optimiser steps: whole prompt groups, dealt in order to the
+    mini-batch with the fewest sequences (round-robin for equal groups), so that every step sees
+    groups of every kind and a group's prompt runs once in its step (verl's mini-batches are
+    likewise prompts with all their responses). With fewer groups than steps: seqs[j::k]."""
+    groups = prefix_groups(seqs, list(range(len(seqs))))
+    if k == 1:
+        return [list(range(len(seqs)))]
+    if len(groups) < k:
+        return [list(range(j, len(seqs), k)) for j in range(k)]
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for group in groups:
+        min(parts, key=len).extend(group)
+    return [sorted(part) for part in parts]
+
+
 def packed_length(seqs: list[TrainSequence], unit: list[int]) -> int:
     """Tokens one unit puts in a row: its prompt once, each completion but its last token."""
     return len(seqs[unit[0]].prompt_ids) + sum(len(seqs[i].completion_ids) - 1 for i in unit)
