@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "'paper' or a comma-separated list")
     st.add_argument("--eval-limit", type=int, default=0, help="items per benchmark during training (0: all)")
     st.add_argument("--eval-data", default=DEFAULT_OUT, help="prepared data directory holding eval/")
+    st.add_argument("--eval-challenger-docs", default="",
+                    help="JSONL of fixed documents ({\"text\": ...}): every run.eval_every iterations the policy "
+                         "writes G tasks on each into <output-dir>/challenger_eval/, to score against a fixed "
+                         "reasoner (docs/learning.md)")
     st.add_argument("overrides", nargs="*", help="config overrides such as selfplay.batch_docs=8 run.iterations=5")
     st.set_defaults(func=cmd_train)
 

@@ -69,19 +69,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from spice_megatron.run_lock import RunDirLocked
     from spice_megatron.trainer import EnginesLost, Interrupted, KillSwitch, train
 
-    eval_hook = None
-    if args.eval_benchmarks and cfg.run.eval_every and global_rank() == 0:
-        from transformers import AutoTokenizer
-
-        from spice_megatron.eval.benchmarks import benchmark_names
-        from spice_megatron.eval.harness import EvalSettings
-        from spice_megatron.eval.run import training_eval_hook
-
-        settings = EvalSettings(max_tokens=cfg.selfplay.reasoner_max_tokens, seed=cfg.run.seed,
-                                template=cfg.selfplay.template, prompt_dir=cfg.selfplay.prompt_dir,
-                                stop=tuple(cfg.selfplay.reasoner_stop))
-        eval_hook = training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data,
-                                       AutoTokenizer.from_pretrained(cfg.run.model), settings, args.eval_limit or None)
+    try:
+        eval_hook = _eval_hook(args, cfg)
+    except (OSError, ValueError) as e:
+        print(f"error: --eval-challenger-docs: {e}", file=sys.stderr)
+        return 2
     try:
         summary = train(cfg, resume=args.resume or args.resume_after_kill_switch, eval_hook=eval_hook,
                         resume_after_kill_switch=args.resume_after_kill_switch)
@@ -130,3 +122,41 @@ def _moved_line(metrics_path: str) -> str:
     first, last = metrics[0], metrics[-1]
     parts = [f"{label} {first[key]:.2f} -> {last[key]:.2f}" for label, key in MOVED if key in first and key in last]
     return f"  moved (iteration {first['iteration']} -> {last['iteration']}): " + ", ".join(parts)
+
+
+def _eval_hook(args: argparse.Namespace, cfg):
+    """The trainer's evaluation hook on the driver (None without evaluations): the benchmarks
+    through the training fleet, then the challenger's tasks on fixed documents."""
+    from spice_megatron.launch import global_rank
+
+    if not cfg.run.eval_every or global_rank() != 0 or not (args.eval_benchmarks or args.eval_challenger_docs):
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
+    hooks = []
+    if args.eval_benchmarks:
+        from spice_megatron.eval.benchmarks import benchmark_names
+        from spice_megatron.eval.harness import EvalSettings
+        from spice_megatron.eval.run import training_eval_hook
+
+        settings = EvalSettings(max_tokens=cfg.selfplay.reasoner_max_tokens, seed=cfg.run.seed,
+                                template=cfg.selfplay.template, prompt_dir=cfg.selfplay.prompt_dir,
+                                stop=tuple(cfg.selfplay.reasoner_stop))
+        hooks.append(training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data, tokenizer, settings,
+                                        args.eval_limit or None))
+    if args.eval_challenger_docs:
+        from spice_megatron.eval.challenger_eval import challenger_eval_hook, read_documents
+
+        # one sampling seed per run seed: a trained run and its control write from the same draws
+        hooks.append(challenger_eval_hook(read_documents(args.eval_challenger_docs),
+                                          os.path.join(cfg.run.output_dir, "challenger_eval"), tokenizer,
+                                          cfg.selfplay, seed=cfg.run.seed, attempts=cfg.selfplay.group_size))
+
+    def hook(iteration: int, fleet) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for h in hooks:
+            out.update(h(iteration, fleet))
+        return out
+
+    return hook

@@ -284,3 +284,15 @@ def test_eval_takes_the_training_prompts_an_exported_model_records(tmp_path):
                                                               "prompt_dir": str(tmp_path / "gone"), "reasoner_stop": []}))
     with pytest.raises(FileNotFoundError, match="the training prompt_dir .*gone is missing"):
         with_training_prompts(EvalSettings(template=""), str(tmp_path))
+
+
+def test_fixed_challenger_documents_name_a_bad_line(tmp_path):
+    from spice_megatron.eval.challenger_eval import read_documents
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "A story.", "doc_id": "s/0/0"}\n\n{"title": "no text"}\n')
+    with pytest.raises(ValueError, match=r"docs.jsonl:3: not a JSON record with a text field"):
+        read_documents(str(path))
+    path.write_text('{"text": "A story."}\n{"text": "Another."}\n')
+    docs = read_documents(str(path))
+    assert [d.doc_id for d in docs] == ["fixed/0/0", "fixed/1/0"] and docs[1].text == "Another."

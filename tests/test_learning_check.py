@@ -30,22 +30,65 @@ def test_wilson_interval():
     assert lo == pytest.approx(0.0, abs=1e-9) and 0 < hi < 10
 
 
-def test_the_challenger_verdict_compares_the_last_third_with_the_control():
+def _scored(values: list[float], frontier: list[float]) -> list[dict]:
+    return [{"doc_id": f"heldout/{i}/0", "variance_reward": v, "frontier_share": f, "pass_rates": []}
+            for i, (v, f) in enumerate(zip(values, frontier))]
+
+
+def test_the_challenger_verdict_pairs_each_trained_seed_with_its_control_on_held_out_documents():
     from learning_check import challenger_verdict
 
-    def run(name, rewards, frontier):
-        return {"name": name, "challenger_reward": rewards, "frontier_share": frontier}
+    runs = {"trained_a": {"seed": 1}, "control_a": {"seed": 1}, "trained_b": {"seed": 2}, "control_b": {"seed": 2}}
+    base = _scored([0.2] * 12, [0.1] * 12)
+    better = _scored([0.2 + 0.05 * (i % 3 + 1) for i in range(12)], [0.1] * 12)  # above on every document
+    noisy = _scored([0.2 + (0.3 if i % 2 else -0.3) for i in range(12)], [0.1] * 12)  # the mean moves, the CI spans 0
+    scores = {"trained_a": {0: base, 4: better}, "control_a": {0: base, 4: base},
+              "trained_b": {0: base, 4: noisy}, "control_b": {0: base, 4: base}}
+    v = challenger_verdict(runs, scores)
+    assert v["per_seed"]["trained_a"]["learned"] and not v["per_seed"]["trained_b"]["learned"]
+    assert not v["learned"]  # every seed must show it
+    diff, lo, hi = v["per_seed"]["trained_a"]["variance_reward"]
+    assert diff == pytest.approx(0.1) and 0 < lo <= diff <= hi
+    assert "trained_a (seed 1, iteration 4) variance reward 0.200 -> 0.300 vs control 0.200" in v["line"]
+    scores["trained_b"][4] = _scored([0.2] * 12, [0.1 + 0.1 * (i % 2 + 1) for i in range(12)])  # frontier only
+    assert challenger_verdict(runs, scores)["learned"]
+    del scores["control_b"]
+    assert not challenger_verdict(runs, scores)["learned"]  # a seed without its control shows nothing
 
-    control = run("control_a", [0.1, 0.1, 0.1, 0.1, 0.2, 0.1], [0.1] * 6)
-    learned = run("trained_a", [0.1, 0.1, 0.2, 0.3, 0.4, 0.5], [0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
-    flat = run("trained_b", [0.1, 0.1, 0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1, 0.1, 0.05])
-    v = challenger_verdict([learned], control)
-    assert v["learned"] and v["trained"][0]["challenger_reward"] == pytest.approx(0.45)
-    assert v["control"]["challenger_reward"] == pytest.approx(0.15)
-    assert not challenger_verdict([learned, flat], control)["learned"]  # every trained run must beat it
-    assert not challenger_verdict([learned], None)["learned"]
-    nan = float("nan")  # an iteration without the metric does not count
-    assert challenger_verdict([run("t", [0.1, 0.1, 0.1, 0.1, 0.9, nan], [0.1] * 6)], control)["learned"]
+
+def test_held_out_challenger_tasks_are_scored_per_document_by_a_fixed_reasoner():
+    from types import SimpleNamespace
+
+    from spice_megatron.eval.challenger_eval import paired_bootstrap, score_tasks, summarise
+    from spice_megatron.rollout.types import Completion
+
+    written = [{"doc_id": "d0", "tasks": [{"question": "2+2?", "answer": "4", "answer_type": "integer"}, None],
+                "reasons": ["", "no answer tag"]},
+               {"doc_id": "d1", "tasks": [{"question": "3+3?", "answer": "7", "answer_type": "integer"},
+                                          {"question": "1+1?", "answer": "2", "answer_type": "integer"}],
+                "reasons": ["", ""]}]
+    answers = {"2+2?": ["4", "4", "5", "5"], "3+3?": ["6"] * 4, "1+1?": ["2"] * 4}
+
+    def generate(prompts, spec):
+        return [[Completion(f"\\boxed{{{a}}}", [1]) for a in answers[next(q for q in answers if q in p)]]
+                for p in prompts]
+
+    class Verifier:
+        def verify_batch(self, items):
+            return [pred == gold for pred, gold, _ in items]
+
+    cfg = SimpleNamespace(template="plain", prompt_dir="", group_size=4, reasoner_temperature=0.5, top_p=1.0,
+                          reasoner_max_tokens=8, reasoner_stop=[])
+    scored = score_tasks(generate, written, None, cfg, Verifier(), seed=1, gold={"d0": "4", "d1": "6"}.get)
+    assert [d["pass_rates"] for d in scored] == [[0.5, None], [0.0, 1.0]]
+    assert scored[0]["valid_rate"] == 0.5 and scored[0]["frontier_share"] == 0.5 and scored[0]["gold_right"] == 0.5
+    assert scored[1]["frontier_share"] == 0.0 and scored[1]["gold_right"] == 0.0
+    assert scored[0]["variance_reward"] == pytest.approx(0.5)  # p = 0.5: reward 1, the invalid attempt 0
+    summary = summarise(scored)
+    assert summary["pass_rate_histogram"] == [1, 0, 0, 0, 0, 1, 0, 0, 0, 1] and summary["documents"] == 2
+    assert paired_bootstrap([1.0, 2.0], [1.0, 2.0]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="paired"):
+        paired_bootstrap([1.0], [])
 
 
 def test_a_finished_run_is_reused_only_under_the_same_settings(tmp_path, capsys):

@@ -10,19 +10,26 @@ Each finished run is kept as <out>/<name>.done.json with the settings it ran und
 invocation with the same settings reuses it, so a killed check resumes and runs can be done apart.
 
 `--selfplay` is SPICE itself (selfplay.challenger=self, the tiny_cpu recipe): the policy writes
-tasks from story documents (story_corpus.py) and answers them; both roles are trained. Held-out:
-questions about stories with number pairs no training document uses. Per iteration it also follows
-the challenger: valid-task rate, challenger reward, frontier share (tasks with 0 < pass rate < 1),
-leak rate (answers readable off the question). Verdict: the held-out rule below, and the
-challenger learned: over the last third of each trained run its mean challenger reward (or its
-frontier share) is above the control's over the same iterations.
+tasks from story documents (story_corpus.py) and answers them; both roles are trained, and every
+seed has its control. Held-out: questions about stories with number pairs no training document
+uses. The challenger is measured as the paper's Figure 3 measures it (eval/challenger_eval.py):
+before training and every evaluation, the policy writes G tasks on each of --challenger-docs fixed
+held-out stories; after the runs the base model (a fixed reasoner) answers each task G times at the
+recipe's temperature; per evaluation: valid rate, gold-right rate (the story's result), frontier
+share (0 < pass rate < 1), variance reward (SPICE's challenger reward; an invalid task 0) and the
+pass-rate histogram. Training-document curves (challenger reward, frontier share, leak rate) are
+plotted too, but they follow the documents drawn. Verdict: the held-out rule below for every
+trained run and control, and for each seed the trained challenger's held-out variance reward or
+frontier share at the last evaluation above its control's, with a paired bootstrap 95% interval
+over the documents that excludes 0.
 
 Without --selfplay: reasoner-only training on fixed tasks (selfplay.challenger=tasks).
 
 The tasks: short integer arithmetic from a seeded generator (this model solves some of it), split
 into a training pool and a held-out set with no question in common. Runs, one after another:
   trained seed A, control seed A (optim.lr=0: the same rollouts, rewards and steps, frozen
-  weights; its learner steps are forward passes, which give the same metrics), trained seed B.
+  weights; its learner steps are forward passes, which give the same metrics), trained seed B
+  (and with --selfplay control seed B).
 Held-out accuracy: greedy through the engine, before (the base model) and every few iterations
 during each run (the trainer's evaluation hook, on the training fleet), with a Wilson 95%
 interval. Per iteration: training reward, boxed-answer rate, learner-vs-engine log-prob gap.
@@ -99,13 +106,19 @@ def _mode_args(args, train_file: str) -> list[str]:
             "train.temperature=1.0", f"train.max_gen_len={args.max_tokens}"]
 
 
+def _selfplay_overrides(args) -> list[str]:
+    """The self-play settings every run trains with (the challenger's evaluation writes and scores
+    with them too)."""
+    return ["selfplay.template=plain", f"selfplay.batch_docs={args.batch}", f"selfplay.group_size={args.group}",
+            f"selfplay.reasoner_max_tokens={args.max_tokens}"]
+
+
 def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr: float) -> dict:
     run_dir = os.path.join(out, name)
+    challenger_eval = ["--eval-challenger-docs", args.challenger_docs_file] if args.selfplay else []
     cmd = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", args.model,
-           "--output-dir", run_dir, "--eval-benchmarks", heldout, "--eval-data", out, *_mode_args(args, train_file),
-           "selfplay.template=plain",
-           f"selfplay.batch_docs={args.batch}", f"selfplay.group_size={args.group}",
-           f"selfplay.reasoner_max_tokens={args.max_tokens}",
+           "--output-dir", run_dir, "--eval-benchmarks", heldout, "--eval-data", out, *challenger_eval,
+           *_mode_args(args, train_file), *_selfplay_overrides(args),
            "train.micro_batch_tokens=2048",
            f"optim.lr={lr}", "optim.weight_decay=0.0", "optim.clip_grad=1.0", f"train.max_staleness={args.staleness}",
            f"run.iterations={args.iterations}", f"run.seed={seed}", f"train.seed={seed}",
@@ -226,6 +239,8 @@ def main() -> int:
                          "interval is +-6 points, so non-overlap needs +13 points, stricter than the 10-point "
                          "bar; at 300 it needs +10.7)")
     ap.add_argument("--only", default="", help="comma-separated runs to do (trained_a, control_a, trained_b)")
+    ap.add_argument("--challenger-docs", type=int, default=32,
+                    help="--selfplay: fixed held-out stories the challenger writes G tasks on at each evaluation")
     ap.add_argument("--seeds", default="1234,4321")
     ap.add_argument("--staleness", type=int, default=0, help="train.max_staleness (1: one step off, TIS on)")
     ap.add_argument("overrides", nargs="*", help="more recipe overrides (section.field=value) for every run")
@@ -248,8 +263,12 @@ def main() -> int:
 
         stories = story_corpus.make_stories(2000, n_heldout=args.heldout)
         train_file = _write_jsonl(os.path.join(args.out, "stories.jsonl"), story_corpus.corpus_rows(stories))
-        held = story_corpus.eval_rows(story_corpus.make_heldout(args.heldout))
+        held_stories = story_corpus.make_heldout(args.heldout)
+        held = story_corpus.eval_rows(held_stories)
         args.prompt_dir, args.stop = story_corpus.PROMPT_DIR, story_corpus.REASONER_STOP
+        fixed = [{"doc_id": f"heldout/{i}/0", "text": st.text, "answer": str(st.answer)}
+                 for i, st in enumerate(held_stories[:args.challenger_docs])]
+        args.challenger_docs_file = _write_jsonl(os.path.join(args.out, "challenger_docs.jsonl"), fixed)
     else:
         train, held = make_tasks(7, args.heldout)
         train_file = _write_jsonl(os.path.join(args.out, "train_tasks.jsonl"), train)
@@ -261,7 +280,7 @@ def main() -> int:
 
     settings = {k: getattr(args, k) for k in ("iterations", "eval_every", "batch", "group", "max_tokens", "lr",
                                               "heldout", "seeds", "staleness", "challenger_tokens", "model",
-                                              "selfplay", "extra")}
+                                              "selfplay", "extra", "challenger_docs")}
     # what the runs read besides their flags: a changed prompt or recipe must not reuse old runs
     settings["content"] = content_hash([os.path.join(ROOT, "recipes", "tiny_cpu.py"), train_file,
                                         heldout.split(":")[1], args.prompt_dir])
@@ -270,7 +289,9 @@ def main() -> int:
     before["ci"] = wilson(before["correct"], before["items"])
     print(f"held-out before: {before['accuracy']:.1f}% {before['ci']} ({before['items']} items)", flush=True)
     plan = [("trained_a", args.seeds[0], args.lr), ("control_a", args.seeds[0], 0.0)]
-    plan += [(f"trained_{chr(ord('a') + i)}", s, args.lr) for i, s in enumerate(args.seeds[1:], 1)]
+    for i, s in enumerate(args.seeds[1:], 1):  # with --selfplay a control per seed: the challenger's comparison
+        plan += [(f"trained_{chr(ord('a') + i)}", s, args.lr)] + ([(f"control_{chr(ord('a') + i)}", s, 0.0)]
+                                                                 if args.selfplay else [])
     if args.only:
         plan = [p for p in plan if p[0] in args.only.split(",")]
     runs = {}
@@ -294,14 +315,24 @@ def main() -> int:
     def gained(run) -> bool:
         return run["after"] - before["accuracy"] >= GAIN_POINTS and run["after_ci"][0] > before["ci"][1]
 
-    control = runs.get("control_a")
-    control_flat = control is not None and control["after_ci"][0] <= before["ci"][1] and \
-        control["after_ci"][1] >= before["ci"][0]
+    controls = [r for n, r in runs.items() if n.startswith("control")]
+    control_flat = bool(controls) and all(c["after_ci"][0] <= before["ci"][1] and c["after_ci"][1] >= before["ci"][0]
+                                          for c in controls)
     trained = [r for n, r in runs.items() if n.startswith("trained")]
     verdict = "PASS" if all(gained(r) for r in trained) and control_flat else "FAIL"
-    challenger = challenger_verdict(trained, control) if args.selfplay else {}
-    if challenger and not challenger["learned"]:
-        verdict = "FAIL"
+    challenger = {}
+    if args.selfplay:
+        gold = {d["doc_id"]: d["answer"] for d in fixed}
+        scores = _finished(args.out, "challenger_scores", {**settings, "runs": sorted(runs)}) or _keep(
+            args.out, "challenger_scores", {**settings, "runs": sorted(runs)}, challenger_scores(args, runs, gold))
+        from spice_megatron.eval.challenger_eval import summarise
+
+        scores = {n: {int(it): docs for it, docs in by_iteration.items()} for n, by_iteration in scores.items()}
+        for name, by_iteration in scores.items():  # JSON keys are strings: iterations back to ints
+            runs[name]["heldout_challenger"] = {it: summarise(docs) for it, docs in sorted(by_iteration.items())}
+        challenger = challenger_verdict(runs, scores)
+        if not challenger["learned"]:
+            verdict = "FAIL"
     summary = {"verdict": verdict, "mode": "selfplay" if args.selfplay else "tasks", "challenger": challenger,
                "before": before, "minutes": (time.perf_counter() - t_start) / 60,
                "run_minutes": sum(r["seconds"] for r in runs.values()) / 60,  # kept runs count too
@@ -314,62 +345,130 @@ def main() -> int:
              for n, r in runs.items()]
     print(f"learning_check {verdict}: held-out accuracy before {before['accuracy']:.1f} "
           f"(95% CI {before['ci'][0]:.1f}-{before['ci'][1]:.1f}); " + "; ".join(parts)
-          + (f"; challenger (last third, trained vs control): {challenger['line']}" if challenger else "")
+          + (f"; challenger (held-out stories, fixed reasoner, last evaluation, trained vs control): "
+             f"{challenger['line']}" if challenger else "")
           + f"; runs {summary['run_minutes']:.1f} min, this invocation {summary['minutes']:.1f}")
     return 0 if verdict == "PASS" else 1
 
 
-def _last_third(values: list[float]) -> float:
-    tail = values[len(values) - max(1, len(values) // 3):]
-    tail = [v for v in tail if v == v]  # NaN: an iteration without the metric
-    return sum(tail) / len(tail) if tail else float("nan")
+def challenger_scores(args, runs: dict, gold: dict[str, str]) -> dict[str, dict[int, list[dict]]]:
+    """Each run's held-out challenger tasks (its evaluations; iteration 0: the base model's, written
+    here with the run's seed), answered by the base model, the fixed reasoner, in one engine:
+    {run: {iteration: per-document scores}}."""
+    import glob
+
+    from transformers import AutoTokenizer
+
+    from recipes import get_recipe
+    from spice_megatron.config import apply_overrides
+    from spice_megatron.eval.challenger_eval import encoded_generate, read_documents, score_tasks, write_tasks
+    from spice_megatron.rollout.local import local_fleet
+    from spice_megatron.verify import AnswerVerifier
+
+    cfg = apply_overrides(get_recipe("tiny_cpu"), [*_selfplay_overrides(args),
+                                                   f"selfplay.challenger_max_tokens={args.challenger_tokens}",
+                                                   *args.extra]).selfplay
+    docs = read_documents(args.challenger_docs_file)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    verifier = AnswerVerifier(processes=1)
+    out: dict[str, dict[int, list[dict]]] = {}
+    try:
+        with local_fleet(args.model, os.path.join(args.out, "challenger_eval_logs"), 1024, 1.0, args.seeds[0]) as fleet:
+            generate = encoded_generate(fleet, tokenizer)
+
+            def score(written: list[dict]) -> list[dict]:
+                return score_tasks(generate, written, tokenizer, cfg, verifier, args.seeds[0], gold.get)
+
+            base = {seed: score(write_tasks(generate, docs, tokenizer, cfg, seed, args.group))
+                    for seed in sorted({r["seed"] for r in runs.values()})}
+            for name, run in runs.items():
+                out[name] = {0: base[run["seed"]]}
+                for path in sorted(glob.glob(os.path.join(args.out, name, "challenger_eval", "iteration_*.json"))):
+                    with open(path) as f:
+                        written = json.load(f)
+                    out[name][written["iteration"]] = score(written["documents"])
+    finally:
+        verifier.close()
+    return out
 
 
-def challenger_verdict(trained: list[dict], control: dict | None) -> dict:
-    """The challenger learned when, over the last third of the iterations, each trained run's mean
-    challenger reward or frontier share is above the control's."""
-    if control is None:
-        return {"learned": False, "line": "no control run"}
-    keys = ("challenger_reward", "frontier_share")
-    shown = (*keys, "leak_rate")  # reported beside them: a reward won by answers in the question is no gain
-    ctrl = {k: _last_third(control.get(k, [])) for k in shown}
-    per_run = [{k: _last_third(r.get(k, [])) for k in shown} for r in trained]
-    learned = bool(per_run) and all(any(m[k] > ctrl[k] for k in keys) for m in per_run)
+def challenger_verdict(runs: dict, scores: dict) -> dict:
+    """Per seed: the trained run's held-out variance reward and frontier share at its last
+    evaluation against its control's at the same iteration, paired over the documents; learned
+    when either difference's bootstrap 95% interval is above 0."""
+    from spice_megatron.eval.challenger_eval import paired_bootstrap
 
-    def describe(m: dict) -> str:
-        return f"reward {m['challenger_reward']:.3f} frontier {m['frontier_share']:.2f} leaks {m['leak_rate']:.2f}"
+    per_seed, parts = {}, []
+    for name in runs:
+        if not name.startswith("trained"):
+            continue
+        control = "control" + name[len("trained"):]
+        last = max(scores.get(name, {0: None}))
+        if control not in scores or last not in scores[control] or last == 0:
+            per_seed[name] = {"learned": False}
+            parts.append(f"{name}: no control evaluation to compare")
+            continue
+        t, c = scores[name][last], scores[control][last]
+        if [d["doc_id"] for d in t] != [d["doc_id"] for d in c]:
+            raise ValueError(f"{name} and {control}: evaluated on other documents")
+        result = {"iteration": last}
+        for metric in ("variance_reward", "frontier_share"):
+            result[metric] = paired_bootstrap([d[metric] for d in t], [d[metric] for d in c], seed=runs[name]["seed"])
+        result["learned"] = any(result[m][1] > 0 for m in ("variance_reward", "frontier_share"))
+        per_seed[name] = result
+        before = _mean_of(scores[name][0], "variance_reward")
+        parts.append(f"{name} (seed {runs[name]['seed']}, iteration {last}) variance reward {before:.3f} -> "
+                     f"{_mean_of(t, 'variance_reward'):.3f} vs control {_mean_of(c, 'variance_reward'):.3f}: "
+                     + ", ".join(f"{m.replace('_', ' ')} {d:+.3f} (95% CI {lo:+.3f} to {hi:+.3f})"
+                                 for m, (d, lo, hi) in ((m, result[m]) for m in ("variance_reward", "frontier_share")))
+                     + f" {'learned' if result['learned'] else 'not shown'}")
+    learned = bool(per_seed) and all(r["learned"] for r in per_seed.values())
+    return {"learned": learned, "per_seed": per_seed, "line": "; ".join(parts)}
 
-    line = ", ".join(f"{r['name']} {describe(m)}" for r, m in zip(trained, per_run)) + f" vs control {describe(ctrl)}"
-    return {"learned": learned, "control": ctrl, "trained": per_run, "line": line}
+
+def _mean_of(scored: list[dict], metric: str) -> float:
+    values = [d[metric] for d in scored if d[metric] == d[metric]]
+    return sum(values) / len(values) if values else float("nan")
 
 
 def _plot(runs: dict, before: dict, path: str, selfplay: bool = False) -> None:
-    """Reasoner reward and held-out accuracy; with --selfplay also the challenger's side."""
+    """Reasoner reward and held-out accuracy; with --selfplay a second row for the challenger: its
+    training-document curves and, against the fixed reasoner on held-out stories, its variance
+    reward, frontier share and gold-right rate per evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward", "training reward (reasoner pass rate)")]
+    rows = [[("reward", "training reward (reasoner pass rate)", "training"), ("heldout", "", "accuracy")]]
     if selfplay:
-        panels += [("challenger_reward", "challenger reward (valid tasks)"),
-                   ("frontier_share", "frontier share (0 < pass rate < 1)"),
-                   ("leak_rate", "leak rate (answer in the question)"),
-                   ("gold_right", "valid tasks with the story's result as gold")]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5.5 * (len(panels) + 1), 4))
-    for ax, (key, title) in zip(axes, panels):
-        for name, r in runs.items():
-            values = r.get(key, [])  # a run kept by an older version of this tool may lack a curve
-            ax.plot(range(1, len(values) + 1), values, marker=".", label=name)
-        ax.set(title=title, xlabel="iteration")
-        ax.legend()
-    held = axes[-1]
-    for name, r in runs.items():
-        xs, ys = zip(*r["heldout"])
-        held.plot(xs, ys, marker="o", label=name)
-    held.axhspan(before["ci"][0], before["ci"][1], color="grey", alpha=0.2, label="before (95% CI)")
-    held.set(title="held-out greedy accuracy (%)", xlabel="iteration")
-    held.legend()
+        rows[0] += [("challenger_reward", "challenger reward, training documents", "training"),
+                    ("frontier_share", "frontier share, training documents", "training"),
+                    ("leak_rate", "leak rate (answer in the question)", "training")]
+        rows.append([(m, f"held-out challenger: {t} (fixed reasoner)", "heldout_challenger")
+                     for m, t in (("variance_reward", "variance reward"), ("frontier_share", "frontier share"),
+                                  ("gold_right", "gold right"), ("valid_rate", "valid rate"))])
+    width = max(len(r) for r in rows)
+    fig, axes = plt.subplots(len(rows), width, figsize=(5.5 * width, 4 * len(rows)), squeeze=False)
+    for row, panels in zip(axes, rows):
+        for ax, (key, title, kind) in zip(row, panels):
+            for name, r in runs.items():
+                if kind == "accuracy":
+                    xs, ys = zip(*r["heldout"])
+                elif kind == "heldout_challenger":
+                    curve = r.get("heldout_challenger", {})
+                    xs, ys = list(curve), [curve[i][key] for i in curve]
+                else:
+                    ys = r.get(key, [])  # a run kept by an older version of this tool may lack a curve
+                    xs = range(1, len(ys) + 1)
+                ax.plot(xs, ys, marker="o" if kind != "training" else ".", label=name)
+            if kind == "accuracy":
+                ax.axhspan(before["ci"][0], before["ci"][1], color="grey", alpha=0.2, label="before (95% CI)")
+                title = "held-out greedy accuracy (%)"
+            ax.set(title=title, xlabel="iteration")
+            ax.legend(fontsize=8)
+        for ax in row[len(panels):]:
+            ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

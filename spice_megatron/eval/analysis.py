@@ -18,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
 
+from spice_megatron.eval.challenger_eval import encoded_generate, valid_tasks, write_tasks  # noqa: E402
 from spice_megatron.eval.harness import json_safe  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -78,24 +79,11 @@ class PassRate:
         return self.correct / self.answers if self.answers else float("nan")
 
 
-def _encoded(fleet, tokenizer):
-    """The fleet's generate on token ids, by the training rule (templates.prompt_token_ids)."""
-    from spice_megatron.templates import prompt_token_ids
-
-    return lambda prompts, spec: fleet.generate([prompt_token_ids(p, tokenizer) for p in prompts], spec)
-
-
 def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int, attempts: int) -> tuple[list, float]:
     """The valid tasks of `attempts` challenger attempts per document, written as in training: the
     recipe's protocol (the paper's selection + generation, or compact), prompts and template."""
-    from collections import Counter
-
-    from spice_megatron.protocol import ChallengerPrompts
-    from spice_megatron.selfplay import challenger_round
-
-    prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
-    rounds = challenger_round(list(docs), attempts, _encoded(fleet, tokenizer), prompts, cfg, seed, Counter())
-    tasks = [a.parsed.task for doc_attempts in rounds for a in doc_attempts if a.parsed.valid]
+    written = write_tasks(encoded_generate(fleet, tokenizer), docs, tokenizer, cfg, seed, attempts)
+    tasks = valid_tasks(written)
     return tasks, len(tasks) / (len(docs) * attempts) if docs else float("nan")
 
 
@@ -105,7 +93,7 @@ def _answer(fleet, tasks, tokenizer, cfg, verifier, seed: int) -> tuple[int, int
 
     if not tasks:
         return 0, 0
-    answered = answer_tasks(tasks, _encoded(fleet, tokenizer), verifier, cfg, tokenizer, seed, {})
+    answered = answer_tasks(tasks, encoded_generate(fleet, tokenizer), verifier, cfg, tokenizer, seed, {})
     return len(answered.correct), sum(answered.correct)
 
 
