@@ -376,8 +376,15 @@ def challenger_scores(args, runs: dict, gold: dict[str, str]) -> dict[str, dict[
         with local_fleet(args.model, os.path.join(args.out, "challenger_eval_logs"), 1024, 1.0, args.seeds[0]) as fleet:
             generate = encoded_generate(fleet, tokenizer)
 
+            memo: dict[str, list[dict]] = {}
+
             def score(written: list[dict]) -> list[dict]:
-                return score_tasks(generate, written, tokenizer, cfg, verifier, args.seeds[0], gold.get)
+                # the same tasks get the same answers (one sampling seed): a control's evaluations repeat
+                # its base model's tasks, and are answered once
+                key = json.dumps(written, sort_keys=True)
+                if key not in memo:
+                    memo[key] = score_tasks(generate, written, tokenizer, cfg, verifier, args.seeds[0], gold.get)
+                return memo[key]
 
             base = {seed: score(write_tasks(generate, docs, tokenizer, cfg, seed, args.group))
                     for seed in sorted({r["seed"] for r in runs.values()})}
