@@ -5,6 +5,7 @@ import io
 import os
 import re
 import subprocess
+from dataclasses import replace
 
 import pytest
 import torch
@@ -352,7 +353,18 @@ def test_spice_plan_prints_tokens_per_gpu_beside_nemo_rl(capsys):
     assert step["tokens_per_s_per_gpu"] == pytest.approx(step["train_tokens"] / step["total"] / gpus)
     assert step["tokens_per_s_per_gpu_one_step_off"] > step["tokens_per_s_per_gpu"]
     assert main(["plan", "--recipe", "qwen3_8b"]) == 0
-    assert "NeMo-RL publishes 1,581 and 2,478" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NeMo-RL publishes 1,581 and 2,478" in out
+    # shared-prefix packing: each group's prompt once (the paper protocol: 3 prompts per document)
+    unshared = estimate_step_time(plan, model_spec(cfg.run.model),
+                                  replace(cfg, train=replace(cfg.train, shared_prefix="off")), Throughput())
+    t = Throughput()
+    assert unshared["learner_tokens"] == step["train_tokens"] == unshared["train_tokens"]
+    assert step["learner_tokens"] == 128 * (3 * t.doc_tokens + 8 * t.challenger_gen_tokens
+                                            + t.question_tokens + 8 * t.reasoner_gen_tokens)
+    assert step["train"] == pytest.approx(unshared["train"] * step["learner_tokens"] / unshared["learner_tokens"])
+    assert (f"train.shared_prefix (on): the learner runs {step['learner_tokens']:,.0f} tokens, {step['train']:.1f} s"
+            in out and f"without it {unshared['learner_tokens']:,.0f} tokens" in out)
 
 
 def test_activations_are_planned_at_the_longest_sequence_a_run_can_train():
