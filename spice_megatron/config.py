@@ -250,7 +250,7 @@ class PolicyTrainConfig:
     """How one batch of samples becomes optimiser steps on the learner."""
 
     max_gen_len: int = 2048  # DrGRPO's constant normaliser (the generation budget)
-    micro_batch_tokens: int = 8192  # token budget of one micro-batch (padded length x sequences)
+    micro_batch_tokens: int = 8192  # token budget of one micro-batch (a packed row; unshared: padded length x rows)
     steps_per_batch: int = 1  # optimiser steps per rollout batch; > 1 turns on the PPO clip
     # The paper's "128 trajectories per gradient update": an iteration's trajectories are consumed in
     # ceil(n / trajectories_per_update) optimiser steps (PPO clip after the first). 0: steps_per_batch.
