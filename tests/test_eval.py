@@ -191,7 +191,7 @@ def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier, qwen3_tokenize
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: qwen3_tokenizer))
     monkeypatch.setattr("spice_megatron.verify.AnswerVerifier",  # the session's verifier, kept open
                         lambda processes: SimpleNamespace(verify_batch=verifier.verify_batch, close=lambda: None))
-    docs = [SimpleNamespace(text=f"doc {i}") for i in range(3)]
+    docs = [SimpleNamespace(text=f"doc {i}", doc_id=f"docs/{i}/0") for i in range(3)]
     ckpts = ["ck_1", "ck_2", "ck_3"]
     result = analysis.coevolution(ckpts, docs, SelfPlayConfig(group_size=4, protocol="compact"), str(tmp_path),
                                   attempts=1)

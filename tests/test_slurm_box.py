@@ -23,8 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 # Every run's length: long enough that the time-limit test's USR1 (sent 60-90 s before its 3-minute
 # limit: Slurm checks the limits every ~30 s) falls in the middle of the first attempt on a fast
-# machine too (an iteration is 3-5 s here, the start ~35-60 s).
-ITERATIONS = 30
+# machine too (an iteration is 1-1.5 s here since shared-prefix packing, 3-5 s before; the start
+# ~35-60 s). At 30 iterations the run ended before the signal came.
+ITERATIONS = 100
 
 
 @pytest.fixture(scope="module")
