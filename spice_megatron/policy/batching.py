@@ -55,7 +55,7 @@ class MicroBatch:
     score_cols: torch.Tensor | None = None  # [n] and its place in that completion
 
 
-def _completion_aligned(values: list[float], x: TrainSequence, what: str, where: int) -> torch.Tensor:
+def completion_aligned(values: list[float], x: TrainSequence, what: str, where: int) -> torch.Tensor:
     if len(values) != len(x.completion_ids):
         raise ValueError(f"sequence {where}: {len(values)} {what} for {len(x.completion_ids)} completion tokens")
     return torch.tensor(values, dtype=torch.float32)
@@ -81,9 +81,9 @@ def collate(seqs: list[TrainSequence], index: list[int], pad_id: int = 0,
         c = len(x.completion_ids)
         mask[i, p - 1:p - 1 + c] = 1.0
         if x.rollout_logprobs is not None:
-            rollout[i, p - 1:p - 1 + c] = _completion_aligned(x.rollout_logprobs, x, "rollout log-probs", index[i])
+            rollout[i, p - 1:p - 1 + c] = completion_aligned(x.rollout_logprobs, x, "rollout log-probs", index[i])
         if old is not None:
-            old_t[i, p - 1:p - 1 + c] = _completion_aligned(old[i], x, "old log-probs", index[i])
+            old_t[i, p - 1:p - 1 + c] = completion_aligned(old[i], x, "old log-probs", index[i])
     positions = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
     adv = torch.tensor([x.advantage for x in seqs], dtype=torch.float32)
     has_rollout = torch.tensor([x.rollout_logprobs is not None for x in seqs])

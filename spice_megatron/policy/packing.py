@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from spice_megatron.policy.batching import MicroBatch, TrainSequence
+from spice_megatron.policy.batching import MicroBatch, TrainSequence, completion_aligned
 
 
 def prefix_groups(seqs: list[TrainSequence], indices: list[int]) -> list[list[int]]:
@@ -38,9 +38,9 @@ def minibatch_split(seqs: list[TrainSequence], k: int) -> list[list[int]]:
     mini-batch with the fewest sequences (round-robin for equal groups), so that every step sees
     groups of every kind and a group's prompt runs once in its step (verl's mini-batches are
     likewise prompts with all their responses). With fewer groups than steps: seqs[j::k]."""
-    groups = prefix_groups(seqs, list(range(len(seqs))))
     if k == 1:
         return [list(range(len(seqs)))]
+    groups = prefix_groups(seqs, list(range(len(seqs))))
     if len(groups) < k:
         return [list(range(j, len(seqs), k)) for j in range(k)]
     parts: list[list[int]] = [[] for _ in range(k)]
@@ -146,9 +146,9 @@ def collate_packed(seqs: list[TrainSequence], units: list[list[int]], pad_id: in
         rows += [row] * c
         cols += range(c)
         if x.rollout_logprobs is not None:
-            rollout[row, :c] = _aligned(x.rollout_logprobs, x, "rollout log-probs", i)
+            rollout[row, :c] = completion_aligned(x.rollout_logprobs, x, "rollout log-probs", i)
         if old is not None:
-            old_t[row, :c] = _aligned(old[i], x, "old log-probs", i)
+            old_t[row, :c] = completion_aligned(old[i], x, "old log-probs", i)
     routing = valid = None
     if any(seqs[i].routed_experts is not None for i in members):
         routing, valid = _packed_routing(seqs, routing_rows, total, num_experts)
@@ -162,12 +162,6 @@ def collate_packed(seqs: list[TrainSequence], units: list[list[int]], pad_id: in
         token_mask=(torch.arange(total) < real).unsqueeze(0),
         attention_mask=torch.tensor(structure, dtype=torch.int32).T.contiguous(),
         score_index=torch.tensor(scored), score_rows=torch.tensor(rows), score_cols=torch.tensor(cols))
-
-
-def _aligned(values: list[float], x: TrainSequence, what: str, where: int) -> torch.Tensor:
-    if len(values) != len(x.completion_ids):
-        raise ValueError(f"sequence {where}: {len(values)} {what} for {len(x.completion_ids)} completion tokens")
-    return torch.tensor(values, dtype=torch.float32)
 
 
 def _packed_routing(seqs: list[TrainSequence], rows: list[tuple[int, int, int, int]], length: int,
