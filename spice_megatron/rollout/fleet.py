@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import requests
 
+from spice_megatron.rollout.ipc_handles import encode_update
 from spice_megatron.rollout.types import Completion, SamplingSpec, unpack_completions
 
 log = logging.getLogger(__name__)
@@ -287,6 +288,33 @@ class RolloutFleet:
             raise error
         return results
 
+    # ------------------------------------------------------------------------- sleep mode (run.colocate)
+
+    def sleep(self, level: int) -> dict[str, float]:
+        """Every healthy engine sleeps (vLLM's sleep mode). An engine that does not answer is marked
+        unhealthy and left to the restart before the next sync. Returns the slowest engine's
+        seconds and the device memory freed, summed over engines (GiB)."""
+        return self._sleep_or_wake("/sleep", {"level": level}, "freed_gib")
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, float]:
+        """Every healthy engine wakes `tags` (vLLM's: "weights", then "kv_cache"; None: both)."""
+        return self._sleep_or_wake("/wake_up", {"tags": tags}, "taken_gib")
+
+    def _sleep_or_wake(self, path: str, body: dict, memory: str) -> dict[str, float]:
+        engines = [e for e in self.engines if e.healthy]
+        futures = [(e, self._pool.submit(self._control, e, path, body)) for e in engines]
+        seconds, gib = 0.0, 0.0
+        for e, f in futures:
+            try:
+                answer = f.result()
+            except (requests.RequestException, FleetError) as err:
+                with self._lock:
+                    e.healthy, e.failures = False, e.failures + 1
+                log.warning("engine %s failed %s (%s); it is restarted before the next weight sync", e.url, path, err)
+                continue
+            seconds, gib = max(seconds, float(answer.get("seconds", 0.0))), gib + float(answer.get(memory, 0.0))
+        return {"seconds": seconds, memory: gib}
+
     def stats(self) -> dict[str, dict]:
         return {e.url: {"healthy": e.healthy, "requests": e.requests, "failures": e.failures, "tokens": e.tokens,
                         "tokens_per_s": e.tokens_per_second,
@@ -319,6 +347,8 @@ class FleetSyncClient:
         self.fleet._on_every_engine("/start_weight_update", [None] * len(self.fleet.engines))
 
     def update_weights(self, update_info: dict | list[dict]) -> None:
+        if isinstance(update_info, dict):  # vLLM's ipc backend: CUDA IPC handles as JSON, not pickle
+            update_info = encode_update(update_info)
         self.fleet._on_every_engine("/update_weights", [{"update_info": update_info}] * len(self.fleet.engines))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

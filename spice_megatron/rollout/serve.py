@@ -72,7 +72,9 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
     def health():
         return {"status": "ok", "version": version_label(engine.version), "model": engine.model_dir,
                 "workers": engine.workers, "weight_transfer": engine.weight_transfer, "paused": engine.paused,
-                "updating": engine.updating, "steps": engine.steps, "admissions": engine.admissions, **state}
+                "updating": engine.updating, "steps": engine.steps, "admissions": engine.admissions,
+                "sleeping": sorted(engine.sleeping), "sleeps": engine.sleeps, "wakes": engine.wakes,
+                "requests_while_asleep": engine.requests_while_asleep, **state}
 
     @app.get("/weight_info")
     def weight_info():
@@ -129,6 +131,19 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
     def resume(request: Request):
         return control(request, engine.resume) or {"status": "resumed"}
 
+    # vLLM's sleep mode (run.colocate): the learner steps on the engine's GPUs while it sleeps
+    @app.post("/sleep")
+    def sleep(request: Request, level: int = Body(default=1, embed=True)):
+        return {"status": "asleep", **control(request, engine.sleep, level)}
+
+    @app.post("/wake_up")
+    def wake_up(request: Request, tags: list[str] | None = Body(default=None, embed=True)):
+        return {"status": "awake" if not engine.sleeping else "partly awake", **control(request, engine.wake_up, tags)}
+
+    @app.get("/is_sleeping")
+    def is_sleeping():
+        return {"is_sleeping": bool(engine.sleeping), "tags": sorted(engine.sleeping)}
+
     @app.get("/weight_checksums")
     def weight_checksums(request: Request):
         return {"version": version_label(engine.version), "checksums": control(request, engine.weight_checksums)}
@@ -174,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM's expert parallelism over this engine's GPUs (mixture-of-experts models)")
     ap.add_argument("--return-routing", choices=["auto", "on", "off"], default="auto",
                     help="completions carry the experts chosen per token (routing replay); auto: for MoE models")
+    ap.add_argument("--enable-sleep-mode", action="store_true",
+                    help="the engine shares its GPUs with the learner (run.colocate): vLLM's sleep mode")
     ap.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                     help="exit when process PID is gone (a trainer that started this engine and was killed)")
     args = ap.parse_args(argv)
@@ -195,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             started["engine"] = VLLMEngine(args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
                                            args.gpu_memory_utilization, args.seed, None, args.kv_cache_gib,
-                                           args.weight_transfer, args.return_routing, args.enable_expert_parallel)
+                                           args.weight_transfer, args.return_routing, args.enable_expert_parallel,
+                                           args.enable_sleep_mode)
         except BaseException as e:  # noqa: BLE001
             started["error"] = e
         finally:
