@@ -487,5 +487,8 @@ class SpiceConfig:
                  "overlaps a step (one step off policy needs engines on GPUs of their own)")
         _require(self.rollout.weight_transfer != "ipc" or self.run.colocate, "rollout.weight_transfer",
                  "ipc hands CUDA memory to engines on the same GPUs: it needs run.colocate=true")
+        _require(not (self.run.colocate and self.selfplay.challenger == "model" and not self.rollout.challenger_engines),
+                 "rollout.challenger_engines", "run.colocate: a fixed challenger's engine does not sleep; serve it on "
+                 "GPUs of its own and name them here")
         _require(not self.run.colocate or self.rollout.weight_transfer in ("ipc", "spice"), "rollout.weight_transfer",
                  "with run.colocate use ipc (GPU) or spice (CPU): nccl cannot put two ranks on one GPU")

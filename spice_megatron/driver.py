@@ -155,11 +155,16 @@ class Driver:
             tp = challenger_engine_tp(self.cfg)
             if torch.cuda.is_available():  # refuse an engine that cannot hold the model, before it loads
                 check_challenger_engine(self.cfg)
+        colocated = self.cfg.run.colocate and not challenger
         extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=tp,
                             gpu_memory_utilization=ro.gpu_memory_utilization, weight_transfer=ro.weight_transfer,
                             expert_parallel=ro.engine_expert_parallel and not challenger)
-        # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier engines
-        reserved = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + len(self.engines) * ro.engine_tensor_parallel
+        if colocated:
+            extra.append("--enable-sleep-mode")
+        # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier
+        # engines; colocated, the learner's own GPUs from the first
+        learner_gpus = 0 if colocated else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        reserved = learner_gpus + len(self.engines) * ro.engine_tensor_parallel
         started = start_engines(model, self.token, os.path.join(self.cfg.run.output_dir, "logs"), extra,
                                 engine_devices(count, tp, reserved=reserved))
         self.engines += started

@@ -79,6 +79,8 @@ class WeightSync:
         self.client = self.driver.fleet.sync_client() if self.driver else None
         if ro.weight_transfer == "nccl":
             return _nccl_transfer(self.host, port, receivers, self.client, self.source)
+        if ro.weight_transfer == "ipc":
+            return _ipc_transfer(self.client, self.source, ro.bucket_mb * 2**20)
         info = SpiceTrainerInitInfo(self.host, port, self.learner.layout.pp, receivers, timeout_s=ro.sync_timeout,
                                     bucket_bytes=ro.bucket_mb * 2**20, rank=dist.get_rank())
         return SpiceTrainerTransfer.trainer_init(info, client=self.client, source=self.source)
@@ -105,6 +107,33 @@ class WeightSync:
                 self.transfer.shutdown()
             self.transfer = None
             return f"{type(e).__name__}: {e}"
+
+
+def _ipc_transfer(client, source, buffer_bytes: int):
+    """vLLM's built-in `ipc` trainer engine (distributed/weight_transfer/ipc_engine.py) for engines on
+    the learner's own GPUs (run.colocate). What it requires of us, from its source:
+    - a WeightSource iterated on every trainer rank with the same names in the same order: handles
+      are all-gathered over the *default* process group and merged by index, and each engine worker
+      opens the handle of its own GPU's UUID; so every rank yields every whole tensor
+      (EveryRankSource), and the default group is exactly the learner's ranks (the driver process,
+      if any, is not in it);
+    - CUDA IPC handles are valid on the device that made them only: learner and engine share the GPU;
+    - packed mode (one reused staging buffer per rank, `ipc_collect` after each chunk) refuses a
+      tensor larger than its buffer: Qwen3's 151,936 x 4,096 bf16 embedding is 1.2 GB, over vLLM's
+      1 GiB default, so the buffer is the larger of rollout.bucket_mb and the largest tensor.
+    Only rank 0 drives the engines' control plane. GPU only, and vLLM must be importable in the
+    learner's environment (one image for both roles on a colocated node)."""
+    from spice_megatron.bridge.transfer import EveryRankSource
+
+    try:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+    except ImportError as e:
+        raise RuntimeError("rollout.weight_transfer=ipc: its trainer engine is vLLM's, and vLLM is not importable in "
+                           "the learner's environment; a colocated node needs one image with both (docs/cluster.md)") from e
+    every = EveryRankSource(source)
+    info = IPCTrainerInitInfo(rank=dist.get_rank(), packed=True,
+                              packed_buffer_size_bytes=max(buffer_bytes, every.largest_tensor_bytes))
+    return IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=every)
 
 
 def _nccl_transfer(host: str, port: int, receivers: int, client, source):

@@ -17,6 +17,9 @@ One iteration:
                                                                           vLLM's weight-transfer API)
   7. log metrics and the audit trail; kill switch; checkpoint every k
 
+With run.colocate the engines and the learner share the GPUs and take turns (colocation.py): the
+engines sleep during step 5 and wake for step 6.
+
 With train.max_staleness=1 (one step off policy) steps 1-4 of iteration t+1 run on the engines,
 in the background on the driver, while the learner takes step 5 of iteration t; the engines get
 the new weights once both are done, and iteration t+1 trains on a batch one version old.
@@ -30,6 +33,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from spice_megatron.batch_delivery import BatchDelivery
+from spice_megatron.colocation import Colocation, offload_learner
 from spice_megatron.config import SpiceConfig
 from spice_megatron.driver import Driver, EnginesLost, IterationAbandoned, KillSwitch, RolloutBatch
 from spice_megatron.driver_process import DriverProcess
@@ -123,6 +127,8 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     state: dict[str, Any] = {"iteration": 0, "version": 0, **loaded}
     if resume and latest is None and is_driver:
         log.warning("--resume: no checkpoint under %s; starting from the base model", ckpt_root)
+    if cfg.run.colocate:  # the learner's optimizer state leaves the GPUs before the engines start on them
+        offload_learner(learner)
     if is_driver:
         copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
         write_training_prompts(cfg, os.path.join(ckpt_root, HF_META_DIR))
@@ -132,6 +138,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
         driver = DriverProcess(cfg, state.get("driver"), stop_file)
     elif is_driver:
         driver = Driver(cfg, tokenizer, state.get("driver"), abandon_when=lambda: os.path.exists(stop_file))
+    colocation = Colocation(cfg, learner, driver, control)
     weights = WeightSync(cfg, learner, driver, control)
     deliver = BatchDelivery(learner, control)
     if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
@@ -213,8 +220,11 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
                 continue
             if abandoned:  # STOP during the rollouts: keep what the iterations before it did
                 stop_requested(iteration, version, f"abandoned iteration {iteration + 1} (STOP during its rollouts)")
-            # 5. DrGRPO on the learner (refusing samples older than train.max_staleness)
+            # 5. DrGRPO on the learner (refusing samples older than train.max_staleness); colocated,
+            # the engines sleep meanwhile
+            colocation.before_step(iteration + 1)
             steps = learner.train_on_batch(seqs, version=version) if seqs else []
+            colocation.after_step()
             version += 1
             t_wait = time.perf_counter()
             lost = ""
@@ -235,11 +245,12 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
             elif _broadcast(driver.restart_dead_engines() if driver else False, control):
                 weights.reform()
             sync = weights.sync(version)
+            colocation.after_sync()
             iteration += 1
             # 7. logs, kill switch, checkpoint
             stop = ""
             if driver:
-                stats = {**_iteration_stats(batch, steps, sync, version - 1), **routing_volume}
+                stats = {**_iteration_stats(batch, steps, sync, version - 1), **routing_volume, **colocation.stats()}
                 stats["time/wait_for_rollouts"] = t_wait
                 stats["time/iteration"] = time.perf_counter() - t_iter
                 stats["time/elapsed"] = time.perf_counter() - t_start  # since this process started training

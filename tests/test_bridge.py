@@ -406,6 +406,28 @@ def test_the_megatron_weight_source_meets_vllms_contract(tiny_models, tmp_path):
     assert sorted(n for r in results for n in r[1]) == sorted(shapes)  # every tensor held exactly once
 
 
+def _every_rank_rank(hf_dir, tp, pp):
+    from spice_megatron.bridge.transfer import EveryRankSource, MegatronStageSource
+    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy.learner import Learner
+
+    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
+    source = EveryRankSource(MegatronStageSource(learner))
+    return [m.name for m in source.metadata()], [(name, t.clone()) for name, t in source], source.largest_tensor_bytes
+
+
+@pytest.mark.multiprocess
+def test_the_ipc_source_gives_every_rank_the_whole_model_in_metadata_order(tiny_models, tmp_path):
+    """vLLM's ipc backend merges each rank's handles by index, so every rank of a TP x PP learner
+    must yield every whole HF tensor in the same order (each engine worker loads the copy on its GPU)."""
+    d = tiny_models["qwen3_tied"]
+    original = hf_weights(d)
+    for order, yielded, largest in run_ranks(_every_rank_rank, 4, d, 2, 2, tmp_path=tmp_path):
+        assert [n for n, _ in yielded] == order and sorted(order) == sorted(original)
+        assert all(torch.equal(t, original[n]) for n, t in yielded)
+        assert largest == max(t.numel() * t.element_size() for t in original.values())
+
+
 class FakeCuda:
     """A stand-in for torch.cuda's stream and event API (no GPU here), recording the calls: a
     per-thread current stream, events recorded on a stream, waits, record_stream."""

@@ -61,13 +61,24 @@ def _expert_members(group) -> list[tuple[int, int]]:
 
 def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for this pipeline stage's parameters, one parameter at a time.
+    See gather_stage_params."""
+    for _, outputs, full in gather_stage_params(learner, allocate):
+        if full is not None:
+            yield from zip((hf_name for hf_name, _ in outputs), full)
+
+
+def gather_stage_params(learner, allocate: Allocate | None = None
+                        ) -> Iterator[tuple[str, list[tuple[str, tuple[int, ...]]], list[torch.Tensor] | None]]:
+    """Per parameter of this stage with HF outputs: (name, outputs, the full HF tensors on the
+    stage's sender, None on every other rank). Every rank of the stage yields once per such
+    parameter, so that its callers can act in lockstep after each one (bridge/transfer.py).
 
     Collective: dense parameters over the TP group of data-parallel rank 0, expert parameters over
     the expert tensor x model parallel group of expert-data-parallel rank 0; the other members
     send their shards to the group's rank 0, the stage's sender (TP rank 0 of DP rank 0, which
     megatron's rank order makes rank 0 of its expert group too), which writes every shard
     straight into its place in the HF tensors (memory from `allocate`, e.g. a slot in a send
-    bucket; fresh tensors by default) and yields them. Only the sender yields anything. Ranks
+    bucket; fresh tensors by default). Only the sender gets tensors. Ranks
     holding only replicas return at once. With tied embeddings, the last stage's copy of the
     embedding is skipped (the first stage exports it).
     """
@@ -91,21 +102,25 @@ def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[
             continue
         if is_expert(name):
             if expert_group is None:
+                yield name, outputs, None
                 continue
             group, k = expert_group, len(outputs) // lay.ep
             # member g's shard: ETP slice etp_r of the outputs of its EP rank's expert
             pieces = [(slice(ep_r * k, (ep_r + 1) * k), etp_r, lay.etp) for ep_r, etp_r in members]
         else:
             if lay.dp_rank != 0:
+                yield name, outputs, None
                 continue
             sharded = lay.tp > 1 and gather_layout(name)[0] is not None
             if lay.tp_rank != 0 and not sharded:  # a replica: the stage's TP rank 0 has the same
+                yield name, outputs, None
                 continue
             group = tp_group if sharded else None
             pieces = [(slice(None), r, lay.tp) for r in range(lay.tp if sharded else 1)]
         me = dist.get_rank(group) if group is not None else 0
         if me != 0:
             dist.send(local.contiguous(), dst=dist.get_global_rank(group, 0), group=group)
+            yield name, outputs, None
             continue
         full = allocate([(hf_name, shape, local.dtype) for hf_name, shape in outputs])
         pending = []
@@ -122,7 +137,7 @@ def gather_stage_tensors(learner, allocate: Allocate | None = None) -> Iterator[
         for part, r, n, into, work in pending:
             work.wait()
             place_shard(name, into, r, n, spec, full[part])
-        yield from zip((hf_name for hf_name, _ in outputs), full)
+        yield name, outputs, full
 
 
 def gathered_hf_state_dict(learner) -> dict[str, torch.Tensor] | None:

@@ -52,9 +52,13 @@ class MegatronStageSource:
             mine = [(hf, str(param.dtype), shape) for _, param, outputs in stage_hf_outputs(learner)
                     for hf, shape in outputs]
         parts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, (lay.pp_rank, mine) if self.is_stage_sender else None, group=group)
-        stages = dict(p for p in parts if p is not None)
-        self._meta = [ParamMeta(n, DTYPES[d], tuple(s)) for stage in sorted(stages) for n, d, s in stages[stage]]
+        dist.all_gather_object(parts, (lay.pp_rank, dist.get_rank(), mine) if self.is_stage_sender else None,
+                               group=group)
+        stages = {p[0]: p[2] for p in parts if p is not None}
+        self.stage_senders = {p[0]: p[1] for p in parts if p is not None}  # pipeline stage -> global rank
+        self.stage_meta = {stage: [ParamMeta(n, DTYPES[d], tuple(s)) for n, d, s in stages[stage]]
+                           for stage in sorted(stages)}
+        self._meta = [m for stage in sorted(stages) for m in self.stage_meta[stage]]
         self._held = {n for n, _, _ in mine}
 
     def metadata(self) -> list[ParamMeta]:
@@ -72,6 +76,57 @@ class MegatronStageSource:
     @property
     def nbytes(self) -> int:
         return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self._meta)
+
+
+class EveryRankSource:
+    """vLLM's `WeightSource` for its `ipc` backend (colocation): every learner rank yields every HF
+    tensor of the model, whole, in metadata order. vLLM's IPC trainer engine iterates the source on
+    every rank, shares each rank's copy as a CUDA IPC handle, all-gathers the handles over the
+    default process group and merges them by index, so each engine worker finds the copy on its own
+    GPU (by UUID) and loads it through vLLM's `load_weights`, which takes whole HF tensors and
+    slices them for the engine's own TP. Hence: the same names in the same order on every rank.
+
+    Stage by stage, the stage's ranks gather each parameter over TP / EP (gather_stage_params, in
+    lockstep) and its sender broadcasts the result to every rank of the job; one parameter's
+    tensors exist at a time (vLLM's packed mode copies them into its IPC buffer)."""
+
+    def __init__(self, stages: MegatronStageSource, group=None):
+        self.stages, self.learner, self.group = stages, stages.learner, group
+
+    def metadata(self) -> list[ParamMeta]:
+        return self.stages.metadata()
+
+    def held_names(self) -> Collection[str]:
+        return {m.name for m in self.stages.metadata()}
+
+    @property
+    def nbytes(self) -> int:
+        return self.stages.nbytes
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self.stages.metadata())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from spice_megatron.bridge.export import gather_stage_params
+
+        device = next(self.learner.model.parameters()).device
+        mine = self.learner.layout.pp_rank
+        for stage, meta in self.stages.stage_meta.items():
+            src = self.stages.stage_senders[stage]
+            if stage == mine:
+                tensors = ((hf, shape, full[k] if full is not None else None)
+                           for _, outputs, full in gather_stage_params(self.learner)
+                           for k, (hf, shape) in enumerate(outputs))
+            else:
+                tensors = ((m.name, m.shape, None) for m in meta)
+            for m, (hf, shape, tensor) in zip(meta, tensors, strict=True):
+                if hf != m.name:
+                    raise RuntimeError(f"stage {stage} gathers {hf} where its metadata has {m.name}")
+                if tensor is None:
+                    tensor = torch.empty(shape, dtype=m.dtype, device=device)
+                dist.broadcast(tensor, src, group=self.group)
+                yield hf, tensor
 
 
 @dataclass

@@ -323,13 +323,14 @@ class VLLMEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.sleeping:
-            return {"seconds": 0.0, "freed_gib": 0.0}
+            return {"seconds": 0.0, "freed_gib": 0.0, "requests_while_asleep": self.requests_while_asleep}
         t0, free0 = time.perf_counter(), _free_device_gib()
         self.pause()
         self._core("sleep", level, "keep")
         self.sleeping = {"weights", "kv_cache"}
         self.sleeps += 1
-        return {"seconds": time.perf_counter() - t0, "freed_gib": _free_device_gib() - free0}
+        return {"seconds": time.perf_counter() - t0, "freed_gib": _free_device_gib() - free0,
+                "requests_while_asleep": self.requests_while_asleep}
 
     def wake_up(self, tags: list[str] | None = None) -> dict:
         """vLLM's wake_up: `["weights"]` first (the weight sync writes into them), then
@@ -340,7 +341,7 @@ class VLLMEngine:
             raise ValueError(f"wake_up: unknown tags {sorted(unknown)} (weights, kv_cache)")
         tags = [t for t in tags if t in self.sleeping]
         if not tags:
-            return {"seconds": 0.0, "taken_gib": 0.0}
+            return {"seconds": 0.0, "taken_gib": 0.0, "requests_while_asleep": self.requests_while_asleep}
         if self.updating and set(tags) >= self.sleeping:
             raise ValueError("wake_up: a weight update is in progress; finish it before the engine wakes fully")
         t0, free0 = time.perf_counter(), _free_device_gib()
@@ -352,7 +353,8 @@ class VLLMEngine:
                 self.paused = False
             else:  # pragma: no cover - vLLM still reports a sleeping allocation
                 raise RuntimeError("wake_up: vLLM reports memory still asleep after every tag woke")
-        return {"seconds": time.perf_counter() - t0, "taken_gib": free0 - _free_device_gib()}
+        return {"seconds": time.perf_counter() - t0, "taken_gib": free0 - _free_device_gib(),
+                "requests_while_asleep": self.requests_while_asleep}
 
     def _inproc_core(self):
         """The EngineCore itself (vLLM's InprocClient, how this engine runs vLLM), else None."""

