@@ -77,7 +77,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     """Check a recipe's layout against a cluster (or choose one) and estimate its step time."""
     from recipes import get_recipe
     from spice_megatron.config import ConfigError, apply_overrides
-    from spice_megatron.planner import PlanError, Throughput, estimate_step_time, model_spec, plan_layout
+    from spice_megatron.planner import (PlanError, Throughput, choose_plan, compare_placements, estimate_step_time,
+                                        model_spec, plan_layout)
 
     try:
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
@@ -88,14 +89,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 setattr(cfg.cluster, name, getattr(args, name))
         cfg.cluster.validate()
         spec = model_spec(args.model or cfg.run.model)
-        plan = plan_layout(cfg, spec, choose=args.choose)
+        plan = choose_plan(cfg, spec) if args.choose else plan_layout(cfg, spec)
     except (KeyError, ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if plan.colocated != cfg.run.colocate:  # --choose switched placement: plan the rest with it
+        cfg = replace(cfg, run=replace(cfg.run, colocate=plan.colocated),
+                      train=replace(cfg.train, max_staleness=0) if plan.colocated else cfg.train)
     step = estimate_step_time(plan, spec, cfg, Throughput())
     unshared = estimate_step_time(plan, spec, replace(cfg, train=replace(cfg.train, shared_prefix="off")), Throughput())
+    placements = compare_placements(cfg, spec)
     if args.json:
-        print(json.dumps({"plan": plan.as_dict(), "step_seconds": step, "step_seconds_unshared": unshared}, indent=2))
+        print(json.dumps({"plan": plan.as_dict(), "step_seconds": step, "step_seconds_unshared": unshared,
+                          "placements": {k: v if isinstance(v, str) else {"plan": v[0].as_dict(), "step_seconds": v[1]}
+                                         for k, v in placements.items()}}, indent=2))
         return 0
     print(plan.describe())
     print(f"estimated seconds per iteration (B={cfg.selfplay.batch_docs}, G={cfg.selfplay.group_size}; "
@@ -106,9 +113,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"  {cfg.run.iterations} iterations: {step['total'] * cfg.run.iterations / 3600:.1f} h")
     from spice_megatron.planner import NEMO_RL_TOKENS_PER_S_PER_GPU as nemo
 
-    print(f"tokens/s/GPU (trained tokens, all {plan.learner_gpus + plan.rollout_gpus} GPUs): "
-          f"{step['tokens_per_s_per_gpu']:,.0f} on-policy, {step['tokens_per_s_per_gpu_one_step_off']:,.0f} one step "
-          f"off (train.max_staleness=1); NeMo-RL publishes {nemo['synchronous']:,.0f} and {nemo['one step off']:,.0f} "
+    off = "colocated: on-policy only" if plan.colocated else \
+        f"{step['tokens_per_s_per_gpu_one_step_off']:,.0f} one step off (train.max_staleness=1)"
+    print(f"tokens/s/GPU (trained tokens, all {plan.gpus} GPUs): {step['tokens_per_s_per_gpu']:,.0f} on-policy, {off}; "
+          f"NeMo-RL publishes {nemo['synchronous']:,.0f} and {nemo['one step off']:,.0f} "
           "for GRPO on Llama-3.1-8B, 16 H100s (other workload: its math prompts are short, SPICE's challenger reads "
           "~3,000-token documents)")
     shared = "on" if cfg.train.use_shared_prefix else "off"
@@ -116,10 +124,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"{step['train']:.1f} s, {step['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU on-policy; without it "
           f"{unshared['learner_tokens']:,.0f} tokens, {unshared['train']:.1f} s, "
           f"{unshared['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU")
+    print(f"on the same {cfg.cluster.nodes} node(s), each placement with its own chosen layout (on-policy):")
+    for name, value in placements.items():
+        if isinstance(value, str):
+            print(f"  {name:14s} does not fit: {value[:160]}")
+            continue
+        p, st = value
+        print(f"  {name:14s} {st['tokens_per_s_per_gpu']:7,.0f} tokens/s/GPU, {st['total']:6.1f} s per iteration on "
+              f"{p.gpus} GPUs (learner TP={p.tp} PP={p.pp} DP={p.dp}{f' EP={p.ep}' if p.ep > 1 else ''}, "
+              f"{p.engines} engines x TP={p.engine_tp})")
     if args.choose:
         print(f"to use it: parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
               + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")
-              + f"rollout.engine_tensor_parallel={plan.engine_tp}")
+              + f"rollout.engine_tensor_parallel={plan.engine_tp}"
+              + (f" run.colocate=true train.max_staleness=0 rollout.weight_transfer=ipc "
+                 f"rollout.gpu_memory_utilization={plan.engine_utilization}" if plan.colocated else " run.colocate=false")
+              + (f" optim.cpu_offload_fraction={plan.optimizer_offload}" if plan.optimizer_offload else ""))
     return 0
 
 
@@ -184,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--gpus-per-node", type=int)
     sl.add_argument("--gpu-memory-gib", type=float)
     sl.add_argument("--learner-nodes", type=int)
-    sl.add_argument("--choose", action="store_true", help="choose TP/PP and engine TP instead of checking the recipe's")
+    sl.add_argument("--choose", action="store_true",
+                    help="choose the layout (TP/PP/EP, engine TP) and the placement (colocated when one node is all "
+                         "there is or when it is faster) instead of checking the recipe's")
     sl.add_argument("--json", action="store_true")
     sl.add_argument("overrides", nargs="*", help="config overrides key=value")
     sl.set_defaults(func=_cmd_plan)

@@ -230,6 +230,10 @@ class OptimConfig:
     # writes its own shard (no exchange; resumes at the same TP x PP x EP, any DP); fully_reshardable,
     # gathered per model-parallel group first (resumes at any layout: set it for the save before one)
     checkpoint_sharding: str = "dp_reshardable"
+    # megatron-core's CPU optimizer (HybridDeviceOptimizer): this share of the Adam state and update
+    # lives on the host; for a model whose state does not fit beside its engines (the planner says
+    # when). GPU only: it needs the distributed optimizer and Transformer Engine.
+    cpu_offload_fraction: float = 0.0
 
     def validate(self, prefix: str = "optim") -> None:
         _require(self.lr >= 0, f"{prefix}.lr", f"must be >= 0 (0 freezes the weights: a negative control), got {self.lr}")
@@ -243,6 +247,9 @@ class OptimConfig:
                  "must be dp_reshardable or fully_reshardable")
         _require(self.decay_style == "constant" or (self.decay_steps or 0) > self.warmup_steps,
                  f"{prefix}.decay_steps", "must exceed warmup_steps for a decaying schedule")
+        _require(0 <= self.cpu_offload_fraction <= 1, f"{prefix}.cpu_offload_fraction", "must be in [0, 1]")
+        _require(not self.cpu_offload_fraction or self.use_distributed_optimizer, f"{prefix}.cpu_offload_fraction",
+                 "megatron-core's CPU optimizer needs optim.use_distributed_optimizer=true")
 
 
 @dataclass

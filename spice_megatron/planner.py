@@ -92,7 +92,7 @@ class LearnerMemory:
 
 def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_tokens: int,
                    distributed_optimizer: bool = True, overhead_gib: float = 4.0, ep: int = 1,
-                   etp: int = 1, flags: ActivationFlags | None = None) -> LearnerMemory:
+                   etp: int = 1, flags: ActivationFlags | None = None, optimizer_offload: float = 0.0) -> LearnerMemory:
     """Per-GPU memory of the learner. Activations: the saved tensors of each layer for the flags
     the learner sets (`policy/activation_memory.py`; default: a GPU with Transformer Engine and
     the default train config, sequence parallel when TP > 1); 1F1B keeps up to PP micro-batches in
@@ -111,6 +111,7 @@ def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_token
     embedding = spec.vocab_size * h  # the first stage's input embedding or the last stage's output layer
     moe = spec.moe
     expert_params = 0.0
+    # optim.cpu_offload_fraction: that share of the optimizer's state (and its update) lives on the host
     if moe is None:
         per_layer = spec.num_parameters - spec.vocab_size * h * (1 if spec.tied_embeddings else 2) - h
         per_layer //= spec.num_layers
@@ -125,7 +126,7 @@ def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_token
     edp = max(1, tp * dp // (ep * etp))
     shard, expert_shard = (dp, edp) if distributed_optimizer else (1, 1)
     weights, grads = 2 * (dense + expert_params), 4 * (dense + expert_params)
-    optimizer = 12 * dense / shard + 12 * expert_params / expert_shard
+    optimizer = (12 * dense / shard + 12 * expert_params / expert_shard) * (1 - optimizer_offload)
     per_token_layer = sum(activation_terms(spec, tp, flags).values())
     a2a = 0.0
     if moe is not None:
@@ -160,6 +161,12 @@ class EngineMemory:
 # are what bound the concurrency.
 MIN_ENGINE_KV_TOKENS = 32 * 8192
 
+# Colocation (estimates, to be measured by tools/gpu_check.sh on a lent GPU): what a sleeping vLLM
+# engine keeps on its GPU (CUDA context, the CuMem allocator's bookkeeping), and what an offloaded
+# learner keeps besides its bf16 weights (CUDA context, NCCL buffers, the allocator's cache)
+ENGINE_ASLEEP_GIB = 1.0
+LEARNER_RESIDENT_GIB = 2.5
+
 
 def engine_memory(spec: ModelSpec, engine_tp: int, gpu_memory_gib: float, utilization: float,
                   max_model_len: int, overhead_gib: float = 3.0) -> EngineMemory:
@@ -193,10 +200,25 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     ep: int = 1
     active_params_billion: float = 0.0
+    # run.colocate: learner and engines on the same GPUs, taking turns (colocation.py)
+    colocated: bool = False
+    engine_utilization: float = 0.0  # vLLM's gpu_memory_utilization: the engine's share of each GPU
+    optimizer_offload: float = 0.0  # optim.cpu_offload_fraction
+    # colocated peaks per GPU (GiB): the step beside sleeping engines, the rollouts beside the
+    # learner's weights, the weight sync (engine weights awake, KV cache not yet)
+    train_phase_gib: float = 0.0
+    rollout_phase_gib: float = 0.0
+    sync_phase_gib: float = 0.0
+
+    @property
+    def gpus(self) -> int:
+        """The job's GPUs (colocated, learner and engines share them)."""
+        return self.learner_gpus if self.colocated else self.learner_gpus + self.rollout_gpus
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["learner"]["total"] = self.learner.total
+        d["gpus"] = self.gpus
         return d
 
     def describe(self) -> str:
@@ -213,10 +235,19 @@ class Plan:
             f"of {self.gpu_memory_gib:.0f}",
             *([f"  experts: {m.experts:.1f} GiB of those weights, grads and optimizer state; all-to-all "
                f"{m.all_to_all_gib:.2f} GiB sent per GPU per micro-batch"] if m.experts else []),
-            f"rollout: {self.engines} vLLM engine(s) x TP={self.engine_tp} on {self.rollout_gpus} GPUs",
+            f"rollout: {self.engines} vLLM engine(s) x TP={self.engine_tp} on {self.rollout_gpus} GPUs"
+            + (" (the learner's, colocated)" if self.colocated else ""),
             f"  per GPU: weights {e.weights:.1f} GiB, KV cache {e.kv_cache:.1f} GiB "
             f"({e.kv_bytes_per_token // 1024} KiB/token: {e.max_sequences} full-length sequences per engine)",
         ]
+        if self.colocated:
+            lines += [
+                f"colocated phases per GPU: step {self.train_phase_gib:.1f} GiB (engines asleep, "
+                f"{ENGINE_ASLEEP_GIB:.1f} each), rollouts {self.rollout_phase_gib:.1f} GiB (learner weights "
+                f"{m.weights:.1f} + {LEARNER_RESIDENT_GIB:.1f} resident beside the engine's "
+                f"{self.engine_utilization:.2f} of the GPU), weight sync {self.sync_phase_gib:.1f} GiB",
+                *([f"  optimizer: {self.optimizer_offload:.0%} of its state and update on the host "
+                   f"(optim.cpu_offload_fraction)"] if self.optimizer_offload else [])]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
@@ -229,17 +260,28 @@ def _tp_ok(spec: ModelSpec, tp: int) -> bool:
 
 
 def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = False, headroom: float = 0.9,
-                min_engine_kv_tokens: int = MIN_ENGINE_KV_TOKENS) -> Plan:
+                min_engine_kv_tokens: int = MIN_ENGINE_KV_TOKENS, colocate: bool | None = None) -> Plan:
     """Check the config's layout (cfg.parallel, cfg.rollout.engine_tensor_parallel) against the
-    cluster, or with `choose` pick one.
+    cluster, or with `choose` pick one; `colocate` (default: run.colocate) plans learner and engines
+    on the same GPUs.
 
     Choosing, the learner takes the smallest TP x PP that fits `headroom` of a GPU (TP first, within
     a node: it needs the fastest links); the rest of the learner GPUs are data parallel. An engine
-    takes the smallest TP whose KV cache holds `min_engine_kv_tokens` tokens and a full-length sequence."""
+    takes the smallest TP whose KV cache holds `min_engine_kv_tokens` tokens and a full-length sequence.
+
+    Colocated, every GPU holds a learner rank and a share of an engine, and three peaks must fit:
+    the learner's step beside sleeping engines, the rollouts (the engine's gpu_memory_utilization
+    share beside the learner's weights, its optimizer state on the host) and the weight sync (the
+    engine's weights awake beside the learner's, and vLLM's IPC staging buffer). Choosing, the
+    engine gets what the learner's weights leave, and if the step does not fit, a share of the
+    optimizer moves to the host (optim.cpu_offload_fraction)."""
     cluster: ClusterConfig = cfg.cluster
     spec = spec or model_spec(cfg.run.model)
+    colocate = cfg.run.colocate if colocate is None else colocate
     learner_nodes, rollout_nodes = cluster.split()
-    if cluster.nodes == 1:
+    if colocate:
+        learner_gpus = rollout_gpus = cluster.nodes * cluster.gpus_per_node
+    elif cluster.nodes == 1:
         learner_gpus = max(1, cluster.gpus_per_node // 2)
         rollout_gpus = cluster.gpus_per_node - learner_gpus
     else:
@@ -247,6 +289,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     if rollout_gpus < 1:
         raise PlanError(f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs leave no GPU for rollout engines")
     budget = cluster.gpu_memory_gib * headroom
+    learner_budget = budget - (ENGINE_ASLEEP_GIB if colocate else 0.0)
     # a sequence longer than the budget is a micro-batch of its own: activations are planned at it
     from spice_megatron.context_budget import longest_sequence
 
@@ -258,51 +301,87 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                   sorted(((tp, pp) for tp in _powers_of_two(min(8, cluster.gpus_per_node))
                           for pp in range(1, spec.num_layers + 1) if spec.num_layers % pp == 0),
                          key=lambda x: (x[0] * x[1], x[1])))
+    offloads = [cfg.optim.cpu_offload_fraction] if fixed or not colocate else [0.0, 0.25, 0.5, 0.75, 1.0]
     tried = []
-    for tp, pp in candidates:
-        if learner_gpus % (tp * pp) or not _tp_ok(spec, tp) or tp > cluster.gpus_per_node:
-            if fixed:
-                raise PlanError(f"parallel: TP={tp} x PP={pp} does not fit {learner_gpus} learner GPUs "
-                                f"({cluster.gpus_per_node} per node) or the model's head/layer counts")
-            continue
-        if spec.moe is not None and not fixed:
-            # as many experts apart as a node holds: the all-to-all stays on NVLink
-            ep = max(e for e in _powers_of_two(min(spec.moe.num_experts, cluster.gpus_per_node))
-                     if (learner_gpus // pp) % e == 0 and spec.moe.num_experts % e == 0)
-        if spec.moe is not None and ((learner_gpus // pp) % ep or spec.moe.num_experts % ep):
-            raise PlanError(f"parallel.expert_parallel: EP={ep} must divide num_experts={spec.moe.num_experts} and the "
-                            f"{learner_gpus // pp} learner GPUs of a pipeline stage")
-        flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), cfg.train, tp, on_gpu=True,
-                                 transformer_engine=True)
-        mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), tokens, cfg.optim.use_distributed_optimizer,
-                             ep=ep, flags=flags)
-        if mem.total <= budget:
-            break
-        tried.append(f"TP={tp} PP={pp}: {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads {mem.gradients:.1f}, "
-                     f"optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, logits {mem.logits:.1f})")
-    else:
+
+    def fits() -> tuple[int, int, int, LearnerMemory] | None:
+        """The first layout that fits at the smallest optimizer offload that lets one fit."""
+        nonlocal ep
+        for offload in offloads:
+            for tp, pp in candidates:
+                if learner_gpus % (tp * pp) or not _tp_ok(spec, tp) or tp > cluster.gpus_per_node:
+                    if fixed:
+                        raise PlanError(f"parallel: TP={tp} x PP={pp} does not fit {learner_gpus} learner GPUs "
+                                        f"({cluster.gpus_per_node} per node) or the model's head/layer counts")
+                    continue
+                if spec.moe is not None and not fixed:
+                    # as many experts apart as a node holds: the all-to-all stays on NVLink
+                    ep = max(e for e in _powers_of_two(min(spec.moe.num_experts, cluster.gpus_per_node))
+                             if (learner_gpus // pp) % e == 0 and spec.moe.num_experts % e == 0)
+                if spec.moe is not None and ((learner_gpus // pp) % ep or spec.moe.num_experts % ep):
+                    raise PlanError(f"parallel.expert_parallel: EP={ep} must divide num_experts="
+                                    f"{spec.moe.num_experts} and the {learner_gpus // pp} learner GPUs of a pipeline stage")
+                flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), cfg.train, tp, on_gpu=True,
+                                         transformer_engine=True)
+                mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), tokens, cfg.optim.use_distributed_optimizer,
+                                     ep=ep, flags=flags, optimizer_offload=offload)
+                if mem.total <= learner_budget:
+                    return tp, pp, offload, mem
+                if offload == offloads[0]:
+                    tried.append(f"TP={tp} PP={pp}: {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads "
+                                 f"{mem.gradients:.1f}, optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, "
+                                 f"logits {mem.logits:.1f})")
+        return None
+
+    found = fits()
+    if found is None:
         shown = "; ".join(tried[:4]) + (f"; ... {len(tried) - 4} more" if len(tried) > 4 else "")
-        raise PlanError(f"learner: no layout fits {budget:.1f} GiB per GPU ({headroom:.0%} of {cluster.gpu_memory_gib:.0f}) "
-                        f"on {learner_gpus} GPUs: {shown}. Use more learner nodes, optim.use_distributed_optimizer=true "
-                        f"or a smaller train.micro_batch_tokens")
+        beside = f" beside {rollout_gpus // max(1, cfg.rollout.engine_tensor_parallel)} sleeping engines" if colocate else ""
+        raise PlanError(f"learner: no layout fits {learner_budget:.1f} GiB per GPU ({headroom:.0%} of "
+                        f"{cluster.gpu_memory_gib:.0f}{beside}) on {learner_gpus} GPUs: {shown}. Use more learner nodes, "
+                        "optim.use_distributed_optimizer=true, optim.cpu_offload_fraction or a smaller "
+                        "train.micro_batch_tokens")
+    tp, pp, offload, mem = found
+    resident = mem.weights + LEARNER_RESIDENT_GIB  # colocated: what the learner keeps during the rollouts
+    utilization = cfg.rollout.gpu_memory_utilization
+    if colocate and choose:
+        utilization = round(math.floor((budget - resident) / cluster.gpu_memory_gib * 100) / 100, 2)
+    if colocate and resident + utilization * cluster.gpu_memory_gib > budget:
+        raise PlanError(f"rollout.gpu_memory_utilization={utilization}: colocated, the engine's {utilization:.2f} x "
+                        f"{cluster.gpu_memory_gib:.0f} GiB beside the learner's resident {resident:.1f} GiB exceeds "
+                        f"{budget:.1f} GiB ({headroom:.0%}); at most "
+                        f"{(budget - resident) / cluster.gpu_memory_gib:.2f} (`spice plan --choose` picks it)")
     engine_tps = [cfg.rollout.engine_tensor_parallel] if fixed else [
         t for t in _powers_of_two(min(8, cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0]
     for etp in engine_tps:
-        em = engine_memory(spec, etp, cluster.gpu_memory_gib, cfg.rollout.gpu_memory_utilization, cfg.rollout.max_model_len)
+        em = engine_memory(spec, etp, cluster.gpu_memory_gib, utilization, cfg.rollout.max_model_len)
         if em.kv_tokens >= min_engine_kv_tokens and em.max_sequences >= 1 and rollout_gpus % etp == 0:
             break
     else:
         raise PlanError(f"rollout: with engine TP={engine_tps[-1]} the KV cache is {em.kv_cache:.1f} GiB per GPU "
-                        f"(weights {em.weights:.1f} GiB of {cluster.gpu_memory_gib * cfg.rollout.gpu_memory_utilization:.1f} "
+                        f"(weights {em.weights:.1f} GiB of {cluster.gpu_memory_gib * utilization:.1f} "
                         f"usable): {em.kv_tokens:,} tokens ({em.max_sequences} sequences of {cfg.rollout.max_model_len}), "
                         f"fewer than {min_engine_kv_tokens:,} or than one sequence; raise rollout.engine_tensor_parallel "
-                        "or lower rollout.max_model_len")
+                        "or lower rollout.max_model_len" + (" (colocated: the learner's weights take their share "
+                                                            "of every GPU)" if colocate else ""))
     notes = []
+    phases = {}
+    if colocate:
+        largest = 2 * spec.vocab_size * spec.hidden_size / GiB  # the embedding, bf16: one whole tensor per rank
+        staging = max(cfg.rollout.bucket_mb / 1024, largest)  # vLLM's packed IPC buffer (engine_weights.py)
+        phases = {"train_phase_gib": mem.total + ENGINE_ASLEEP_GIB,
+                  "rollout_phase_gib": resident + utilization * cluster.gpu_memory_gib,
+                  "sync_phase_gib": resident + em.weights + 3.0 + staging + largest}
+        if phases["sync_phase_gib"] > budget:
+            raise PlanError(f"colocated weight sync: the engine's weights ({em.weights:.1f} GiB) beside the learner's "
+                            f"{resident:.1f} GiB and the IPC buffers ({staging + largest:.1f} GiB) exceed {budget:.1f} GiB; "
+                            "raise rollout.engine_tensor_parallel")
+        notes.append("colocated: the phases run one after another on every GPU; on-policy only (train.max_staleness=0)")
     if cfg.selfplay.challenger == "model" and not cfg.rollout.challenger_engines:
         ctp = challenger_engine_tp(cfg)
         notes.append(f"a local fixed challenger engine ({cfg.selfplay.challenger_model}) takes {ctp} more GPU(s) "
                      f"on the learner's node: {check_challenger_engine(cfg).kv_tokens:,} tokens of KV cache")
-    if cluster.nodes == 1:
+    if cluster.nodes == 1 and not colocate:
         notes.append("one node: learner and engines share it (GPUs split in half)")
     if tp > 1 and cluster.nodes > 1:
         notes.append("TP stays within a node; PP and DP cross nodes")
@@ -313,7 +392,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                      f"train.micro_batch_tokens={cfg.train.micro_batch_tokens:,}")
     return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
                 learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp), etp, rollout_gpus // etp, mem, em, notes,
-                ep, spec.active_parameters / 1e9)
+                ep, spec.active_parameters / 1e9, colocate, utilization if colocate else 0.0, offload, **phases)
 
 
 def challenger_engine_tp(cfg: SpiceConfig) -> int:
@@ -365,6 +444,12 @@ class Throughput:
     challenger_gen_tokens: int = 600
     question_tokens: int = 200
     reasoner_gen_tokens: int = 1000  # mean; the tail runs to the reasoner's max tokens
+    # colocation: vLLM's IPC weight sync inside a node (each rank's whole-model copy through its packed
+    # buffer, then the engines' load), host <-> GPU copies (pinned) for sleep level 1 and the learner's
+    # optimizer offload, and megatron's CPU Adam (optim.cpu_offload_fraction), parameters per second per GPU
+    ipc_gb_s: float = 50.0
+    host_gb_s: float = 20.0
+    cpu_adam_params_per_s: float = 0.5e9
     # train.shared_prefix: distinct prompts among a document's G challenger trajectories (the compact
     # protocol: 1; the paper's generation prompt names the answer type, and an invalid selection's
     # trajectory has the selection prompt)
@@ -426,17 +511,59 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     if plan.learner.all_to_all_gib:  # the experts' all-to-all, not overlapped with compute
         micro_batches = learner_tokens / cfg.train.micro_batch_tokens / plan.dp
         train += micro_batches * plan.learner.all_to_all_gib * GiB / (t.all_to_all_gb_s * 1e9)
-    sync = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
-    out = {"challenger_rollout": challenger, "reasoner_rollout": reasoner, "train": train, "weight_sync": sync}
+    if plan.optimizer_offload:  # the CPU's share of every optimizer step
+        per_update = cfg.train.trajectories_per_update
+        steps = math.ceil((challenger_trained + answers) / per_update) if per_update else cfg.train.steps_per_batch
+        offloaded = plan.optimizer_offload * p / plan.learner_gpus  # parameters per GPU updated on the host
+        train += steps * offloaded / t.cpu_adam_params_per_s
+    out = {"challenger_rollout": challenger, "reasoner_rollout": reasoner, "train": train}
+    if plan.colocated:
+        out["weight_sync"] = 2 * p / (t.ipc_gb_s * 1e9) + 1.0
+        # engines' weights to the host and back (sleep level 1; level 2 drops them: the sync refills),
+        # the learner's optimizer state out and in (its gradient buffers are freed, not copied)
+        moved = (2 * plan.engine.weights if cfg.rollout.sleep_level == 1 else 0.0) + 2 * plan.learner.optimizer
+        out["sleep_wake_offload"] = moved * GiB / (t.host_gb_s * 1e9) + 2.0
+    else:
+        out["weight_sync"] = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
     out["total"] = sum(out.values())
     out["train_tokens"] = float(train_tokens)
     out["learner_tokens"] = float(learner_tokens)
     # NeMo-RL's throughput unit: tokens (prompt + generated) through the loop per second per GPU of
-    # the job; one step off, the rollouts overlap the learner's step and sync
-    gpus = plan.learner_gpus + plan.rollout_gpus
-    out["tokens_per_s_per_gpu"] = train_tokens / out["total"] / gpus
-    out["tokens_per_s_per_gpu_one_step_off"] = train_tokens / max(challenger + reasoner, train + sync) / gpus
+    # the job; one step off, the rollouts overlap the learner's step and sync (not colocated: the
+    # engines sleep while the learner steps)
+    out["tokens_per_s_per_gpu"] = train_tokens / out["total"] / plan.gpus
+    out["tokens_per_s_per_gpu_one_step_off"] = 0.0 if plan.colocated else \
+        train_tokens / max(challenger + reasoner, train + out["weight_sync"]) / plan.gpus
     return out
+
+
+def compare_placements(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None
+                       ) -> dict[str, tuple[Plan, dict[str, float]] | str]:
+    """The recipe's cluster planned both ways, each layout chosen: {"colocated": (plan, step time),
+    "disaggregated": ...}, or the PlanError's message where a way does not fit."""
+    out: dict[str, tuple[Plan, dict[str, float]] | str] = {}
+    for name, colocate in (("colocated", True), ("disaggregated", False)):
+        try:
+            plan = plan_layout(cfg, spec, choose=True, colocate=colocate)
+        except PlanError as e:
+            out[name] = str(e)
+            continue
+        out[name] = (plan, estimate_step_time(plan, spec, cfg, t))
+    return out
+
+
+def choose_plan(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None) -> Plan:
+    """`spice plan --choose`: colocated when one node is all there is or when it is faster (tokens
+    per second per GPU, on-policy), else disaggregated; PlanError when neither fits."""
+    both = compare_placements(cfg, spec, t)
+    fits = {k: v for k, v in both.items() if not isinstance(v, str)}
+    if not fits:
+        raise PlanError("; ".join(f"{k}: {v}" for k, v in both.items()))
+    if "colocated" in fits and (cfg.cluster.nodes == 1 or "disaggregated" not in fits or
+                                fits["colocated"][1]["tokens_per_s_per_gpu"] >=
+                                fits["disaggregated"][1]["tokens_per_s_per_gpu"]):
+        return fits["colocated"][0]
+    return fits["disaggregated"][0]
 
 
 # NeMo-RL's published GRPO throughput, Llama-3.1-8B-Instruct on 2 nodes of 8 H100s (its performance

@@ -141,11 +141,16 @@ class Learner:
                 ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=optim.use_distributed_optimizer,
                                                          overlap_grad_reduce=self.layout.dp > 1,
                                                          grad_reduce_in_fp32=True))
+            # optim.cpu_offload_fraction: megatron's HybridDeviceOptimizer (CPU Adam for that share of
+            # the state; it requires the precision-aware distributed optimizer); GPU only, never run here
+            offload = ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": optim.cpu_offload_fraction,
+                        "use_precision_aware_optimizer": True} if optim.cpu_offload_fraction else {})
             self.optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
                                 clip_grad=optim.clip_grad, bf16=self.dtype == torch.bfloat16,
-                                params_dtype=self.dtype, use_distributed_optimizer=optim.use_distributed_optimizer),
+                                params_dtype=self.dtype, use_distributed_optimizer=optim.use_distributed_optimizer,
+                                **offload),
                 [self.ddp])
         self.scheduler = self._scheduler(optim)
         self.tconfig.no_sync_func = self.ddp.no_sync
