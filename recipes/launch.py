@@ -11,7 +11,8 @@
 filesystem is private to its node and discarded with the job)
 
 On Slurm one job holds both roles: the rollout services on the last nodes (slurm/rollout_node.sh,
-one srun task per node) and the learner on the first ones (one srun task per GPU; Megatron reads
+one srun task per node; colocated recipes, run.colocate: on every node, beside the learner, started
+asleep) and the learner on the first ones (one srun task per GPU; Megatron reads
 SLURM_PROCID). They meet through the environment the job exports (SPICE_ROLLOUT_NODES,
 SPICE_ENGINES_PER_NODE, SPICE_ROLLOUT_PORT, SPICE_ROLLOUT_TOKEN); the learner waits for the engines
 to be healthy (rollout.health_timeout). NeMo-Run requeues a failed job up to --retries times and the
@@ -82,7 +83,10 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     overrides = list(overrides or [])
     cfg: SpiceConfig = apply_overrides(get_recipe(recipe), overrides)
     learner_nodes, rollout_nodes = cfg.cluster.split()
-    if rollout_nodes < 1:
+    colocated = cfg.run.colocate
+    if colocated:  # both groups on every node, the second beside the first (srun --overlap)
+        learner_nodes = rollout_nodes = cfg.cluster.nodes
+    elif rollout_nodes < 1:
         raise ValueError(f"cluster.nodes={cfg.cluster.nodes}: a Slurm run needs at least one rollout node")
     gpus = cfg.cluster.gpus_per_node
     if not output_dir:
@@ -92,6 +96,8 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     container_image = None if container_image in (None, "", "none") else container_image
     rollout_image = None if rollout_container_image in ("", "none") and container_image is None else (
         rollout_container_image or container_image)
+    if colocated:  # vLLM's CUDA IPC runs in the learner's process too: one image for both roles
+        rollout_image = container_image
     if container_image is not None:
         for flag, path in (("--output-dir", output_dir), ("--data-dir", data_dir), ("--model-dir", model_dir)):
             require_mounted(flag, path, mounts)
@@ -116,7 +122,7 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
         "set -x",
         # the engines' addresses as Slurm knows them (NodeAddr: a name or an IP)
         f'export SPICE_ROLLOUT_NODES="$(for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n '
-        f"+{learner_nodes + 1}); do scontrol show node -o \"$n\" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2; done "
+        f"+{1 if colocated else learner_nodes + 1}); do scontrol show node -o \"$n\" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2; done "
         f'| paste -sd, -)"',
         f"export SPICE_ENGINES_PER_NODE={gpus // cfg.rollout.engine_tensor_parallel} "
         f"SPICE_ROLLOUT_PORT={os.environ.get('SPICE_ROLLOUT_PORT', ROLLOUT_PORT)}",
@@ -134,17 +140,20 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
 
     # --ntasks on every srun: the job's SLURM_NTASKS (one task per node) is inherited by srun and
     # would override --ntasks-per-node (a learner on `nodes` GPUs instead of 8 per node).
+    overlap = ["--overlap"] if colocated else []
+    # colocated engines start asleep (the learner builds beside them) and sleep while it steps
+    sleep_env = {"SPICE_SLEEP_MODE": "1", "SPICE_START_ASLEEP": "1"} if colocated else {}
     rollout = executor([f"--nodes={rollout_nodes}", f"--ntasks={rollout_nodes}", "--ntasks-per-node=1",
-                        f"--relative={learner_nodes}"],
+                        f"--relative={0 if colocated else learner_nodes}", *overlap],
                        {"SPICE_MODEL": model_dir, "SPICE_ENGINE_TP": str(cfg.rollout.engine_tensor_parallel),
                         "SPICE_MAX_MODEL_LEN": str(cfg.rollout.max_model_len), "SPICE_GPUS_PER_NODE": str(gpus),
                         "SPICE_GPU_MEMORY_UTILIZATION": str(cfg.rollout.gpu_memory_utilization),
                         "SPICE_WEIGHT_TRANSFER": cfg.rollout.weight_transfer,
                         **({"SPICE_ENGINE_EXPERT_PARALLEL": "1"} if cfg.rollout.engine_expert_parallel else {}),
-                        "SPICE_LOG_DIR": f"{output_dir}/logs"}, rollout_image)
+                        "SPICE_LOG_DIR": f"{output_dir}/logs", **sleep_env}, rollout_image)
     # One task per GPU (srun, not torchrun): Megatron's init reads SLURM_PROCID / SLURM_NTASKS.
     learner = executor([f"--nodes={learner_nodes}", f"--ntasks={learner_nodes * gpus}", f"--ntasks-per-node={gpus}",
-                        "--relative=0"],
+                        "--relative=0", *overlap],
                        {"MASTER_ADDR": "$head_node_ip", "MASTER_PORT": os.environ.get("SPICE_MASTER_PORT", "29500"), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
                         "SPICE_DATA_DIR": data_dir}, container_image)
     exp = run.Experiment(f"spice_{recipe}", executor=rollout)

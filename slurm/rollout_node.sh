@@ -4,7 +4,9 @@
 # SPICE_ROLLOUT_PORT + k * engines per node + i. An engine that exits is started again on its port
 # and GPUs (up to SPICE_ENGINE_RESTARTS times per engine, default 3; each logged): the trainer sees
 # it come back at weights version 0 and sends it the current weights, so the kill -9 of one engine
-# costs no requeue. Past the bound the others are stopped and the script fails, so that srun
+# costs no requeue. Colocated jobs (SPICE_SLEEP_MODE=1) start the engines asleep (SPICE_START_ASLEEP=1)
+# so that the learner builds beside them; a restarted one starts awake, to receive the weights at
+# once (on a GPU its memory must then be free: see docs/cluster.md). Past the bound the others are stopped and the script fails, so that srun
 # (--kill-on-bad-exit) ends the job and Slurm requeues it; the learner resumes from its checkpoint.
 set -euo pipefail
 
@@ -27,8 +29,8 @@ fi
 engines=$(( gpus / engine_tp ))
 first_port=$(( port + node_index * engines ))
 
-start_engine() {  # engine $1 on its GPUs and port, appending to its log
-  local i=$1 devices
+start_engine() {  # engine $1 on its GPUs and port, appending to its log; $2: its first start
+  local i=$1 first=${2:-} devices
   devices=$(seq -s, $(( i * engine_tp )) $(( (i + 1) * engine_tp - 1 )))
   CUDA_VISIBLE_DEVICES=$devices python -m spice_megatron.rollout.serve \
     --model "$SPICE_MODEL" --host 0.0.0.0 --port $(( first_port + i )) \
@@ -36,6 +38,7 @@ start_engine() {  # engine $1 on its GPUs and port, appending to its log
     --max-model-len "${SPICE_MAX_MODEL_LEN:-12288}" \
     --gpu-memory-utilization "${SPICE_GPU_MEMORY_UTILIZATION:-0.85}" \
     --weight-transfer "${SPICE_WEIGHT_TRANSFER:-spice}" \
+    ${SPICE_SLEEP_MODE:+--enable-sleep-mode} ${first:+${SPICE_START_ASLEEP:+--start-asleep}} \
     --seed $(( ${SPICE_SEED:-1234} + 1000 * node_index + i )) \
     >> "$log_dir/rollout_${node}_$(( first_port + i )).log" 2>&1 &
   pids[i]=$!
@@ -44,7 +47,7 @@ start_engine() {  # engine $1 on its GPUs and port, appending to its log
 pids=()
 restarts=()
 for (( i = 0; i < engines; i++ )); do
-  start_engine "$i"
+  start_engine "$i" first
   restarts[i]=0
 done
 echo "rollout_node.sh: $node started $engines engine(s) (TP=$engine_tp) on ports $first_port..$(( first_port + engines - 1 ))"

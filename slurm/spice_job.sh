@@ -21,7 +21,8 @@
 #   OUTPUT_DIR        run directory (default: $SPICE_HOME/runs/$RECIPE)
 #   GPUS_PER_NODE     (default: the allocation's $SLURM_GPUS_ON_NODE, else 8; on CPU nodes set it: 1)
 #   WEIGHT_TRANSFER   vLLM weight-transfer backend of engines and learner alike (default: spice; nccl
-#                     needs pipeline parallelism 1 and vLLM in the learner's image; docs/weight-sync.md)
+#                     needs pipeline parallelism 1 and vLLM in the learner's image; ipc: colocated jobs;
+#                     docs/weight-sync.md)
 #   ROLLOUT_PORT      first engine port (default: 8100); engine i of rollout node k listens on
 #                     ROLLOUT_PORT + k * engines per node + i, so that nodes sharing a host do not collide
 #   RDZV_PORT         torchrun rendezvous port on the first learner node (default: 29500)
@@ -29,15 +30,22 @@
 #   MAX_RESTARTS      requeues after a failure (default: 3); time-limit requeues are not counted
 #   STOP_GRACE        seconds the learner gets to checkpoint after the time-limit warning (default: 540,
 #                     under the 600 s of --signal=B:USR1@600)
+#   COLOCATE          1: learner and engines share every node's GPUs (run.colocate; the *_1node sbatch files
+#                     set it): both srun steps span all nodes with --overlap, the engines start asleep and
+#                     the trainer wakes them once it has built; one image for both roles (vLLM's CUDA IPC
+#                     weight transfer needs vLLM in the learner's environment: ROLLOUT_CONTAINER_IMAGE is
+#                     ignored)
 #   Extra arguments to sbatch's script become config overrides: sbatch slurm/spice_8b.sbatch run.iterations=100
 set -euo pipefail
 
-RECIPE=${SPICE_RECIPE:-${RECIPE:?}} LEARNER_NODES=${SPICE_LEARNER_NODES:-${LEARNER_NODES:?}}
+RECIPE=${SPICE_RECIPE:-${RECIPE:?}} LEARNER_NODES=${SPICE_LEARNER_NODES:-${LEARNER_NODES:-0}}
+COLOCATE=${SPICE_COLOCATE:-${COLOCATE:-0}}
 ENGINE_TP=${SPICE_ENGINE_TP:-${ENGINE_TP:?}} MAX_MODEL_LEN=${SPICE_MAX_MODEL_LEN:-${MAX_MODEL_LEN:?}}
 : "${MODEL_DIR:?set MODEL_DIR to the HF directory of the base model, as seen inside the container}"
 SPICE_HOME=${SPICE_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-none}
 ROLLOUT_CONTAINER_IMAGE=${ROLLOUT_CONTAINER_IMAGE:-$CONTAINER_IMAGE}
+if [[ $COLOCATE == 1 ]]; then ROLLOUT_CONTAINER_IMAGE=$CONTAINER_IMAGE; fi
 export SPICE_DATA_DIR=${SPICE_DATA_DIR:-$SPICE_HOME/data}
 OUTPUT_DIR=${OUTPUT_DIR:-$SPICE_HOME/runs/$RECIPE}
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
@@ -67,12 +75,21 @@ fi
 rm -f "$STOP_FILE" "$STOPPED_FILE"
 
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-if (( ${#NODES[@]} <= LEARNER_NODES )); then
-  echo "spice: ${#NODES[@]} node(s) allocated; LEARNER_NODES=$LEARNER_NODES leaves none for rollout" >&2
-  exit 2
+overlap=()
+if [[ $COLOCATE == 1 ]]; then  # every node runs learner ranks and engines on the same GPUs
+  LEARNER_NODES=${#NODES[@]}
+  LEARNER=("${NODES[@]}")
+  ROLLOUT=("${NODES[@]}")
+  overlap=(--overlap)  # the second step shares the first one's CPUs, memory and GPUs
+  export SPICE_SLEEP_MODE=1 SPICE_START_ASLEEP=1
+else
+  if (( LEARNER_NODES < 1 || ${#NODES[@]} <= LEARNER_NODES )); then
+    echo "spice: ${#NODES[@]} node(s) allocated; LEARNER_NODES=$LEARNER_NODES leaves none for rollout" >&2
+    exit 2
+  fi
+  LEARNER=("${NODES[@]:0:LEARNER_NODES}")
+  ROLLOUT=("${NODES[@]:LEARNER_NODES}")
 fi
-LEARNER=("${NODES[@]:0:LEARNER_NODES}")
-ROLLOUT=("${NODES[@]:LEARNER_NODES}")
 learner_list=$(IFS=,; echo "${LEARNER[*]}")
 rollout_list=$(IFS=,; echo "${ROLLOUT[*]}")
 # Every srun names its task count: the allocation's SLURM_NTASKS (one task per node) is inherited
@@ -104,6 +121,9 @@ export SPICE_ROLLOUT_PORT=$ROLLOUT_PORT SPICE_ENGINE_TP=$ENGINE_TP SPICE_MAX_MOD
 if [[ "${ENGINE_EP:-0}" == 1 ]]; then export SPICE_ENGINE_EXPERT_PARALLEL=1; fi
 export SPICE_MODEL=$MODEL_DIR SPICE_LOG_DIR=$LOG_DIR SPICE_GPUS_PER_NODE=$GPUS_PER_NODE
 export SPICE_WEIGHT_TRANSFER=${WEIGHT_TRANSFER:-spice}
+# the engines' share of each GPU (vLLM's gpu_memory_utilization); colocated, what the learner's
+# resident weights leave (the recipe's rollout.gpu_memory_utilization, ENGINE_MEMORY_SHARE in the sbatch)
+export SPICE_GPU_MEMORY_UTILIZATION=${SPICE_GPU_MEMORY_UTILIZATION:-${ENGINE_MEMORY_SHARE:-0.85}}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 
 # NCCL. The weight-sync group is its own communicator between the learner's stage senders and
@@ -162,7 +182,7 @@ on_time_limit() {
 trap on_time_limit USR1
 
 # --- rollout: one service per ENGINE_TP GPUs on every rollout node
-srun --nodes=${#ROLLOUT[@]} --ntasks=${#ROLLOUT[@]} --ntasks-per-node=1 -w "$rollout_list" \
+srun --nodes=${#ROLLOUT[@]} --ntasks=${#ROLLOUT[@]} --ntasks-per-node=1 -w "$rollout_list" "${overlap[@]}" \
   "${rollout_container[@]}" \
   --output="$LOG_DIR/rollout_%N_%n.out" --kill-on-bad-exit=1 bash slurm/rollout_node.sh &
 rollout_pid=$!
@@ -188,17 +208,18 @@ for k in "${!ROLLOUT_ADDRS[@]}"; do
     done
   done
 done
-echo "spice: ${#ROLLOUT[@]} x $SPICE_ENGINES_PER_NODE rollout engine(s) healthy"
+echo "spice: ${#ROLLOUT[@]} x $SPICE_ENGINES_PER_NODE rollout engine(s) healthy$( [[ $COLOCATE == 1 ]] && echo ' (asleep until the learner has built)')"
 
 # --- learner: torchrun over the learner nodes; always --resume (a requeued job continues)
-srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" \
+srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" "${overlap[@]}" \
   "${learner_container[@]}" \
   --output="$LOG_DIR/learner_%N_%n.out" --kill-on-bad-exit=1 \
   env CUDA_DEVICE_MAX_CONNECTIONS=1 \
   python -m torch.distributed.run --nnodes="$LEARNER_NODES" --nproc-per-node="$GPUS_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$head_ip:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
   -m spice_megatron.cli train --recipe "$RECIPE" --model "$MODEL_DIR" --output-dir "$OUTPUT_DIR" --resume \
-  cluster.nodes=${#NODES[@]} cluster.learner_nodes="$LEARNER_NODES" rollout.weight_transfer="$SPICE_WEIGHT_TRANSFER" "$@" &
+  cluster.nodes=${#NODES[@]} cluster.learner_nodes="$(( COLOCATE == 1 ? 0 : LEARNER_NODES ))" \
+  rollout.weight_transfer="$SPICE_WEIGHT_TRANSFER" "$@" &
 learner_pid=$!
 set +e
 wait "$learner_pid"

@@ -76,6 +76,12 @@ class Colocation:
         self.path = os.path.join(cfg.run.output_dir, PHASES_FILE)
         self.iteration = 0
         self._stats: dict[str, float] = {}
+        if self.enabled and driver is not None:
+            # engines a cluster script started asleep (--start-asleep), so that the learner could
+            # build beside them, wake now that it has offloaded; awake ones have nothing to do
+            woke = driver.fleet.wake_up()
+            if woke["seconds"]:
+                log.info("woke the rollout engines started asleep in %.1fs", woke["seconds"])
 
     def _phase(self, name: str, **figures: float) -> None:
         if self.driver is None:

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from recipes import BASELINE_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES, get_recipe, recipe_names
+from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES, get_recipe,
+                     recipe_names)
 from spice_megatron.config import ConfigError, apply_overrides
 from spice_megatron.planner import PlanError, Throughput, estimate_step_time, learner_memory, model_spec, plan_layout
 
@@ -45,7 +46,46 @@ def test_cluster_recipes_fit_their_cluster(name):
 def test_large_recipes_use_tensor_and_pipeline_parallelism():
     layouts = {n: (get_recipe(n).parallel.tensor_parallel, get_recipe(n).parallel.pipeline_parallel) for n in LARGE_RECIPES}
     assert all(tp > 1 for tp, _ in layouts.values()) and any(pp > 1 for _, pp in layouts.values())
-    assert set(PAPER_RECIPES + LARGE_RECIPES + BASELINE_RECIPES + MOE_RECIPES + ("tiny_cpu",)) == set(recipe_names())
+    assert set(PAPER_RECIPES + LARGE_RECIPES + BASELINE_RECIPES + MOE_RECIPES + COLOCATED_RECIPES + ("tiny_cpu",)) == \
+        set(recipe_names())
+
+
+@pytest.mark.parametrize("name", COLOCATED_RECIPES)
+def test_one_node_recipes_colocate_within_90_percent_of_every_gpu(name):
+    """Learner and engines on the same 8 GPUs: each phase's peak (the step beside sleeping engines, the
+    rollouts beside the learner's weights, the weight sync) within 90% of 80 GB; the layout and the
+    engines' share are what `spice plan --choose --nodes 1` picks; on-policy, vLLM's CUDA IPC."""
+    cfg = get_recipe(name)
+    cfg.validate()
+    assert cfg.run.colocate and cfg.cluster.nodes == 1 and cfg.train.max_staleness == 0
+    assert cfg.rollout.weight_transfer == "ipc" and cfg.selfplay.protocol == "paper"
+    plan = plan_layout(cfg)
+    assert plan.colocated and plan.learner_gpus == plan.rollout_gpus == plan.gpus == 8
+    budget = 0.9 * cfg.cluster.gpu_memory_gib
+    assert max(plan.train_phase_gib, plan.rollout_phase_gib, plan.sync_phase_gib) <= budget
+    assert plan.engine.kv_tokens >= 32 * 8192 and plan.engines * plan.engine_tp == 8
+    chosen = plan_layout(cfg, choose=True)
+    assert (chosen.tp, chosen.pp, chosen.ep, chosen.engine_tp, chosen.engine_utilization, chosen.optimizer_offload) == (
+        cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, plan.ep, cfg.rollout.engine_tensor_parallel,
+        cfg.rollout.gpu_memory_utilization, cfg.optim.cpu_offload_fraction)
+    spec = model_spec(cfg.run.model)
+    step = estimate_step_time(plan, spec, cfg)
+    assert step["sleep_wake_offload"] > 0 and step["tokens_per_s_per_gpu_one_step_off"] == 0.0
+
+
+def test_plan_prints_colocated_beside_disaggregated_and_choose_colocates_one_node(capsys):
+    from spice_megatron.cli import main
+
+    for recipe in ("qwen3_8b", "qwen3_30b_a3b"):
+        assert main(["plan", "--recipe", recipe]) == 0
+        out = capsys.readouterr().out
+        lines = {w: next(ln for ln in out.splitlines() if ln.strip().startswith(w)) for w in ("colocated", "disaggregated")}
+        rate = {w: float(re.search(r"([\d,]+) tokens/s/GPU", ln).group(1).replace(",", "")) for w, ln in lines.items()}
+        assert rate["colocated"] > rate["disaggregated"] > 0, out  # the same GPUs, no half idle
+    assert main(["plan", "--recipe", "qwen3_8b", "--nodes", "1", "--choose"]) == 0
+    out = capsys.readouterr().out
+    assert "(the learner's, colocated)" in out and "run.colocate=true" in out and "rollout.weight_transfer=ipc" in out
+    assert "colocated phases per GPU" in out and "colocated: on-policy only" in out
 
 
 @pytest.mark.parametrize("name", MOE_RECIPES)
@@ -145,7 +185,7 @@ def test_spice_plan_command(capsys):
     assert "does not fit 8 learner GPUs" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", PAPER_RECIPES + ("qwen3_30b_a3b",))
+@pytest.mark.parametrize("name", PAPER_RECIPES + ("qwen3_30b_a3b", "qwen3_8b_1node", "qwen3_30b_a3b_1node"))
 def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     import nemo_run as run
 
@@ -155,6 +195,9 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # NeMo-Run's local tunnel (invoke) reads stdin
     cfg = get_recipe(name)
     learner_nodes, rollout_nodes = cfg.cluster.split()
+    colocated = cfg.run.colocate
+    if colocated:  # both groups on the same node(s), the engines asleep until the learner built
+        learner_nodes = rollout_nodes = cfg.cluster.nodes
     exp = slurm_experiment(name, account="acct", partition="batch", container_image="/images/spice.sqsh",
                            rollout_container_image="/images/vllm.sqsh", model_dir="/models/base", data_dir="/data",
                            mounts=["/lustre/models:/models", "/lustre/results:/results", "/lustre/data:/data:ro"],
@@ -166,8 +209,10 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     assert "#SBATCH --account=acct" in text and "#SBATCH --partition=batch" in text
     rollout = next(line for line in text.splitlines() if line.startswith("srun") and "rollout_node.sh" in line)
     learner = next(line for line in text.splitlines() if line.startswith("srun") and "spice_megatron/cli.py" in line)
-    assert f"--nodes={rollout_nodes} --ntasks={rollout_nodes} --ntasks-per-node=1 --relative={learner_nodes}" in rollout
-    assert f"--nodes={learner_nodes} --ntasks={learner_nodes * 8} --ntasks-per-node=8 --relative=0" in learner
+    relative = 0 if colocated else learner_nodes
+    overlap = " --overlap" if colocated else ""
+    assert f"--nodes={rollout_nodes} --ntasks={rollout_nodes} --ntasks-per-node=1 --relative={relative}{overlap}" in rollout
+    assert f"--nodes={learner_nodes} --ntasks={learner_nodes * 8} --ntasks-per-node=8 --relative=0{overlap}" in learner
     # what srun would start: --ntasks, else the SLURM_NTASKS inherited from the one-task-per-node job
     for line, want in ((rollout, rollout_nodes), (learner, learner_nodes * 8)):
         m = re.search(r"--ntasks[= ](\d+)", line)
@@ -188,12 +233,14 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     token = (tmp_path / "token").read_text()
     assert r.returncode == 0 and len(token) == 32, r.stderr
     assert token not in r.stdout + r.stderr and "SPICE_ROLLOUT_NODES=" in r.stderr  # traced, minus the token
-    assert "--container-image /images/vllm.sqsh" in rollout and "--container-image /images/spice.sqsh" in learner
+    rollout_image = "/images/spice.sqsh" if colocated else "/images/vllm.sqsh"  # colocated: vLLM's IPC in both
+    assert f"--container-image {rollout_image}" in rollout and "--container-image /images/spice.sqsh" in learner
+    assert ("export SPICE_START_ASLEEP=1" in text) == colocated == ("export SPICE_SLEEP_MODE=1" in text)
     for line in (rollout, learner):
         assert "/lustre/models:/models" in line
     assert "export SPICE_DATA_DIR=/data" in text
     assert f"train --recipe {name} --model /models/base" in learner and "--resume run.iterations=3" in learner
-    assert f'tail -n +{learner_nodes + 1}' in text and "export SPICE_ROLLOUT_TOKEN=" in text
+    assert f'tail -n +{1 if colocated else learner_nodes + 1}' in text and "export SPICE_ROLLOUT_TOKEN=" in text
     assert f"export SPICE_ENGINE_TP={cfg.rollout.engine_tensor_parallel}" in text
     assert "export MASTER_ADDR=$head_node_ip" in text and "NCCL_CUMEM_ENABLE" not in text
     assert "export TORCHX_MAX_RETRIES=3" in text  # requeue on failure; the learner resumes

@@ -126,6 +126,12 @@ def test_sbatch_matches_its_recipe(script):
     assert int(s["gpus-per-node"]) == cfg.cluster.gpus_per_node
     plan = plan_layout(cfg)  # the recipe's layout fits the nodes the script asks for
     assert plan.learner_gpus == int(s["LEARNER_NODES"]) * cfg.cluster.gpus_per_node
+    # colocated (one node): the engines' share of each GPU and vLLM's CUDA IPC, as the recipe plans them
+    assert (s.get("COLOCATE") == "1") == cfg.run.colocate
+    if cfg.run.colocate:
+        assert float(s["ENGINE_MEMORY_SHARE"]) == cfg.rollout.gpu_memory_utilization == plan.engine_utilization
+        assert s["WEIGHT_TRANSFER"] == "${WEIGHT_TRANSFER:-ipc}" and cfg.rollout.weight_transfer == "ipc"
+        assert plan.rollout_phase_gib <= 0.9 * cfg.cluster.gpu_memory_gib
 
 
 def _job_env(script, fake_bin, tmp_path, learner="finish", restart=0, **extra_env):
@@ -153,7 +159,10 @@ def _run_job(script, fake_bin, tmp_path, learner="finish", restart=0, extra=(), 
 def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     r, calls, nodes, s = _run_job(script, fake_bin, tmp_path, extra=["run.iterations=5"])
     assert r.returncode == 0, r.stderr
+    colocated = s.get("COLOCATE") == "1"
     learners, rollouts = nodes[:int(s["LEARNER_NODES"])], nodes[int(s["LEARNER_NODES"]):]
+    if colocated:  # both roles on every node, the second step beside the first (--overlap)
+        learners = rollouts = nodes
     sruns = [c for c in calls if c["cmd"] == "srun"]
     rollout = next(c for c in sruns if "slurm/rollout_node.sh" in c["argv"])
     learner = next(c for c in sruns if "torch.distributed.run" in c["argv"])
@@ -165,8 +174,17 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     # placement: each role on its own nodes, inside the container
     assert f"-w={','.join(rollouts)}" in "=".join(rollout["argv"]) or ",".join(rollouts) in rollout["argv"]
     assert ",".join(learners) in learner["argv"]
-    assert "--container-image=/images/vllm.sqsh" in rollout["argv"]  # two images: vLLM's torch breaks TE/apex
     assert "--container-image=/images/spice.sqsh" in learner["argv"]
+    if colocated:  # one image for both (vLLM's IPC on the learner), engines asleep until the learner built
+        assert "--container-image=/images/spice.sqsh" in rollout["argv"]
+        assert "--overlap" in rollout["argv"] and "--overlap" in learner["argv"]
+        assert rollout["env"]["SPICE_START_ASLEEP"] == "1" and rollout["env"]["SPICE_SLEEP_MODE"] == "1"
+        assert rollout["env"]["SPICE_GPU_MEMORY_UTILIZATION"] == s["ENGINE_MEMORY_SHARE"]
+        assert rollout["env"]["SPICE_WEIGHT_TRANSFER"] == "ipc"
+        assert "cluster.learner_nodes=0" in learner["argv"]
+    else:
+        assert "--container-image=/images/vllm.sqsh" in rollout["argv"]  # two images: vLLM's torch breaks TE/apex
+        assert "--overlap" not in rollout["argv"] + learner["argv"]
     assert learner["env"]["SPICE_DATA_DIR"] == os.path.join(ROOT, "data")  # the staged corpus
     for c in (rollout, learner):
         assert any(a.startswith("--container-mounts=") and "/lustre/models:/models" in a for a in c["argv"])
@@ -174,7 +192,7 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     assert any("rollout_%N" in a for a in rollout["argv"]) and any("learner_%N" in a for a in learner["argv"])
     # the engines are healthy before the learner starts
     order = [c["cmd"] + (":learner" if "torch.distributed.run" in c["argv"] else "") for c in calls]
-    engines = int(s["nodes"]) - int(s["LEARNER_NODES"])
+    engines = len(rollouts)
     per_node = 8 // int(s["ENGINE_TP"])
     health = [c["argv"][-1] for c in calls if c["cmd"] == "curl"]
     # the engines at Slurm's node addresses; engine i of rollout node k on 8100 + k * per_node + i
@@ -283,7 +301,8 @@ def test_rollout_node_starts_one_engine_per_gpu_group_restarts_one_that_dies_and
     env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_EXIT_PORT": "8106",
            "SPICE_MODEL": "/models/base", "SPICE_ROLLOUT_TOKEN": "t" * 32, "SPICE_ENGINE_TP": "2",
            "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": "8100", "SPICE_LOG_DIR": str(tmp_path / "logs"),
-           "SLURM_NODEID": "1", "SLURMD_NODENAME": "gpu007", "SPICE_ENGINE_RESTARTS": "2"}
+           "SLURM_NODEID": "1", "SLURMD_NODENAME": "gpu007", "SPICE_ENGINE_RESTARTS": "2",
+           "SPICE_SLEEP_MODE": "1", "SPICE_START_ASLEEP": "1"}  # a colocated job's
     r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], env=env, capture_output=True,
                        text=True, timeout=60)
     # the engine on port 8106 exits with 7 each time: started again twice on its GPUs and port, then
@@ -298,6 +317,10 @@ def test_rollout_node_starts_one_engine_per_gpu_group_restarts_one_that_dies_and
     assert all(c["argv"][c["argv"].index("--tensor-parallel-size") + 1] == "2" for c in engines)
     assert all("t" * 32 not in c["argv"] for c in engines)
     assert not any("--enable-expert-parallel" in c["argv"] for c in engines)
+    # colocated: every engine in sleep mode; each starts asleep the first time, a restarted one awake
+    assert all("--enable-sleep-mode" in c["argv"] for c in engines)
+    asleep = [c["argv"][c["argv"].index("--port") + 1] for c in engines if "--start-asleep" in c["argv"]]
+    assert sorted(asleep) == ["8104", "8105", "8106", "8107"]
 
 
 def test_rollout_node_passes_expert_parallelism_to_moe_engines(fake_bin, tmp_path):

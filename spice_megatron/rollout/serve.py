@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="completions carry the experts chosen per token (routing replay); auto: for MoE models")
     ap.add_argument("--enable-sleep-mode", action="store_true",
                     help="the engine shares its GPUs with the learner (run.colocate): vLLM's sleep mode")
+    ap.add_argument("--start-asleep", action="store_true",
+                    help="sleep (level 1: weights kept in host memory) before answering /health: engines started "
+                         "before a colocated learner leave it the GPU memory to build in; the trainer wakes them")
     ap.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                     help="exit when process PID is gone (a trainer that started this engine and was killed)")
     args = ap.parse_args(argv)
@@ -230,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ready.wait()
     if "error" in started:
         raise started["error"]
+    if args.start_asleep:
+        started["engine"].call(started["engine"].sleep, 1).result()
     app = build_app(started["engine"], args.token, exposed)
     log.info("serving %s on %s:%d (token %s)", args.model, args.host, args.port, "set" if args.token else "unset")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
