@@ -236,3 +236,50 @@ def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
     assert weights(out)
     assert not _left_behind(out, port)
     print(f"real-Slurm test e: {time.monotonic() - t0:.0f} s")
+
+
+def test_one_node_colocated_through_sbatch_and_nemo_run(box, tmp_path):
+    """f. Colocation on one node, by both launch paths: sbatch slurm/spice_8b_1node.sbatch (COLOCATE=1:
+    the engine's step and the learner's on the same node with --overlap, the engine started asleep
+    and woken by the trainer once the learner has built), then NeMo-Run's colocated groups. The
+    tiny recipe with run.colocate=true; weights through spice (vLLM's ipc needs a GPU)."""
+    from recipes.launch import wait_for_job
+
+    env, model, root = box
+    colocated = ("run.colocate=true", "run.iterations=3", *TINY_RUN)
+    out = str(root / "colocated_sbatch")
+    os.makedirs(out)
+    job_env = _job_env(env, model, out, SPICE_LEARNER_NODES="1", WEIGHT_TRANSFER="spice")
+    t0 = time.monotonic()
+    r = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--output={out}/slurm-%j.out",
+                        "--time=20", "slurm/spice_8b_1node.sbatch", *colocated],
+                       cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    state = wait_for_job(job, poll_s=2, timeout_s=900)
+    assert state == "COMPLETED", _log(out, job)[-4000:]
+    log = _log(out, job)
+    assert "(asleep until the learner has built)" in log and "spice: run finished" in log
+    learner_log = "".join(open(os.path.join(out, "logs", f"slurm_{job}_restart0", f)).read()
+                          for f in os.listdir(os.path.join(out, "logs", f"slurm_{job}_restart0")) if f.startswith("learner_"))
+    assert "woke the rollout engines started asleep" in learner_log
+    phases = records(os.path.join(out, "colocation.jsonl"))
+    assert [p["phase"] for p in phases if p["iteration"] == 3][:2] == ["rollouts_done", "engines_asleep"]
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
+    assert not _left_behind(out, job_env["ROLLOUT_PORT"])
+    print(f"real-Slurm test f (sbatch, colocated): {time.monotonic() - t0:.0f} s")
+
+    out = str(root / "colocated_nemorun")
+    port = str(free_port())
+    r = subprocess.run([sys.executable, "-m", "recipes.launch", "--recipe", "tiny_cpu", "--executor", "slurm",
+                        "--account", "box", "--cpu-only", "--wait", "--group-wait", "2", "--time", "00:20:00",
+                        "--model-dir", model, "--data-dir", env["SPICE_DATA_DIR"], "--output-dir", out,
+                        "cluster.nodes=1", "cluster.gpus_per_node=1", *colocated],
+                       cwd=ROOT, env={**env, "NEMORUN_HOME": str(tmp_path / "nemorun_home"), "SPICE_ROLLOUT_PORT": port,
+                                      "SPICE_MASTER_PORT": str(free_port())},
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0 and "COMPLETED" in r.stdout, (r.stdout + r.stderr)[-4000:]
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
+    assert {p["iteration"] for p in records(os.path.join(out, "colocation.jsonl"))} == {1, 2, 3}
+    assert not _left_behind(out, port)
+    print(f"real-Slurm test f (NeMo-Run, colocated): {time.monotonic() - t0:.0f} s")
