@@ -41,15 +41,39 @@ def _plan(name: str, nodes: int | None = None):
 
 def recipes_table() -> str:
     """Every GPU recipe: model, nodes, the learner's layout and planned GiB per GPU, the engines."""
-    from recipes import BASELINE_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES
+    from recipes import BASELINE_RECIPES, COLOCATED_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES
 
     rows = ["| recipe | model | nodes x GPUs | learner | planned per GPU | engines |", "|---|---|---|---|---|---|"]
-    for name in (*PAPER_RECIPES, *BASELINE_RECIPES, *LARGE_RECIPES, *MOE_RECIPES):
+    for name in (*PAPER_RECIPES, *BASELINE_RECIPES, *LARGE_RECIPES, *MOE_RECIPES, *COLOCATED_RECIPES):
         cfg, plan, _ = _plan(name)
         layout = f"{plan.learner_gpus} GPUs: TP={plan.tp} PP={plan.pp} DP={plan.dp}" + (
             f" EP={plan.ep}" if plan.ep > 1 else "")
+        planned, engines = f"{plan.learner.total:.1f} GiB", f"{plan.engines} x TP={plan.engine_tp}"
+        if plan.colocated:  # the largest of the three phases' peaks
+            planned = f"{max(plan.train_phase_gib, plan.rollout_phase_gib, plan.sync_phase_gib):.1f} GiB"
+            engines += " on the same GPUs"
         rows.append(f"| `{name}` | {cfg.run.model} | {plan.nodes} x {plan.gpus_per_node} ({plan.gpu_memory_gib:.0f} GB) "
-                    f"| {layout} | {plan.learner.total:.1f} GiB | {plan.engines} x TP={plan.engine_tp} |")
+                    f"| {layout} | {planned} | {engines} |")
+    return "\n".join(rows)
+
+
+def placements_table() -> str:
+    """Colocated beside disaggregated on each recipe's own cluster (`spice plan` prints the same)."""
+    from recipes import get_recipe
+    from spice_megatron.planner import compare_placements, model_spec
+
+    rows = ["| recipe | nodes | placement | learner | engines | s/iteration | tokens/s/GPU |", "|---|---|---|---|---|---|---|"]
+    for name in ("qwen3_8b", "qwen3_8b_1node", "qwen3_30b_a3b", "qwen3_30b_a3b_1node"):
+        cfg = get_recipe(name)
+        for placement, value in compare_placements(cfg, model_spec(cfg.run.model)).items():
+            if isinstance(value, str):
+                rows.append(f"| `{name}` | {cfg.cluster.nodes} | {placement} | does not fit | | | |")
+                continue
+            p, st = value
+            learner = f"TP={p.tp} PP={p.pp} DP={p.dp}" + (f" EP={p.ep}" if p.ep > 1 else "") + (
+                f", optimizer {p.optimizer_offload:.0%} on host" if p.optimizer_offload else "")
+            rows.append(f"| `{name}` | {cfg.cluster.nodes} | {placement} | {learner} | {p.engines} x TP={p.engine_tp} "
+                        f"| {st['total']:.0f} | {st['tokens_per_s_per_gpu']:,.0f} |")
     return "\n".join(rows)
 
 
@@ -94,6 +118,7 @@ def train_defaults() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {"recipes": recipes_table, "step_time": step_time_table,
+                                        "placements": placements_table,
                                         "run_defaults": run_defaults, "train_defaults": train_defaults}
 
 

@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="completions carry the experts chosen per token (routing replay); auto: for MoE models")
     ap.add_argument("--enable-sleep-mode", action="store_true",
                     help="the engine shares its GPUs with the learner (run.colocate): vLLM's sleep mode")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster start; CPU always)")
     ap.add_argument("--start-asleep", action="store_true",
                     help="sleep (level 1: weights kept in host memory) before answering /health: engines started "
                          "before a colocated learner leave it the GPU memory to build in; the trainer wakes them")
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     def engine_thread() -> None:  # builds the engine, then runs it: one thread for both (see VLLMEngine)
         try:
             started["engine"] = VLLMEngine(args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
-                                           args.gpu_memory_utilization, args.seed, None, args.kv_cache_gib,
+                                           args.gpu_memory_utilization, args.seed, args.enforce_eager or None,
+                                           args.kv_cache_gib,
                                            args.weight_transfer, args.return_routing, args.enable_expert_parallel,
                                            args.enable_sleep_mode)
         except BaseException as e:  # noqa: BLE001
