@@ -120,7 +120,9 @@ def _ipc_transfer(client, source, buffer_bytes: int):
     - CUDA IPC handles are valid on the device that made them only: learner and engine share the GPU;
     - packed mode (one reused staging buffer per rank, `ipc_collect` after each chunk) refuses a
       tensor larger than its buffer: Qwen3's 151,936 x 4,096 bf16 embedding is 1.2 GB, over vLLM's
-      1 GiB default, so the buffer is the larger of rollout.bucket_mb and the largest tensor.
+      1 GiB default, so the buffer is the larger of rollout.bucket_mb and the largest tensor;
+    - no checksums of its own: rank 0's source checksums each tensor, the client adds them to every
+      update and the engines (spice_ipc: vLLM's IPC engine, checked) compare as they load.
     Only rank 0 drives the engines' control plane. GPU only, and vLLM must be importable in the
     learner's environment (one image for both roles on a colocated node)."""
     from spice_megatron.bridge.transfer import EveryRankSource
@@ -131,6 +133,8 @@ def _ipc_transfer(client, source, buffer_bytes: int):
         raise RuntimeError("rollout.weight_transfer=ipc: its trainer engine is vLLM's, and vLLM is not importable in "
                            "the learner's environment; a colocated node needs one image with both (docs/cluster.md)") from e
     every = EveryRankSource(source)
+    if client is not None:  # rank 0: each update carries the checksums of the tensors it shares
+        client.checksums = every.checksums
     info = IPCTrainerInitInfo(rank=dist.get_rank(), packed=True,
                               packed_buffer_size_bytes=max(buffer_bytes, every.largest_tensor_bytes))
     return IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=every)

@@ -413,7 +413,8 @@ def _every_rank_rank(hf_dir, tp, pp):
 
     learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
     source = EveryRankSource(MegatronStageSource(learner))
-    return [m.name for m in source.metadata()], [(name, t.clone()) for name, t in source], source.largest_tensor_bytes
+    return ([m.name for m in source.metadata()], [(name, t.clone()) for name, t in source], source.largest_tensor_bytes,
+            source.checksums)
 
 
 @pytest.mark.multiprocess
@@ -422,10 +423,16 @@ def test_the_ipc_source_gives_every_rank_the_whole_model_in_metadata_order(tiny_
     must yield every whole HF tensor in the same order (each engine worker loads the copy on its GPU)."""
     d = tiny_models["qwen3_tied"]
     original = hf_weights(d)
-    for order, yielded, largest in run_ranks(_every_rank_rank, 4, d, 2, 2, tmp_path=tmp_path):
+    from spice_megatron.bridge.sync_integrity import tensor_checksum
+
+    results = run_ranks(_every_rank_rank, 4, d, 2, 2, tmp_path=tmp_path)
+    for order, yielded, largest, _ in results:
         assert [n for n, _ in yielded] == order and sorted(order) == sorted(original)
         assert all(torch.equal(t, original[n]) for n, t in yielded)
         assert largest == max(t.numel() * t.element_size() for t in original.values())
+    # rank 0 (the one that drives the engines) checksums what it shares, for the engines to check
+    assert results[0][3] == {n: tensor_checksum(t) for n, t in original.items()}
+    assert all(r[3] is None for r in results[1:])
 
 
 class FakeCuda:

@@ -500,3 +500,55 @@ def test_ipc_handles_travel_as_json_and_come_back_identical():
         encode_update({**update, "ipc_handles": [{"GPU-1": (torch.nn.Module,)}]})
     with pytest.raises(ValueError, match=r"ipc_handles\[0\]: class 'os.system'"):
         decode_update({"ipc_handles_json": [{"__class__": "os.system"}]})
+
+
+def test_the_ipc_engine_checks_every_tensor_it_loads_and_gives_a_tied_model_its_lm_head():
+    """rollout.weight_transfer=ipc: engines run vLLM's IPC engine registered as spice_ipc, whose loads
+    are checksummed against the learner's (the rebuild from CUDA handles needs a GPU; the check
+    around it runs here on the tensors a receive hands to load_weights). The fleet's sync client
+    adds rank 0's checksums to every update, in `names` order."""
+    import torch
+
+    from spice_megatron.bridge.sync_integrity import WeightSyncError, tensor_checksum
+    from spice_megatron.rollout.fleet import FleetSyncClient
+    from spice_megatron.rollout.ipc_engine import CheckedIPCUpdateInfo, checked_load
+    from spice_megatron.rollout.transfer import SPICE_IPC_BACKEND, register_spice_backend
+
+    register_spice_backend()
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    cls = WeightTransferEngineFactory._registry[SPICE_IPC_BACKEND]()
+    assert cls.__name__ == "CheckedIPCWeightTransferEngine" and cls.update_info_cls is CheckedIPCUpdateInfo
+
+    class Model:
+        def __init__(self):
+            self.loaded = []
+
+        def load_weights(self, weights):
+            self.loaded += [n for n, _ in weights]
+
+    w = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.randn(4)}
+    names, sums = list(w), [tensor_checksum(t) for t in w.values()]
+    model = Model()
+    assert checked_load(model, lambda: model.load_weights(list(w.items())), names, sums, tied=True) == 2
+    assert model.loaded == [*names, "lm_head.weight"] and "load_weights" not in vars(model)
+    corrupted = {**w, "model.norm.weight": w["model.norm.weight"] + 1}
+    with pytest.raises(WeightSyncError, match="'model.norm.weight' differs from the learner's"):
+        checked_load(model, lambda: model.load_weights(list(corrupted.items())), names, sums, tied=False)
+    with pytest.raises(WeightSyncError, match="'model.norm.weight' was sent but the engine does not hold it"):
+        checked_load(model, lambda: model.load_weights([("model.embed_tokens.weight", w["model.embed_tokens.weight"])]),
+                     names, sums, tied=False)
+
+    class Fleet:
+        engines = ["e"]
+
+        def _on_every_engine(self, path, bodies):
+            self.sent = bodies
+
+    fleet = Fleet()
+    client = FleetSyncClient(fleet)
+    client.checksums = dict(zip(names, sums))
+    client.update_weights({"names": names[::-1], "dtype_names": ["float32"] * 2, "shapes": [[4], [8, 4]],
+                           "ipc_handles": {"GPU-0": (torch.Tensor, 1)}})
+    (body,) = fleet.sent
+    assert body["update_info"]["checksums"] == sums[::-1] and "ipc_handles_json" in body["update_info"]

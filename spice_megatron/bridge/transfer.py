@@ -90,8 +90,10 @@ class EveryRankSource:
     lockstep) and its sender broadcasts the result to every rank of the job; one parameter's
     tensors exist at a time (vLLM's packed mode copies them into its IPC buffer)."""
 
-    def __init__(self, stages: MegatronStageSource, group=None):
+    def __init__(self, stages: MegatronStageSource, group=None, checksums: bool = True):
         self.stages, self.learner, self.group = stages, stages.learner, group
+        # rank 0's checksum of each tensor it yields: the engines check what they load against them
+        self.checksums: dict[str, int] | None = {} if checksums and dist.get_rank() == 0 else None
 
     def metadata(self) -> list[ParamMeta]:
         return self.stages.metadata()
@@ -126,6 +128,10 @@ class EveryRankSource:
                 if tensor is None:
                     tensor = torch.empty(shape, dtype=m.dtype, device=device)
                 dist.broadcast(tensor, src, group=self.group)
+                if self.checksums is not None:
+                    from spice_megatron.bridge.sync_integrity import tensor_checksum
+
+                    self.checksums[hf] = tensor_checksum(tensor)
                 yield hf, tensor
 
 

@@ -112,7 +112,9 @@ class VLLMEngine:
                        max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
                        gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-                       weight_transfer_config={"backend": weight_transfer}, **extra)
+                       # ipc: vLLM's IPC engine with a checksum per tensor (rollout/ipc_engine.py)
+                       weight_transfer_config={"backend": "spice_ipc" if weight_transfer == "ipc" else weight_transfer},
+                       **extra)
         self.engine = self.llm.llm_engine
         self.engine.set_weight_version("0")
         self.capture = None

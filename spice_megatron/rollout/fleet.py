@@ -336,6 +336,9 @@ class FleetSyncClient:
     def __init__(self, fleet: RolloutFleet):
         self.fleet = fleet
         self.version: str | None = None  # stamped on an update whose trainer engine finishes without one
+        # vLLM's ipc backend: the learner's checksum of each tensor it shares (EveryRankSource on rank
+        # 0), added to every update for the engines to check (rollout/ipc_engine.py)
+        self.checksums: dict[str, int] | None = None
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         bodies, offset = [], int(init_info.get("rank_offset", 0))
@@ -350,6 +353,8 @@ class FleetSyncClient:
 
     def update_weights(self, update_info: dict | list[dict]) -> None:
         if isinstance(update_info, dict):  # vLLM's ipc backend: CUDA IPC handles as JSON, not pickle
+            if self.checksums is not None and "names" in update_info:
+                update_info = {**update_info, "checksums": [self.checksums[n] for n in update_info["names"]]}
             update_info = encode_update(update_info)
         self.fleet._on_every_engine("/update_weights", [{"update_info": update_info}] * len(self.fleet.engines))
 

@@ -158,6 +158,9 @@ def _prepack_cpu_experts(model, layers: set[int]) -> None:
             kernel.fused_experts.process_weights_after_loading(module)
 
 
+SPICE_IPC_BACKEND = "spice_ipc"  # what engines run for rollout.weight_transfer=ipc (rollout/ipc_engine.py)
+
+
 def register_spice_backend() -> None:
     """Register the `spice` backend with vLLM's factories (idempotent). Also vLLM's general plugin
     entry point (setup.py), so that worker processes vLLM spawns have it too."""
@@ -165,6 +168,9 @@ def register_spice_backend() -> None:
 
     if SPICE_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(SPICE_BACKEND, SpiceWeightTransferEngine)
+    if SPICE_IPC_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(SPICE_IPC_BACKEND, "spice_megatron.rollout.ipc_engine",
+                                                    "CheckedIPCWeightTransferEngine")
     if SPICE_BACKEND not in WeightTransferTrainerFactory._registry:
         from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightSource
 
