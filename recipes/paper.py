@@ -200,6 +200,8 @@ def colocated(cfg: SpiceConfig, name: str, engine_memory_share: float) -> SpiceC
     cfg.train.max_staleness = 0
     cfg.rollout.weight_transfer = "ipc"
     cfg.rollout.gpu_memory_utilization = engine_memory_share  # beside the learner's resident weights
+    # under plain torchrun the driver starts them, one per engine_tensor_parallel GPUs of the node
+    cfg.rollout.local_engines = cfg.cluster.gpus_per_node // cfg.rollout.engine_tensor_parallel
     return cfg
 
 

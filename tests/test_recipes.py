@@ -64,6 +64,7 @@ def test_one_node_recipes_colocate_within_90_percent_of_every_gpu(name):
     budget = 0.9 * cfg.cluster.gpu_memory_gib
     assert max(plan.train_phase_gib, plan.rollout_phase_gib, plan.sync_phase_gib) <= budget
     assert plan.engine.kv_tokens >= 32 * 8192 and plan.engines * plan.engine_tp == 8
+    assert cfg.rollout.local_engines == plan.engines  # under plain torchrun the driver starts them all
     chosen = plan_layout(cfg, choose=True)
     assert (chosen.tp, chosen.pp, chosen.ep, chosen.engine_tp, chosen.engine_utilization, chosen.optimizer_offload) == (
         cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, plan.ep, cfg.rollout.engine_tensor_parallel,
