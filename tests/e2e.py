@@ -70,6 +70,21 @@ def wait_for_first_iteration(proc, out: str) -> str:
     return metrics_path
 
 
+def kill_after_second_checkpoint(proc, out: str) -> str:
+    """kill -9 the run `proc` once its second checkpoint is complete; returns that checkpoint's
+    trainer_state.json."""
+    import signal
+
+    state = os.path.join(out, "checkpoints", "step_00000002", "trainer_state.json")
+    deadline = time.monotonic() + 600
+    while not os.path.exists(state):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(60)
+    return state
+
+
 def engine_pids(proc) -> list[str]:
     """The rollout engines the run `proc` started (itself, or its driver process: run.driver=process)."""
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()

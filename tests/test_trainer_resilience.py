@@ -3,12 +3,11 @@ the only engine mid-rollouts, a STOP during the rollouts. Each ends exactly as t
 import json
 import os
 import signal
-import time
 
 import pytest
 import torch
 
-from e2e import (engine_pids, records, setup, spice_train, straight,  # noqa: F401 (fixtures)
+from e2e import (engine_pids, kill_after_second_checkpoint, records, setup, spice_train, straight,  # noqa: F401
                  wait_for_first_iteration, weights)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -46,13 +45,7 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
     killed = str(root / "off_policy_killed")
     off = (*off, "run.driver=process")
     proc = spice_train(model, corpus, killed, *off, wait=False)
-    deadline = time.monotonic() + 600
-    ckpt = os.path.join(killed, "checkpoints", "step_00000002", "trainer_state.json")
-    while not os.path.exists(ckpt):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(60)
+    ckpt = kill_after_second_checkpoint(proc, killed)
     state = json.load(open(ckpt))
     assert state["ready"]["iteration"] == 2 and state["ready"]["version"] == 1  # trained after the resume
     rc, text = spice_train(model, corpus, killed, *off, resume=True)
