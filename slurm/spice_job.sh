@@ -83,7 +83,11 @@ if [[ $COLOCATE == 1 ]]; then  # every node runs learner ranks and engines on th
   overlap=(--overlap)  # the second step shares the first one's CPUs, memory and GPUs
   export SPICE_SLEEP_MODE=1 SPICE_START_ASLEEP=1
 else
-  if (( LEARNER_NODES < 1 || ${#NODES[@]} <= LEARNER_NODES )); then
+  if (( LEARNER_NODES < 1 )); then
+    echo "spice: set LEARNER_NODES (or SPICE_LEARNER_NODES) to the learner's node count, or COLOCATE=1" >&2
+    exit 2
+  fi
+  if (( ${#NODES[@]} <= LEARNER_NODES )); then
     echo "spice: ${#NODES[@]} node(s) allocated; LEARNER_NODES=$LEARNER_NODES leaves none for rollout" >&2
     exit 2
   fi
