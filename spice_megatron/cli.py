@@ -89,7 +89,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 setattr(cfg.cluster, name, getattr(args, name))
         cfg.cluster.validate()
         spec = model_spec(args.model or cfg.run.model)
-        plan = choose_plan(cfg, spec) if args.choose else plan_layout(cfg, spec)
+        placements = compare_placements(cfg, spec)  # both ways, each with its own chosen layout
+        plan = choose_plan(cfg, placements) if args.choose else plan_layout(cfg, spec)
     except (KeyError, ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -98,7 +99,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       train=replace(cfg.train, max_staleness=0) if plan.colocated else cfg.train)
     step = estimate_step_time(plan, spec, cfg, Throughput())
     unshared = estimate_step_time(plan, spec, replace(cfg, train=replace(cfg.train, shared_prefix="off")), Throughput())
-    placements = compare_placements(cfg, spec)
     if args.json:
         print(json.dumps({"plan": plan.as_dict(), "step_seconds": step, "step_seconds_unshared": unshared,
                           "placements": {k: v if isinstance(v, str) else {"plan": v[0].as_dict(), "step_seconds": v[1]}

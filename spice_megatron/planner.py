@@ -371,7 +371,8 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         staging = max(cfg.rollout.bucket_mb / 1024, largest)  # vLLM's packed IPC buffer (engine_weights.py)
         phases = {"train_phase_gib": mem.total + ENGINE_ASLEEP_GIB,
                   "rollout_phase_gib": resident + utilization * cluster.gpu_memory_gib,
-                  "sync_phase_gib": resident + em.weights + 3.0 + staging + largest}
+                  # the engine's share minus its KV cache: its weights and overhead, awake before the KV
+                  "sync_phase_gib": resident + utilization * cluster.gpu_memory_gib - em.kv_cache + staging + largest}
         if phases["sync_phase_gib"] > budget:
             raise PlanError(f"colocated weight sync: the engine's weights ({em.weights:.1f} GiB) beside the learner's "
                             f"{resident:.1f} GiB and the IPC buffers ({staging + largest:.1f} GiB) exceed {budget:.1f} GiB; "
@@ -552,10 +553,10 @@ def compare_placements(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None =
     return out
 
 
-def choose_plan(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None) -> Plan:
-    """`spice plan --choose`: colocated when one node is all there is or when it is faster (tokens
-    per second per GPU, on-policy), else disaggregated; PlanError when neither fits."""
-    both = compare_placements(cfg, spec, t)
+def choose_plan(cfg: SpiceConfig, both: dict[str, tuple[Plan, dict[str, float]] | str]) -> Plan:
+    """`spice plan --choose`, from `compare_placements`: colocated when one node is all there is or
+    when it is faster (tokens per second per GPU, on-policy), else disaggregated; PlanError when
+    neither fits."""
     fits = {k: v for k, v in both.items() if not isinstance(v, str)}
     if not fits:
         raise PlanError("; ".join(f"{k}: {v}" for k, v in both.items()))

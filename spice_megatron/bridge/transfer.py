@@ -111,6 +111,7 @@ class EveryRankSource:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         from spice_megatron.bridge.export import gather_stage_params
+        from spice_megatron.bridge.sync_integrity import tensor_checksum
 
         device = next(self.learner.model.parameters()).device
         mine = self.learner.layout.pp_rank
@@ -129,8 +130,6 @@ class EveryRankSource:
                     tensor = torch.empty(shape, dtype=m.dtype, device=device)
                 dist.broadcast(tensor, src, group=self.group)
                 if self.checksums is not None:
-                    from spice_megatron.bridge.sync_integrity import tensor_checksum
-
                     self.checksums[hf] = tensor_checksum(tensor)
                 yield hf, tensor
 
