@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from spice_megatron.config import SpiceConfig
+from spice_megatron.config import SpiceConfig, apply_overrides
+from spice_megatron.entry import UserError
+
+
+class UnknownRecipe(UserError, KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
 
 
 def _registry() -> dict[str, Callable[[], SpiceConfig]]:
@@ -23,8 +29,18 @@ def _registry() -> dict[str, Callable[[], SpiceConfig]]:
 def get_recipe(name: str) -> SpiceConfig:
     recipes = _registry()
     if name not in recipes:
-        raise KeyError(f"recipe {name!r} is unknown; recipes: {', '.join(sorted(recipes))}")
+        raise UnknownRecipe(f"--recipe {name!r} is unknown; recipes: {', '.join(sorted(recipes))}")
     return recipes[name]()
+
+
+def resolve_recipe(name: str, overrides: list[str], general_corpus: str = "") -> SpiceConfig:
+    """A recipe with `spice`'s --general-corpus and key=value overrides applied."""
+    cfg = get_recipe(name)
+    if general_corpus:
+        from recipes.paper import with_general_corpus
+
+        cfg = with_general_corpus(cfg, general_corpus)
+    return apply_overrides(cfg, overrides)
 
 
 def recipe_names() -> list[str]:

@@ -8,6 +8,9 @@ import os
 import sys
 from dataclasses import replace
 
+from spice_megatron.entry import ArgumentParser, UserError, call_entry_point
+from spice_megatron.preflight import looks_like_local_path
+
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     """Without --recipe: the offline corpus and evaluation sets. With --recipe: stage the recipe's
@@ -15,15 +18,11 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     from spice_megatron import offline_data
 
     if args.recipe:
-        from spice_megatron.corpus import CorpusError, StagingError
+        from recipes import resolve_recipe
         from spice_megatron.corpus_stage import stage_corpus
 
-        try:
-            cfg = _recipe_config(args.recipe, args.overrides, args.general_corpus)
-            manifest = stage_corpus(cfg.corpus, force=args.force)
-        except (KeyError, StagingError, CorpusError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        cfg = resolve_recipe(args.recipe, args.overrides, args.general_corpus)
+        manifest = stage_corpus(cfg.corpus, force=args.force)
         print(f"corpus of {args.recipe} staged in {cfg.corpus.stage_dir}: "
               + ", ".join(f"{k} ({v['records']} records)" for k, v in manifest.items()))
         return 0
@@ -31,39 +30,23 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     return offline_data.main(argv)
 
 
-def _recipe_config(recipe: str, overrides: list[str], general_corpus: str = ""):
-    from recipes import get_recipe
-    from spice_megatron.config import apply_overrides
-
-    cfg = get_recipe(recipe)
-    if general_corpus:
-        from recipes.paper import with_general_corpus
-
-        cfg = with_general_corpus(cfg, general_corpus)
-    return apply_overrides(cfg, overrides)
-
-
 def _cmd_corpus(args: argparse.Namespace) -> int:
     """Build the document pool from the configured sources and print its report and a few documents."""
     from spice_megatron import offline_data
     from spice_megatron.config import CorpusConfig, SourceConfig
-    from spice_megatron.corpus import Corpus, CorpusError, DocumentSampler, load_tokenizer
+    from spice_megatron.corpus import Corpus, DocumentSampler, load_tokenizer
     from spice_megatron.offline_assets import qwen3_tokenizer_dir
 
     paths = args.source or []
     if not paths:
         if not offline_data.is_prepared(args.data):
-            print(f"no --source given and {args.data} is not prepared: run `spice prepare` first", file=sys.stderr)
-            return 2
+            raise UserError(f"--data {args.data}: not prepared and no --source given; run `spice prepare` first")
         paths = [os.path.join(args.data, "corpus", "math.jsonl"), os.path.join(args.data, "corpus", "general.jsonl")]
     cfg = CorpusConfig(sources=[SourceConfig(path=p, text_field=args.text_field) for p in paths],
                        max_doc_tokens=args.max_doc_tokens, max_docs=args.max_docs)
-    tokenizer = load_tokenizer(args.tokenizer or qwen3_tokenizer_dir())
-    try:
-        corpus = Corpus.build(cfg, tokenizer)
-    except CorpusError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if args.tokenizer and not os.path.isdir(args.tokenizer):
+        raise UserError(f"--tokenizer {args.tokenizer}: no such directory")
+    corpus = Corpus.build(cfg, load_tokenizer(args.tokenizer or qwen3_tokenizer_dir()))
     for d in DocumentSampler(corpus, seed=cfg.seed).next_batch(args.show):
         print(json.dumps({"doc_id": d.doc_id, "tokens": d.num_tokens, "sha256": d.sha256[:16],
                           "text": d.text[:300] + ("..." if len(d.text) > 300 else "")}, ensure_ascii=False))
@@ -75,25 +58,27 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Check a recipe's layout against a cluster (or choose one) and estimate its step time."""
-    from recipes import get_recipe
-    from spice_megatron.config import ConfigError, apply_overrides
-    from spice_megatron.planner import (PlanError, Throughput, choose_plan, compare_placements, estimate_step_time,
-                                        model_spec, plan_layout)
+    from recipes import resolve_recipe
+    from spice_megatron.planner import (Throughput, choose_plan, compare_placements, estimate_step_time, model_spec,
+                                        plan_layout)
 
-    try:
-        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
-        if args.nodes is not None and args.learner_nodes is None:
-            cfg.cluster.learner_nodes = 0  # another node count: split it in half
-        for name in ("nodes", "gpus_per_node", "gpu_memory_gib", "learner_nodes"):
-            if getattr(args, name) is not None:
-                setattr(cfg.cluster, name, getattr(args, name))
-        cfg.cluster.validate()
-        spec = model_spec(args.model or cfg.run.model)
-        placements = compare_placements(cfg, spec)  # both ways, each with its own chosen layout
-        plan = choose_plan(cfg, placements) if args.choose else plan_layout(cfg, spec)
-    except (KeyError, ConfigError, PlanError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    cfg = resolve_recipe(args.recipe, args.overrides)
+    if args.nodes is not None and args.learner_nodes is None:
+        cfg.cluster.learner_nodes = 0  # another node count: split it in half
+    for name in ("nodes", "gpus_per_node", "gpu_memory_gib", "learner_nodes"):
+        if getattr(args, name) is not None:
+            setattr(cfg.cluster, name, getattr(args, name))
+    cfg.cluster.validate()
+    if args.model and looks_like_local_path(args.model) and not os.path.isdir(args.model):
+        raise UserError(f"--model {args.model}: no such directory")
+    spec = model_spec(args.model or cfg.run.model)
+    if not args.choose:  # the recipe's own layout: what the learner would refuse, named by its field
+        from spice_megatron.preflight import check_layout
+
+        p = cfg.parallel
+        check_layout(spec, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.expert_tensor_parallel)
+    placements = compare_placements(cfg, spec)  # both ways, each with its own chosen layout
+    plan = choose_plan(cfg, placements) if args.choose else plan_layout(cfg, spec)
     if plan.colocated != cfg.run.colocate:  # --choose switched placement: plan the rest with it
         cfg = replace(cfg, run=replace(cfg.run, colocate=plan.colocated),
                       train=replace(cfg.train, max_staleness=0) if plan.colocated else cfg.train)
@@ -150,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     from spice_megatron.config import TEMPLATES
     from spice_megatron.offline_data import DEFAULT_CACHE, DEFAULT_OUT
 
-    p = argparse.ArgumentParser(prog="spice", description="SPICE self-play RL on Megatron-Core with vLLM rollouts")
+    p = ArgumentParser(prog="spice", description="SPICE self-play RL on Megatron-Core with vLLM rollouts")
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -283,6 +268,7 @@ def quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`spice`: a bad input is one `error:` line and exit code 2 (-v or SPICE_DEBUG=1: the traceback)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -292,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args)
+    return call_entry_point(lambda: args.func(args), ["-v"] if args.verbose else [])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+from spice_megatron.entry import UserError
+from spice_megatron.preflight import looks_like_local_path
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate a model on benchmarks; writes results.md, results.json and items.jsonl."""
@@ -15,8 +17,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         names = benchmark_names(args.benchmarks)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UserError(str(e)) from None
+    if looks_like_local_path(args.model) and not os.path.exists(args.model):
+        raise UserError(f"--model {args.model}: no such directory (an HF directory, a SPICE run directory or a "
+                        "Megatron checkpoint)")
     template, prompt_dir, stop = args.template, "", ()
     if args.recipe:  # the recipe's training prompts, unless --template names another
         from recipes import get_recipe
@@ -44,19 +48,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                        settings, engines=args.engines.split(",") if args.engines else None,
                                        judge=judge, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
     except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        raise UserError(str(e)) from None
     print(markdown_table(report))
     print(f"written: {paths['markdown']}, {paths['json']}, per-item records {paths['items']}")
     return 0
 
 
-def _run_file(run: str, name: str) -> str | None:
-    """RUN/name for a run directory, else `run` itself; None, with the error printed, when missing."""
+def _run_file(run: str, name: str) -> str:
+    """RUN/name for a run directory, else `run` itself, which must exist."""
     path = os.path.join(run, name) if os.path.isdir(run) else run
     if not os.path.exists(path):
-        print(f"error: {path} does not exist", file=sys.stderr)
-        return None
+        raise UserError(f"{path}: no such file (give a run directory or its {name})")
     return path
 
 
@@ -65,14 +67,11 @@ def cmd_curves(args: argparse.Namespace) -> int:
     from spice_megatron.eval.analysis import plot_training_curves
 
     path = _run_file(args.run, "metrics.jsonl")
-    if path is None:
-        return 1
     out = args.out or os.path.join(os.path.dirname(path), "training_curves.png")
     try:
         print(f"written: {plot_training_curves(path, out)}")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        raise UserError(f"{path}: {e}") from None
     return 0
 
 
@@ -80,17 +79,15 @@ def cmd_coevolution(args: argparse.Namespace) -> int:
     """Paper fig. 3 for a list of HF checkpoints on a fixed pool of documents."""
     from transformers import AutoTokenizer
 
-    from recipes import get_recipe
-    from spice_megatron.config import SourceConfig, apply_overrides
-    from spice_megatron.corpus import CorpusError
+    from recipes import resolve_recipe
+    from spice_megatron.config import SourceConfig
     from spice_megatron.eval.analysis import coevolution, fixed_documents
 
     checkpoints = [c for c in args.checkpoints.split(",") if c]
     missing = [c for c in checkpoints if not os.path.exists(os.path.join(c, "config.json"))]
     if len(checkpoints) < 2 or missing:
-        print(f"error: --checkpoints needs at least two HF directories; without config.json: {missing}", file=sys.stderr)
-        return 2
-    cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        raise UserError(f"--checkpoints needs at least two HF directories; without config.json: {missing}")
+    cfg = resolve_recipe(args.recipe, args.overrides)
     # the recipe's training corpus (staged for a paper recipe), documents as long as in training
     corpus_cfg = cfg.corpus
     if args.source:
@@ -102,12 +99,8 @@ def cmd_coevolution(args: argparse.Namespace) -> int:
     from spice_megatron import offline_data
 
     offline_data.prepare_for(corpus_cfg.sources)  # the demo's local files, as `spice train` makes them
-    try:
-        docs = fixed_documents(corpus_cfg, AutoTokenizer.from_pretrained(checkpoints[0]), args.documents, args.seed,
-                               args.recipe)
-    except CorpusError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    docs = fixed_documents(corpus_cfg, AutoTokenizer.from_pretrained(checkpoints[0]), args.documents, args.seed,
+                           args.recipe)
     result = coevolution(checkpoints, docs, cfg.selfplay, args.output, args.fixed_reasoner, args.fixed_challenger,
                          args.seed, args.kv_cache_gib, max_model_len, args.attempts)
     for key in ("fixed_reasoner_vs_challengers", "reasoners_vs_fixed_challenger"):
@@ -125,8 +118,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from spice_megatron.run_log import read_jsonl
 
     path = _run_file(args.run, "audit.jsonl")
-    if path is None:
-        return 1
     shown = 0
     for group in iterations(with_document_texts(read_jsonl(path))):
         indexed = IterationIndex(group)

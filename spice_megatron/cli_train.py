@@ -6,19 +6,17 @@ import argparse
 import os
 import sys
 
-from spice_megatron.cli import _recipe_config
+from spice_megatron.entry import UserError
+
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run SPICE: the recipe's config, overridden by key=value pairs."""
     from spice_megatron import offline_data
-    from spice_megatron.config import ConfigError
     from spice_megatron.launch import global_rank, relaunch_with_torchrun, rollout_urls_from_env, under_launcher
 
-    try:
-        cfg = _recipe_config(args.recipe, args.overrides, args.general_corpus)
-    except (KeyError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from recipes import resolve_recipe
+
+    cfg = resolve_recipe(args.recipe, args.overrides, args.general_corpus)
     if args.output_dir:
         cfg.run.output_dir = args.output_dir
     if args.model:
@@ -27,53 +25,40 @@ def cmd_train(args: argparse.Namespace) -> int:
         from spice_megatron.config import SourceConfig
 
         cfg.corpus.sources = [SourceConfig(path=p) for p in args.corpus]
-    from spice_megatron.corpus import StagingError, resolve_sources
+    from spice_megatron.corpus import resolve_sources
 
-    try:  # before any rank starts: a missing staging step is named at once, not after model loading
-        resolve_sources(cfg.corpus, args.recipe)
-    except StagingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    resolve_sources(cfg.corpus, args.recipe)  # before any rank starts: a missing staging step is named at once
     if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
         cfg.rollout.engines = rollout_urls_from_env()
     if not under_launcher():  # one-machine conveniences, done once before any rank starts
-        from spice_megatron.run_lock import RunDirLocked, check_unlocked
+        from spice_megatron.run_lock import check_unlocked
 
-        try:  # the lock itself is taken by rank 0; this names a live holder before anything starts
-            check_unlocked(cfg.run.output_dir)
-        except RunDirLocked as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        check_unlocked(cfg.run.output_dir)  # rank 0 takes the lock; this names a live holder before anything starts
         if not cfg.run.model:
             from spice_megatron.offline_assets import smollm2_dir
 
             cfg.run.model = smollm2_dir()
-        try:  # a bad value is one line here, before torchrun, Megatron and the engines start
-            cfg.validate()
-            from transformers import AutoTokenizer
+        # a bad value, model file or layout is one line here, before torchrun, Megatron and the engines start
+        cfg.validate()
+        check_model_and_layout(cfg)
+        from transformers import AutoTokenizer
 
-            from spice_megatron.context_budget import check_context_budget_once
+        from spice_megatron.context_budget import check_context_budget_once
 
-            check_context_budget_once(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        check_context_budget_once(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
         offline_data.prepare_for(cfg.corpus.sources)
         argv = list(sys.argv[1:])
         if "--model" not in argv:
             argv += ["--model", cfg.run.model]
         relaunch_with_torchrun(cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel,
                                [sys.argv[0], *argv])
-    from spice_megatron.planner import PlanError
     from spice_megatron.policy.checkpoint import NoUsableCheckpoint
-    from spice_megatron.run_lock import RunDirLocked
     from spice_megatron.trainer import EnginesLost, Interrupted, KillSwitch, train
 
     try:
         eval_hook = _eval_hook(args, cfg)
     except (OSError, ValueError) as e:
-        print(f"error: --eval-challenger-docs: {e}", file=sys.stderr)
-        return 2
+        raise UserError(f"--eval-challenger-docs: {e}") from None
     try:
         summary = train(cfg, resume=args.resume or args.resume_after_kill_switch, eval_hook=eval_hook,
                         resume_after_kill_switch=args.resume_after_kill_switch)
@@ -86,9 +71,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     except EnginesLost as e:
         print(f"error: rollout engines lost: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, PlanError, RunDirLocked) as e:  # the checks that need the model or the GPUs run here
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except NoUsableCheckpoint as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -106,6 +88,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("  evidence of learning: tools/learning_check.py --selfplay (both roles against a frozen control) and "
               "tools/learning_check.py (the reasoner on fixed tasks); docs/learning.md")
     return 0
+
+
+def check_model_and_layout(cfg) -> None:
+    """A local model directory's files and the learner's layout against its dimensions. A hub id is
+    left to the download, which names what it cannot fetch."""
+    from spice_megatron.preflight import check_hf_model, check_layout, looks_like_local_path
+
+    if not looks_like_local_path(cfg.run.model):
+        return
+    p = cfg.parallel
+    check_layout(check_hf_model(cfg.run.model, "run.model"), p.tensor_parallel, p.pipeline_parallel,
+                 p.expert_parallel, p.expert_tensor_parallel)
 
 
 MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasoner_pass_rate"),

@@ -10,8 +10,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from spice_megatron.entry import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config value is invalid; the message starts with the dotted field name."""
 
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
+from spice_megatron.entry import UserError
 from spice_megatron.config import CorpusConfig, SourceConfig
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz")
 
 
-class CorpusError(RuntimeError):
+class CorpusError(UserError, RuntimeError):
     """A source cannot be read at all (missing file, unknown hub id): names the source."""
 
 
@@ -295,7 +296,7 @@ def _quotas(sizes: list[int], weights: list[float], max_docs: int | None) -> lis
 
 # ----------------------------------------------------------------------------- staged hub sources
 
-class StagingError(RuntimeError):
+class StagingError(UserError, RuntimeError):
     pass
 
 

@@ -42,10 +42,48 @@ def relaunch_with_torchrun(nproc: int, argv: list[str] | None = None) -> None:
     if under_launcher() or nproc <= 1:
         return
     argv = sys.argv if argv is None else argv
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+    cmd = [sys.executable, "-m", "spice_megatron.launch", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", *argv]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.execv(sys.executable, cmd)
+
+
+def run_torchrun(torchrun_argv: list[str]) -> int:
+    """torchrun, except that a rank's user error (entry.UserError, recorded in SPICE_ERROR_FILE)
+    ends the job with that one line and exit code 2 instead of every rank's line and torchrun's
+    ChildFailedError traceback. Any other failure is torchrun's as it is."""
+    import logging
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from spice_megatron.entry import ERROR_FILE_ENV, USER_ERROR_EXIT
+
+    with tempfile.TemporaryDirectory(prefix="spice-launch-") as tmp:
+        error_file = os.path.join(tmp, "user_error")
+        os.environ[ERROR_FILE_ENV] = error_file
+
+        class QuietAfterUserError(logging.Filter):  # torchrun's "failed (exitcode: 2)" and SIGTERM notes
+            def filter(self, record: logging.LogRecord) -> bool:
+                return not os.path.exists(error_file)
+
+        for name in ("", "torch", "torch.distributed"):  # where torch puts its stderr handlers
+            for handler in logging.getLogger(name).handlers:
+                handler.addFilter(QuietAfterUserError())
+        try:
+            run(get_args_parser().parse_args(torchrun_argv))
+        except ChildFailedError:
+            if not os.path.exists(error_file):
+                raise
+            with open(error_file) as f:
+                print(f.read().strip(), file=sys.stderr)
+            return USER_ERROR_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_torchrun(sys.argv[1:]))
 
 
 def rollout_urls_from_env(env: dict | None = None) -> list[str]:

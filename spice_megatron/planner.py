@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from spice_megatron.entry import UserError
 from spice_megatron.config import ClusterConfig, ParallelConfig, PolicyTrainConfig, SpiceConfig
 from spice_megatron.policy.activation_memory import ActivationFlags, activation_flags, activation_terms
 from spice_megatron.policy.model import ModelSpec, model_spec_from_hf
@@ -21,7 +22,7 @@ from spice_megatron.policy.model import ModelSpec, model_spec_from_hf
 GiB = 2**30
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """No layout fits, or the requested one does not; the message carries the numbers."""
 
 

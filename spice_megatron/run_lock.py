@@ -30,6 +30,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
+from spice_megatron.entry import UserError
+
 log = logging.getLogger("spice.run_lock")
 
 LOCK_FILE = "RUN_LOCK"
@@ -38,7 +40,7 @@ HEARTBEAT_S = 10.0
 STALE_AFTER_S = 120.0
 
 
-class RunDirLocked(RuntimeError):
+class RunDirLocked(UserError, RuntimeError):
     """Another live process writes this run directory."""
 
 

@@ -16,12 +16,13 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
+from spice_megatron.entry import UserError
 from spice_megatron.tasks import ANSWER_LETTERS, ANSWER_TYPES, Task
 
 log = logging.getLogger(__name__)
 
 
-class TaskPoolError(ValueError):
+class TaskPoolError(UserError, ValueError):
     pass
 
 

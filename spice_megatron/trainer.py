@@ -101,9 +101,9 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from spice_megatron.bridge.convert import HF_META_DIR, copy_hf_metadata, save_hf_checkpoint, write_training_prompts
+    from spice_megatron.bridge.convert import copy_hf_metadata, save_hf_checkpoint, write_training_prompts
     from spice_megatron.context_budget import check_context_budget_once
-    from spice_megatron.policy.checkpoint import latest_checkpoint, read_trainer_state, resumable_checkpoint, save_checkpoint
+    from spice_megatron.policy.checkpoint import HF_META_DIR, latest_checkpoint, read_trainer_state, resumable_checkpoint, save_checkpoint
     from spice_megatron.policy.learner import Learner
 
     ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")

@@ -13,7 +13,6 @@ refusal off for itself (`learner.ALLOW_TORCH_DISTRIBUTED_OPTIMIZER`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -73,11 +72,13 @@ def _rank(rank: int, port: int, model_dir: str, form: str, out: str) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--repeats", type=int, default=2)
+    from spice_megatron.entry import ArgumentParser, positive_int
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=positive_int, default=1024)
+    ap.add_argument("--layers", type=positive_int, default=6)
+    ap.add_argument("--vocab", type=positive_int, default=16384)
+    ap.add_argument("--repeats", type=positive_int, default=2)
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -116,4 +117,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spice_megatron.entry import run_entry_point
+
+    run_entry_point(main)

@@ -18,7 +18,6 @@ each storage once), and the process's peak resident memory; then the ratios.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import statistics
@@ -113,10 +112,17 @@ def _run(case: str, mode: str, repeats: int, work: str, port: int, out) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from spice_megatron.entry import ArgumentParser, positive_int
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="demo,paper")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     args = ap.parse_args()
+    unknown = sorted(set(args.cases.split(",")) - set(CASES))
+    if unknown:
+        from spice_megatron.entry import UserError
+
+        raise UserError(f"--cases: unknown {unknown}; cases: {', '.join(CASES)}")
     from spice_megatron.launch import free_port
 
     ctx = mp.get_context("spawn")
@@ -146,4 +152,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spice_megatron.entry import run_entry_point
+
+    run_entry_point(main)

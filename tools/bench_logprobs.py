@@ -9,7 +9,6 @@ peak-memory high-water marks do not mix. Prints both and their ratios.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import sys
@@ -91,10 +90,12 @@ def run_variant(variant: str, args) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
+    from spice_megatron.entry import ArgumentParser, positive_int
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=positive_int, default=1024)
+    ap.add_argument("--hidden", type=positive_int, default=512)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     args = ap.parse_args()
     print(f"vocab {VOCAB}, TP=2, {args.tokens} tokens, hidden {args.hidden}, "
           f"device {'cuda' if torch.cuda.is_available() else 'cpu'}")
@@ -112,4 +113,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spice_megatron.entry import run_entry_point
+
+    run_entry_point(main)

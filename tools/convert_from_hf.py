@@ -1,25 +1,39 @@
 #!/usr/bin/env python3
 """Hugging Face model directory -> Megatron dist checkpoint at TP x PP.
 
-  python tools/convert_from_hf.py --hf DIR --out CKPT --tp 2 --pp 2
+  python tools/convert_from_hf.py --hf DIR --out CKPT --tp 2 --pp 2 [--overwrite]
 
 Starts TP x PP local ranks itself; under torchrun/srun (multi-node) it uses the launcher's ranks.
+The model's files and the layout are checked before any rank starts; the checkpoint is written to
+CKPT.partial and renamed to CKPT when complete. A bad input is one `error:` line and exit code 2
+(-v or SPICE_DEBUG=1 adds the traceback).
 """
-import argparse
 import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spice_megatron.entry import ArgumentParser, positive_int, run_entry_point  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     ap.add_argument("--out", required=True, help="checkpoint root to create")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1, help="expert parallelism (mixture-of-experts models)")
+    ap.add_argument("--tp", type=positive_int, default=1)
+    ap.add_argument("--pp", type=positive_int, default=1)
+    ap.add_argument("--ep", type=positive_int, default=1, help="expert parallelism (mixture-of-experts models)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks with errors")
     args = ap.parse_args()
-    from spice_megatron.launch import relaunch_with_torchrun
+    from spice_megatron.launch import relaunch_with_torchrun, under_launcher
+    from spice_megatron.preflight import CONVERT_FLAGS, check_hf_model, check_layout, refuse_existing_output
 
+    spec = check_hf_model(args.hf, "--hf")
+    check_layout(spec, args.tp, args.pp, args.ep, flags=CONVERT_FLAGS)
+    if not under_launcher():  # under srun/torchrun every rank would see the others' output
+        refuse_existing_output(args.out, args.overwrite)
     relaunch_with_torchrun(args.pp * math.lcm(args.tp, args.ep))
     from spice_megatron.bridge.convert import convert_from_hf
 
@@ -33,4 +47,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_entry_point(main)

@@ -40,7 +40,6 @@ learning_check.png (reward and held-out accuracy over iterations) under --out.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -221,32 +220,41 @@ def story_task_curves(audit_path: str) -> dict[str, list[float]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from spice_megatron.entry import ArgumentParser, positive_int
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--selfplay", action="store_true", help="SPICE itself: the policy writes and answers its tasks")
     ap.add_argument("--out", default="", help="default: runs/learning_check, runs/selfplay_check with --selfplay")
     ap.add_argument("--model", default="", help="HF directory (default: SmolLM2-135M-Instruct from its wheel)")
-    ap.add_argument("--iterations", type=int, default=None, help="default 8; --selfplay 4")
-    ap.add_argument("--eval-every", type=int, default=None, help="default 4; --selfplay 2")
-    ap.add_argument("--batch", type=int, default=None, help="tasks per iteration (default 8); --selfplay: documents (6)")
-    ap.add_argument("--group", type=int, default=8, help="answers per task (G)")
-    ap.add_argument("--max-tokens", type=int, default=None,
+    ap.add_argument("--iterations", type=positive_int, default=None, help="default 8; --selfplay 4")
+    ap.add_argument("--eval-every", type=positive_int, default=None, help="default 4; --selfplay 2")
+    ap.add_argument("--batch", type=positive_int, default=None, help="tasks per iteration (default 8); --selfplay: documents (6)")
+    ap.add_argument("--group", type=positive_int, default=8, help="answers per task (G)")
+    ap.add_argument("--max-tokens", type=positive_int, default=None,
                     help="reasoner tokens (default 10: ' \\boxed{123}' is 6-8; --selfplay 24: a worked answer)")
-    ap.add_argument("--challenger-tokens", type=int, default=80, help="--selfplay: a compact task is 40-60 tokens")
+    ap.add_argument("--challenger-tokens", type=positive_int, default=80, help="--selfplay: a compact task is 40-60 tokens")
     ap.add_argument("--lr", type=float, default=None, help="default 1e-5 (--selfplay too: at 2e-5 seed 4321 lost "
                     "held-out accuracy, docs/learning.md)")
-    ap.add_argument("--heldout", type=int, default=None,
+    ap.add_argument("--heldout", type=positive_int, default=None,
                     help="held-out items (default 200; --selfplay 300: near the base model's 25%% a 200-item "
                          "interval is +-6 points, so non-overlap needs +13 points, stricter than the 10-point "
                          "bar; at 300 it needs +10.7)")
     ap.add_argument("--only", default="", help="comma-separated runs to do (trained_a, control_a, trained_b)")
-    ap.add_argument("--challenger-docs", type=int, default=32,
+    ap.add_argument("--challenger-docs", type=positive_int, default=32,
                     help="--selfplay: fixed held-out stories the challenger writes G tasks on at each evaluation")
     ap.add_argument("--seeds", default="1234,4321")
     ap.add_argument("--staleness", type=int, default=0, help="train.max_staleness (1: one step off, TIS on)")
     ap.add_argument("overrides", nargs="*", help="more recipe overrides (section.field=value) for every run")
     args = ap.parse_args()
     args.extra = list(args.overrides)
-    args.seeds = [int(s) for s in args.seeds.split(",")]
+    from spice_megatron.entry import UserError
+
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        raise UserError(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. 1234,4321") from None
+    if args.model and not os.path.isdir(args.model):
+        raise UserError(f"--model {args.model}: no such directory (an HF model directory)")
     if not args.model:
         from spice_megatron.offline_assets import smollm2_dir
 
@@ -481,4 +489,6 @@ def _plot(runs: dict, before: dict, path: str, selfplay: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spice_megatron.entry import run_entry_point
+
+    run_entry_point(main)

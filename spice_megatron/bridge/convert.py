@@ -14,10 +14,11 @@ import torch.distributed as dist
 
 from spice_megatron.bridge.export import gather_stage_tensors, holds_unique_weights
 from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+from spice_megatron.policy.checkpoint import HF_META_DIR
+from spice_megatron.preflight import partial_dir, publish_output
 
 log = logging.getLogger(__name__)
 
-HF_META_DIR = "hf"  # inside a checkpoint root: config.json, generation config, tokenizer files
 # The reasoner's training prompts (recipe, template, prompt_dir, stop strings): `spice eval` of an
 # exported model evaluates with them unless told otherwise.
 TRAINING_PROMPTS_FILE = "spice_prompts.json"
@@ -108,33 +109,46 @@ def save_hf_checkpoint(learner, out_dir: str, metadata_dir: str, bucket_bytes: i
 
 def convert_from_hf(hf_dir: str, out: str, tp: int, pp: int, ep: int = 1) -> str:
     """HF directory -> a model-only Megatron checkpoint root (with the HF metadata kept in hf/).
-    `ep`: expert parallelism for a mixture-of-experts model (the world is pp x lcm(tp, ep))."""
+    `ep`: expert parallelism for a mixture-of-experts model (the world is pp x lcm(tp, ep)).
+    Written to OUT.partial and renamed to `out` when complete (an existing `out` is replaced)."""
     from spice_megatron.policy.checkpoint import save_checkpoint
     from spice_megatron.policy.learner import Learner
 
     learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp, expert_parallel=ep), OptimConfig(),
                               PolicyTrainConfig(dtype="fp32"))
-    path = save_checkpoint(learner, out, step=0, model_only=True, keep_last=0)
+    partial = _fresh_partial(out)
+    path = save_checkpoint(learner, partial, step=0, model_only=True, keep_last=0)
     if dist.get_rank() == 0:
-        copy_hf_metadata(hf_dir, os.path.join(out, HF_META_DIR))
+        copy_hf_metadata(hf_dir, os.path.join(partial, HF_META_DIR))
+        publish_output(partial, out)
     dist.barrier()
-    return path
+    return os.path.join(out, os.path.basename(path))
 
 
 def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None, ep: int = 1) -> None:
-    """A checkpoint (root or step directory) -> HF safetensors directory, at any TP x PP (x EP)."""
-    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint
+    """A checkpoint (root or step directory) -> HF safetensors directory, at any TP x PP (x EP).
+    Written to OUT.partial and renamed to `out_dir` when complete."""
+    from spice_megatron.policy.checkpoint import load_checkpoint
     from spice_megatron.policy.learner import Learner
     from spice_megatron.policy.model import model_spec_from_hf
+    from spice_megatron.preflight import check_checkpoint
 
-    root = ckpt if os.path.isdir(os.path.join(ckpt, HF_META_DIR)) else os.path.dirname(ckpt.rstrip("/"))
-    meta = os.path.join(root, HF_META_DIR)
-    if not os.path.exists(os.path.join(meta, "config.json")):
-        raise FileNotFoundError(f"{meta}/config.json is missing: the checkpoint root keeps the HF config there")
-    step_dir = latest_checkpoint(ckpt) if os.path.isdir(os.path.join(ckpt, HF_META_DIR)) else ckpt
-    if step_dir is None:
-        raise FileNotFoundError(f"{ckpt}: no complete checkpoint")
+    step_dir = check_checkpoint(ckpt)
+    meta = os.path.join(os.path.dirname(step_dir), HF_META_DIR)
     learner = Learner(model_spec_from_hf(meta), ParallelConfig(tp, pp, expert_parallel=ep), OptimConfig(),
                       PolicyTrainConfig(dtype="fp32"))
     load_checkpoint(learner, step_dir, model_only=True)
-    save_hf_checkpoint(learner, out_dir, meta, dtype={"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[dtype])
+    partial = _fresh_partial(out_dir)
+    save_hf_checkpoint(learner, partial, meta, dtype={"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[dtype])
+    if dist.get_rank() == 0:
+        publish_output(partial, out_dir)
+    dist.barrier()
+
+
+def _fresh_partial(out: str) -> str:
+    """Collective: OUT.partial, emptied of what a killed conversion left there."""
+    partial = partial_dir(out)
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    return partial

@@ -8,11 +8,12 @@ from typing import Mapping
 
 import torch
 
+from spice_megatron.entry import UserError
 from spice_megatron.bridge.mapping import MappingError, ShardRanks, expected_hf_shapes, megatron_shard
 from spice_megatron.policy.model import ModelSpec
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

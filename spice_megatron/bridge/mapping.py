@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from spice_megatron.entry import UserError
 from spice_megatron.policy.model import ModelSpec
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -29,7 +30,7 @@ _EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.
 Reader = Callable[[str, "int | None", "int | None", "int | None"], torch.Tensor]
 
 
-class MappingError(KeyError):
+class MappingError(UserError, KeyError):
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0])
 

@@ -15,12 +15,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from spice_megatron.entry import UserError
 from spice_megatron.tasks import ANSWER_LETTERS, INTEGER_ANSWER, Task, extract_boxed
 
 log = logging.getLogger(__name__)
 
 
-class BenchmarkUnavailable(RuntimeError):
+class BenchmarkUnavailable(UserError, RuntimeError):
     """The benchmark's data could not be loaded (offline, unknown id, missing file)."""
 
 
@@ -50,7 +51,7 @@ class Benchmark:
     keep: Callable[[dict], bool] | None = None  # hub records that belong to the set
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     pass
 
 

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
+HF_META_DIR = "hf"  # inside a checkpoint root: config.json, generation config, tokenizer files
 DAMAGED_PREFIX = "damaged."  # a checkpoint a resume passed over, kept for inspection
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp$")  # torch_dist's files: __<global rank>_<n>.distcp
 # How megatron's distributed optimizer lays out its state in a checkpoint (optim.checkpoint_sharding).
@@ -215,6 +216,12 @@ def checkpoint_candidates(root: str) -> list[str]:
     done = sorted((d for d in os.listdir(root) if d.startswith("step_")
                    and os.path.exists(os.path.join(root, d, "layout.json"))), reverse=True)
     return [os.path.join(root, d) for d in done]
+
+
+def checkpoint_root(ckpt: str) -> str:
+    """The root of a checkpoint given as its root (which holds hf/) or as one step directory."""
+    ckpt = ckpt.rstrip("/")
+    return ckpt if os.path.isdir(os.path.join(ckpt, HF_META_DIR)) else os.path.dirname(ckpt)
 
 
 def latest_checkpoint(root: str) -> str | None:

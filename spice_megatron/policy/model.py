@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from spice_megatron.entry import UserError
 from spice_megatron.config import ConfigError
 
 
@@ -60,7 +61,7 @@ def _moe_spec(config: dict, num_layers: int) -> MoESpec:
                    norm_topk_prob=bool(config.get("norm_topk_prob", True)), moe_layers=layers)
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     pass
 
 
@@ -126,10 +127,32 @@ def _rope(cfg: dict) -> tuple[float, float | None]:
 
 def model_spec_from_hf(config: dict | str) -> ModelSpec:
     """From a config dict, a config.json path or an HF model directory."""
+    where = "config"
     if isinstance(config, str):
-        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
-        with open(path) as f:
-            config = json.load(f)
+        where = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        try:
+            with open(where, encoding="utf-8") as f:
+                config = json.load(f)
+        except FileNotFoundError:
+            raise UnsupportedModelError(f"{where}: no such file (an HF model directory has a config.json)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UnsupportedModelError(f"{where}: not a readable JSON file ({e})") from None
+        if not isinstance(config, dict):
+            raise UnsupportedModelError(f"{where}: expected a JSON object")
+    try:
+        return _spec(config)
+    except KeyError as e:
+        arch = (config.get("architectures") or [config.get("model_type")])[0]
+        raise UnsupportedModelError(f"{where}: field {e.args[0]!r} is missing ({arch} needs it)") from None
+    except UnsupportedModelError as e:
+        if where == "config":
+            raise
+        raise UnsupportedModelError(f"{where}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise UnsupportedModelError(f"{where}: a field has the wrong type ({e})") from None
+
+
+def _spec(config: dict) -> ModelSpec:
     archs = config.get("architectures") or [MODEL_TYPES.get(config.get("model_type", ""), "")]
     arch = archs[0]
     if arch not in FAMILIES:

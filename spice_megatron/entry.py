@@ -1,0 +1,95 @@
+"""One error path for every command-line entry point (`spice`, tools/*.py).
+
+An error the user can fix is one `error: ...` line on stderr naming the file, tensor or field and
+what would fix it, and exit code 2, with no traceback (`-v`/`--verbose` or `SPICE_DEBUG=1` shows
+it). Every such error is a `UserError`; the package's own error classes (ConfigError, PlanError,
+CorpusError, CheckpointError, ...) derive from it, which is why this module sits below all of them
+and imports nothing of the package.
+
+Under torchrun only one line reaches the user: a rank that finds the error writes it to the file
+named by SPICE_ERROR_FILE (set by `spice_megatron.launch` when it relaunches a command under
+torchrun) and exits 2; the launcher prints the line once, after every rank has stopped, without
+torchrun's own traceback. Under a launcher of the user's own (srun, torchrun), each rank prints
+it, rank 0's line unmarked.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Callable, NoReturn
+
+USER_ERROR_EXIT = 2
+ERROR_FILE_ENV = "SPICE_ERROR_FILE"
+
+
+class UserError(Exception):
+    """Bad input the user can fix; the message names the file, tensor or field and the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the project's error line: usage first, then `error: PROG: ...` last, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+
+
+def positive_int(value: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the flag and the value when it is not)."""
+    n = int(value)
+    if n < 1:
+        raise ValueError(value)
+    return n
+
+
+def debugging(argv: list[str] | None = None) -> bool:
+    argv = sys.argv[1:] if argv is None else argv
+    return os.environ.get("SPICE_DEBUG", "") not in ("", "0") or "-v" in argv or "--verbose" in argv
+
+
+def error_line(e: BaseException) -> str:
+    """The one line: the message without Python's decorations (KeyError quotes its argument)."""
+    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    return "error: " + " ".join(msg.split("\n")[0].split()) if msg else f"error: {type(e).__name__}"
+
+
+def report_user_error(e: BaseException) -> None:
+    """Print (or, under the relaunching launcher, record) the error line once per job."""
+    line = error_line(e)
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:  # the launcher prints the first rank's line after all ranks have stopped
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(line + "\n")
+        return
+    # a launcher of the user's own: rank 0's line as is; another rank may have found what rank 0
+    # did not, so it says so too, marked with its rank
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    print(line if rank == "0" else f"[rank {rank}] {line}", file=sys.stderr)
+
+
+def call_entry_point(main: Callable[[], int | None], argv: list[str] | None = None) -> int:
+    """main()'s exit code, with every UserError as one line and exit code 2."""
+    try:
+        return main() or 0
+    except UserError as e:
+        if debugging(argv):
+            traceback.print_exc()
+        report_user_error(e)
+        return USER_ERROR_EXIT
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+def run_entry_point(main: Callable[[], int | None], argv: list[str] | None = None) -> NoReturn:
+    """A tool's `if __name__ == "__main__":` line."""
+    code = call_entry_point(main, argv)
+    sys.stdout.flush()
+    sys.exit(code)
