@@ -39,9 +39,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def positive_int(value: str) -> int:
     """An argparse type: an integer >= 1 (argparse names the flag and the value when it is not)."""
-    n = int(value)
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
     if n < 1:
-        raise ValueError(value)
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
     return n
 
 

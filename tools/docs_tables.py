@@ -117,9 +117,26 @@ def train_defaults() -> str:
     return _defaults(PolicyTrainConfig)
 
 
+def bad_inputs_table() -> str:
+    """The bad-input matrix of tests/test_bad_input.py: each entry point, the input, what the line names."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("test_bad_input", os.path.join(ROOT, "tests", "test_bad_input.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    rows = ["| entry point | bad input | the command (`D`: a directory) | the `error:` line names |", "|---|---|---|---|"]
+    for c in module.CASES:
+        entry = "spice " + c.args.split(" ")[0] if c.entry == "spice" else f"tools/{c.entry}.py"
+        args = c.args.format(d="D")
+        rows.append(f"| `{entry}` | {c.what} | `{args}` | `{c.names.format(d='D')}` |")
+    return "\n".join(rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {"recipes": recipes_table, "step_time": step_time_table,
                                         "placements": placements_table,
-                                        "run_defaults": run_defaults, "train_defaults": train_defaults}
+                                        "run_defaults": run_defaults, "train_defaults": train_defaults,
+                                        "bad_inputs": bad_inputs_table}
 
 
 def doc_files() -> list[str]:

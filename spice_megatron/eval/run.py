@@ -46,6 +46,9 @@ def resolve_eval_model(path: str, work_dir: str) -> str:
     if not (os.path.exists(os.path.join(ckpt, "latest")) or os.path.exists(os.path.join(ckpt, "layout.json"))):
         raise FileNotFoundError(f"--model {path}: neither an HF directory (config.json), a SPICE run (hf_final/) "
                                 f"nor a Megatron checkpoint (latest or layout.json)")
+    from spice_megatron.preflight import check_checkpoint
+
+    check_checkpoint(ckpt, "--model")  # a damaged checkpoint names its file here, not in the child's traceback
     out = os.path.join(work_dir, "hf_model")
     # a fresh process: the conversion initialises torch.distributed for its own world of one
     code = "import sys; from spice_megatron.bridge.convert import convert_to_hf; convert_to_hf(sys.argv[1], sys.argv[2])"
