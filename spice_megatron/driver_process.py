@@ -31,6 +31,7 @@ from typing import Any
 
 from spice_megatron.config import SpiceConfig
 from spice_megatron.driver import IterationAbandoned, KillSwitch, RolloutBatch
+from spice_megatron.launch import die_with_parent
 from spice_megatron.rollout.fleet import FleetError, RolloutFleet
 
 log = logging.getLogger("spice.trainer")
@@ -50,7 +51,7 @@ class DriverProcess:
         # records of batches the driver process made, which it still holds: id(records) -> (records, iteration)
         self._held: dict[int, tuple[list, int]] = {}
         self.process = ctx.Process(target=_serve, name="spice-driver",
-                                   args=(child, cfg, resume_state, stop_file, logging.getLogger().level))
+                                   args=(child, cfg, resume_state, stop_file, logging.getLogger().level, os.getpid()))
         self.process.start()
         child.close()
         self._reader = threading.Thread(target=self._read, name="spice-driver-reader", daemon=True)
@@ -168,8 +169,11 @@ class DriverProcess:
         return RuntimeError(f"the driver process ended (exit code {self.process.exitcode}); its log is above")
 
 
-def _serve(conn, cfg: SpiceConfig, resume_state: dict | None, stop_file: str, log_level: int) -> None:
-    """The driver process: build the Driver, then answer rank 0's calls until it closes the pipe."""
+def _serve(conn, cfg: SpiceConfig, resume_state: dict | None, stop_file: str, log_level: int,
+           parent_pid: int) -> None:
+    """The driver process: build the Driver, then answer rank 0's calls until it closes the pipe
+    (or rank 0 is killed: the driver may be mid-rollout, far from its next read of the pipe)."""
+    die_with_parent(parent_pid)
     from transformers import AutoTokenizer
 
     from spice_megatron.driver import Driver

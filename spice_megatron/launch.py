@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 
@@ -30,6 +31,21 @@ def free_port() -> int:
         if port not in _handed_out:
             _handed_out.add(port)
             return port
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """First thing in a helper process (a spawned worker, the driver process): be killed when
+    `parent_pid`, the process that started it, dies, even if a kill -9 gave the parent no chance to
+    say so and this process is busy in C code that never reads its pipe (Linux's parent-death
+    signal; elsewhere only the check below). The signal follows the *thread* that started the
+    child: start helpers from a thread that lives as long as they should."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
 
 
 def under_launcher() -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing as mp
+import os
 import re
 import signal
 import string
@@ -22,8 +23,10 @@ import threading
 import time
 import unicodedata
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 
+from spice_megatron.launch import die_with_parent
 from spice_megatron.tasks import INTEGER_ANSWER, parse_letter
 
 log = logging.getLogger(__name__)
@@ -33,7 +36,9 @@ _ARTICLES = ("a", "an", "the")
 MAX_ANSWER_CHARS = 2000  # longer predictions are wrong by construction, never parsed
 
 
-def _worker_main(conn, soft_timeout: int) -> None:
+def _worker_main(conn, soft_timeout: int, parent_pid: int) -> None:
+    # a kill -9 of the run must not leave a worker computing a huge power for hours
+    die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the trainer decides what it means (finish the
     # iteration) and closes the pool itself, so a worker must neither die nor fail a verdict on it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -56,7 +61,7 @@ def _worker_main(conn, soft_timeout: int) -> None:
 class _Worker:
     def __init__(self, ctx, soft_timeout: int):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, soft_timeout), daemon=True,
+        self.proc = ctx.Process(target=_worker_main, args=(child, soft_timeout, os.getpid()), daemon=True,
                                 name="spice-math-verify")
         self.proc.start()
         child.close()
@@ -83,13 +88,16 @@ class MathVerifyPool:
         self.processes, self.soft_timeout, self.hard_timeout = processes, soft_timeout, hard_timeout
         self._ctx = mp.get_context(start_method)  # spawn: the caller may hold threads (vLLM, torch)
         self._workers: list[_Worker] = []
+        # workers are started from this one thread, which lives as long as the pool: their
+        # parent-death signal follows the starting thread, and a caller's thread may end first
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spice-math-verify-starter")
         self._lock = threading.Lock()
         self.killed = 0  # workers killed for overrunning their deadline
 
     def _ensure_workers(self) -> None:
         self._workers = [w for w in self._workers if w.proc.is_alive()]
         while len(self._workers) < self.processes:
-            self._workers.append(_Worker(self._ctx, self.soft_timeout))
+            self._workers.append(self._starter.submit(_Worker, self._ctx, self.soft_timeout).result())
 
     def verify_many(self, pairs: list[tuple[str, str]]) -> list[bool]:
         """(gold, prediction) LaTeX pairs -> equivalence; a timed-out or crashed call is False."""

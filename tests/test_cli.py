@@ -18,7 +18,7 @@ def test_corpus_from_explicit_source(tmp_path, capsys):
 
 
 def test_corpus_reports_missing_file(tmp_path, capsys):
-    assert main(["corpus", "--source", str(tmp_path / "missing.jsonl")]) == 1
+    assert main(["corpus", "--source", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
 
 

@@ -182,7 +182,7 @@ def test_spice_plan_command(capsys):
     assert main(["plan", "--recipe", "qwen3_8b", "--nodes", "4"]) == 0
     out = capsys.readouterr().out
     assert "learner: 16 GPUs, TP=2 PP=1 DP=8" in out and "640 iterations" in out
-    assert main(["plan", "--recipe", "qwen3_32b", "--nodes", "2"]) == 1
+    assert main(["plan", "--recipe", "qwen3_32b", "--nodes", "2"]) == 2
     assert "does not fit 8 learner GPUs" in capsys.readouterr().err
 
 

@@ -106,3 +106,71 @@ def test_string_normaliser_keeps_answers_made_of_articles(pred, gold, same):
 def test_bbeh_letter_targets_match(verifier):
     assert verifier.verify_batch([("(A)", "(A)", "string"), ("A", "(A)", "string"), ("B", "(A)", "string")]) == [
         True, True, False]
+
+
+HUNG_POOL = """
+import sys
+from spice_megatron.verify import MathVerifyPool
+
+if __name__ == "__main__":
+    pool = MathVerifyPool(processes=1, soft_timeout=600, hard_timeout=600.0)
+    pool._ensure_workers()
+    print(pool._workers[0].proc.pid, flush=True)
+    pool.verify_many([("\\\\boxed{9^{9^{9^{9}}}}", "\\\\boxed{1}")])  # C-level work that reads no pipe
+"""
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # a zombie has exited
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+@pytest.mark.multiprocess
+def test_a_busy_worker_dies_with_a_killed_run(tmp_path):
+    """kill -9 of the process that holds the pool: its worker, deep in a huge power that never reads
+    its pipe, is killed too (it outlived its test by 40 minutes before the parent-death signal)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "pool.py"
+    script.write_text(HUNG_POOL)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    worker = int(proc.stdout.readline())
+    try:
+        time.sleep(2.0)  # the worker is computing
+        assert not _gone(worker, 0.0)
+        proc.kill()
+        proc.wait(30)
+        assert _gone(worker, 15.0), f"math-verify worker {worker} outlived its killed parent"
+    finally:
+        if not _gone(worker, 0.0):
+            os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.multiprocess
+def test_workers_started_from_a_thread_that_ends_keep_working():
+    """The parent-death signal follows the thread that started a worker: the pool starts them from a
+    thread of its own, so a caller's short-lived thread takes no worker with it."""
+    pool = MathVerifyPool(processes=1, soft_timeout=2, hard_timeout=6.0)
+    try:
+        caller = threading.Thread(target=lambda: pool.verify_many([("\\boxed{2}", "\\boxed{2}")]))
+        caller.start()
+        caller.join(60)
+        pid = pool._workers[0].proc.pid
+        time.sleep(1.0)
+        assert pool._workers[0].proc.is_alive()
+        assert pool.verify_many([("\\boxed{\\frac{1}{2}}", "\\boxed{0.5}")]) == [True]
+        assert pool._workers[0].proc.pid == pid and pool.killed == 0
+    finally:
+        pool.close()

@@ -34,7 +34,7 @@ def _rank(rank: int, world: int, port: int, variant: str, tokens: int, hidden: i
 
     from spice_megatron.config import ParallelConfig
     from spice_megatron.loss import drgrpo_token_loss
-    from spice_megatron.policy.learner import token_logprobs
+    from spice_megatron.policy.logprobs import token_logprobs
     from spice_megatron.policy.parallel import init_distributed
 
     init_distributed(ParallelConfig(tensor_parallel=world))

@@ -424,7 +424,7 @@ def check_nccl_one_rank(model_dir: str) -> tuple[bool, str]:
 
 def check_vocab_parallel_peak(seq: int = 4096, vocab: int = 151_936) -> tuple[bool, str]:
     """The log-prob pass over Qwen3's vocabulary must not copy the logits more than a few times."""
-    from spice_megatron.policy.learner import token_logprobs
+    from spice_megatron.policy.logprobs import token_logprobs
 
     if not torch.cuda.is_available():
         return None, "needs a GPU"

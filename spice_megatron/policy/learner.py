@@ -33,16 +33,6 @@ ALLOW_TORCH_DISTRIBUTED_OPTIMIZER = False
 ZERO_ADVANTAGE = 1e-12  # |advantage| at or below it: a group's rewards were equal (rounding aside)
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(labels) from vocab-parallel logits [b, s, V/TP] -> [b, s], in fp32."""
-    from megatron.core import tensor_parallel
-
-    # The cross entropy flattens the leading dimensions, so [b, s] works as well as megatron's
-    # [s, b]; every avoided copy is one [tokens x V/TP] tensor less at the peak.
-    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
-    return -tensor_parallel.vocab_parallel_cross_entropy(scaled.contiguous(), labels.contiguous())
-
-
 def resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32

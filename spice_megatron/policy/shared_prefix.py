@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from spice_megatron.policy.batching import MicroBatch
+from spice_megatron.policy.logprobs import token_logprobs
 
 # a row structure tensor carries its parsed segments and their completion masks per device as an
 # attribute: built by the first layer that reads it, read by every other (and gone with the tensor)
@@ -185,8 +186,6 @@ class PackedForward:
 def scored_logprobs(mb: MicroBatch, logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p of the scored tokens, laid out like mb.loss_mask: [b, s] for an unshared micro-batch,
     [b, longest completion] for a packed one (logits [1, n, V/TP] at its scored positions)."""
-    from spice_megatron.policy.learner import token_logprobs
-
     lp = token_logprobs(logits, mb.labels.to(logits.device), temperature)
     if mb.score_index is None:
         return lp
