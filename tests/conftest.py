@@ -1,4 +1,13 @@
 import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from leftovers import SUITE_MARKER, kill, wait_for_leftovers  # noqa: E402
+
+# Every process a test starts carries this (workers inherit it from the session's first process):
+# the session's end finds what outlived its test by it.
+os.environ.setdefault(SUITE_MARKER, f"{os.getpid()}-{time.time_ns()}")
 
 # Offline by construction: nothing may reach a model or dataset hub during tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,3 +76,35 @@ def bos_tokenizer():
     fast.chat_template = ("{{ bos_token }}{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}Assistant:{% endif %}")
     return fast
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """The session fails if a process a test started is still alive at its end (after a grace for
+    helpers that watch their parent), naming the test; the leftovers are killed."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the session's first process checks
+        return
+    me = os.getpid()
+    xdist = session.config.pluginmanager.has_plugin("dsession")  # its workers are this process's children
+    left = wait_for_leftovers(os.environ[SUITE_MARKER], {me}, grace_s=30.0,
+                              ignore=lambda pid: xdist and _parent(pid) == me)
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"  pid {pid}, started by {what}" for pid, what in sorted(left.items())]
+    message = f"{len(left)} process(es) outlived the test that started them (killed now):\n" + "\n".join(lines)
+    if reporter:
+        reporter.write_sep("=", "processes left behind", red=True)
+        reporter.write_line(message)
+    else:
+        print(message, file=sys.stderr)
+    kill(left)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
