@@ -2,10 +2,12 @@
 that ask for a stop with a checkpoint, and the marker files that say how the run ended."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+import time
 
 log = logging.getLogger("spice.trainer")
 
@@ -35,6 +37,11 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signalled or bool(self.stop_file and os.path.exists(self.stop_file))
 
+    def requested_after(self, iteration: int) -> bool:
+        """`requested`, asked at the end of an iteration (where a test's hold can keep the run)."""
+        hold_if_asked(iteration, self)
+        return self.requested
+
     def _handle(self, signum, frame) -> None:
         if self.signalled:  # a second signal of either kind
             raise KeyboardInterrupt
@@ -45,6 +52,36 @@ class StopRequest:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+# A test's hook on the job scripts (tests/test_slurm_box.py): while the file this names exists and
+# holds the number N, rank 0 waits after iteration N, before it asks the others whether to stop, until
+# the file is gone or holds another number (rewrite it atomically), or a stop is requested (the job
+# script's STOP at Slurm's time-limit signal). A test thereby puts the time limit, a scancel or a
+# kill at a known point of a run, however fast or slow the machine. FILE.held names the iteration
+# while the run waits.
+HOLD_FILE_ENV = "SPICE_TEST_HOLD_FILE"
+
+
+def hold_if_asked(iteration: int, stop: StopRequest) -> None:
+    path = os.environ.get(HOLD_FILE_ENV)
+    if not path or _hold_point(path) != iteration:
+        return
+    log.warning("held after iteration %d by %s (a test's hook)", iteration, path)
+    with open(path + ".held", "w") as f:
+        f.write(f"{iteration}\n")
+    while _hold_point(path) == iteration and not stop.requested:
+        time.sleep(0.5)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path + ".held")
+
+
+def _hold_point(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def write_marker(path: str, reason: str, is_driver: bool) -> None:

@@ -269,7 +269,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
                 except KillSwitch as e:
                     stop = str(e)
             # rank 0 decides for all: its kill switch, and its Ctrl-C / SIGTERM
-            stop, interrupted = _broadcast((stop, stop_request.requested) if driver else None, control)
+            stop, interrupted = _broadcast((stop, stop_request.requested_after(iteration)) if driver else None, control)
             if driver and off_policy and not (stop or interrupted) and iteration + 1 < cfg.run.iterations:
                 pending, snapshot = driver.start_selfplay(iteration + 1, version)  # overlaps the checkpoint too
             if stop or interrupted or iteration % cfg.run.checkpoint_every == 0 or iteration == cfg.run.iterations:

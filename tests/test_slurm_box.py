@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# Every run's length: long enough that the time-limit test's USR1 (sent 60-90 s before its 3-minute
-# limit: Slurm checks the limits every ~30 s) falls in the middle of the first attempt on a fast
-# machine too (an iteration is 1-1.5 s here since shared-prefix packing, 3-5 s before; the start
-# ~35-60 s). At 30 iterations the run ended before the signal came.
-ITERATIONS = 100
+# Every run's length. Where a test needs the time limit, a scancel or a kill to fall mid-run, the run
+# is held at a known iteration by the trainer's test hook (run_control.HOLD_FILE_ENV) until the test
+# has done it: no outcome depends on how fast an iteration runs.
+ITERATIONS = 6
+SUBMITTED: list[str] = []  # this module's jobs: none may outlive its test
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,24 @@ def box(tmp_path_factory):
         subprocess.run(["bash", "tools/slurm_box.sh", "down"], cwd=ROOT, capture_output=True)
 
 
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test(box):
+    """A job of this test still queued or running at its end is cancelled, and the test errors
+    naming it: the next test starts on an idle box."""
+    yield
+    env = box[0]
+    ids = list(SUBMITTED)
+    SUBMITTED.clear()
+    if not ids:
+        return
+    queued = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"], env=env, capture_output=True,
+                            text=True).stdout.split("\n")
+    left = [line for line in queued if line.strip()]
+    if left:
+        subprocess.run(["scancel", *[line.split()[0] for line in left]], env=env, capture_output=True)
+        pytest.fail(f"jobs still in the queue at the test's end, cancelled: {left}")
+
+
 def _job_env(env, model, out, **extra):
     return {**env, "MODEL_DIR": model, "OUTPUT_DIR": out, "CONTAINER_IMAGE": "none", "GPUS_PER_NODE": "1",
             "SPICE_RECIPE": "tiny_cpu", "SPICE_LEARNER_NODES": "2", "SPICE_ENGINE_TP": "1",
@@ -71,7 +89,17 @@ def _sbatch(env, out, *args, iterations=ITERATIONS):
                         *args, "slurm/spice_8b.sbatch", *TINY_RUN, f"run.iterations={iterations}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    return r.stdout.strip().split(";")[0]
+    job = r.stdout.strip().split(";")[0]
+    SUBMITTED.append(job)
+    return job
+
+
+def _hold(path: str, iteration: int) -> str:
+    """Hold the run after `iteration` (the trainer's test hook); written atomically."""
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{iteration}\n")
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def _processes(out: str, port: str) -> list[str]:
@@ -87,15 +115,20 @@ def _left_behind(out: str, port: str, timeout: float = 60) -> list[str]:
     return _processes(out, port)
 
 
-def _wait_for(path: str, lines: int = 0, timeout: float = 600) -> None:
+def _wait_for(path: str, lines: int = 0, timeout: float = 900, text: str = "") -> None:
     deadline = time.monotonic() + timeout
-    while not (os.path.exists(path) and open(path).read().count("\n") >= lines):
+    while not (os.path.exists(path) and open(path).read().count("\n") >= lines and text in open(path).read()):
         assert time.monotonic() < deadline, f"{path} not there after {timeout:.0f} s"
         time.sleep(0.5)
 
 
 def _log(out: str, job: str) -> str:
     return open(os.path.join(out, f"slurm-{job}.out")).read()
+
+
+def _logs(out: str, job: str, restart: int, prefix: str) -> str:
+    folder = os.path.join(out, "logs", f"slurm_{job}_restart{restart}")
+    return "".join(open(os.path.join(folder, f)).read() for f in os.listdir(folder) if f.startswith(prefix))
 
 
 def _same_run(out: str, reference: str) -> None:
@@ -119,11 +152,12 @@ def plain(box):
     t0 = time.monotonic()
     job_env = _job_env(env, model, out)
     job = _sbatch(job_env, out, "--time=20")
-    state = wait_for_job(job, poll_s=2, timeout_s=900)
+    state = wait_for_job(job, poll_s=2, timeout_s=1200)
     print(f"real-Slurm run a (uninterrupted): {time.monotonic() - t0:.0f} s")
     return out, job, state, job_env["ROLLOUT_PORT"]
 
 
+@pytest.mark.timeout(1500)
 def test_sbatch_runs_the_tiny_recipe_on_three_nodes_and_leaves_nothing_behind(plain):
     """a. Every iteration, hf_final/, COMPLETED, a log per learner node, no process left."""
     out, job, state, port = plain
@@ -136,84 +170,80 @@ def test_sbatch_runs_the_tiny_recipe_on_three_nodes_and_leaves_nothing_behind(pl
     assert not _left_behind(out, port)
 
 
+@pytest.mark.timeout(1800)
 def test_the_time_limit_stops_checkpoints_requeues_and_the_run_ends_as_if_uninterrupted(box, plain):
-    """b. A short --time with --signal=B:USR1@N: STOP, checkpoint, requeue; the requeued job
-    resumes and finishes; audit trail and final weights equal the uninterrupted run's."""
+    """b. A short --time with --signal=B:USR1@N, the run held after iteration 2 until the signal's
+    STOP (so the limit falls mid-run at any speed): checkpoint, requeue; the requeued job resumes
+    and finishes; audit trail and final weights equal the uninterrupted run's."""
     from recipes.launch import wait_for_job
 
     env, model, root = box
     out = str(root / "time_limit")
+    os.makedirs(out)
     t0 = time.monotonic()
-    job_env = _job_env(env, model, out, STOP_GRACE="60")
-    job = _sbatch(job_env, out, "--time=3", "--signal=B:USR1@60")  # USR1 ~90-120 s in: mid-run
+    hold = _hold(os.path.join(out, "hold"), 2)
+    # USR1 150 s before the 5-minute limit: 2.5 minutes to start, 2.5 to checkpoint and stop
+    job_env = _job_env(env, model, out, STOP_GRACE="120", SPICE_TEST_HOLD_FILE=hold)
+    job = _sbatch(job_env, out, "--time=5", "--signal=B:USR1@150")
     state = wait_for_job(job, poll_s=2, timeout_s=1500)
     log = _log(out, job)
     assert state == "COMPLETED", log[-4000:]
     assert "requeueing job" in log and "(time limit)" in log
+    assert "held after iteration 2" in _logs(out, job, 0, "learner_")
     assert int(open(os.path.join(out, ".slurm_time_limit_requeues")).read()) >= 1
     _same_run(out, plain[0])
     assert not _left_behind(out, job_env["ROLLOUT_PORT"])
     print(f"real-Slurm test b: {time.monotonic() - t0:.0f} s")
 
 
-def test_scancel_ends_every_process_and_a_new_sbatch_resumes(box, plain):
-    """c. scancel mid-run: every process of the job gone, the last checkpoint intact; a new sbatch
-    on the same OUTPUT_DIR resumes it and ends as the uninterrupted run."""
-    from recipes.launch import wait_for_job
-
-    env, model, root = box
-    out = str(root / "cancelled")
-    t0 = time.monotonic()
-    job_env = _job_env(env, model, out)
-    job = _sbatch(job_env, out, "--time=20")
-    _wait_for(os.path.join(out, "checkpoints", "step_00000001", "manifest.json"))
-    subprocess.run(["scancel", job], env=env, check=True)
-    wait_for_job(job, poll_s=2, timeout_s=300)
-    assert not _left_behind(out, job_env["ROLLOUT_PORT"]), "processes left after scancel"
-    job_env = _job_env(env, model, out)
-    job2 = _sbatch(job_env, out, "--time=20")
-    state = wait_for_job(job2, poll_s=2, timeout_s=900)
-    assert state == "COMPLETED", _log(out, job2)[-4000:]
-    _same_run(out, plain[0])
-    assert not _left_behind(out, job_env["ROLLOUT_PORT"])
-    print(f"real-Slurm test c: {time.monotonic() - t0:.0f} s")
-
-
-def test_a_killed_engine_restarts_on_its_node_and_a_killed_learner_rank_requeues(box, plain):
-    """d. kill -9 of the engine during the rollouts: rollout_node.sh starts it again, the trainer
-    sends it the current weights, no requeue; later kill -9 of a learner rank: the job requeues and
-    resumes. The run ends as the uninterrupted one."""
+@pytest.mark.timeout(2400)
+def test_a_killed_engine_restarts_a_killed_learner_requeues_and_scancel_leaves_a_resumable_run(box, plain):
+    """c+d, one job. kill -9 of the engine during the rollouts: rollout_node.sh starts it again,
+    the trainer sends it the current weights, no requeue. Held after iteration 2, kill -9 of a
+    learner rank: the job requeues and resumes. Held after iteration 4, scancel: every process of the
+    job gone, the last checkpoint intact; a new sbatch on the same OUTPUT_DIR resumes it. The run ends
+    as the uninterrupted one."""
     from recipes.launch import wait_for_job
 
     env, model, root = box
     out = str(root / "killed")
+    os.makedirs(out)
     t0 = time.monotonic()
-    job_env = _job_env(env, model, out)
+    hold = _hold(os.path.join(out, "hold"), 2)
+    job_env = _job_env(env, model, out, SPICE_TEST_HOLD_FILE=hold)
     port = job_env["ROLLOUT_PORT"]
-    job = _sbatch(job_env, out, "--time=20")
-    metrics = os.path.join(out, "metrics.jsonl")
-    _wait_for(metrics, lines=1)
+    job = _sbatch(job_env, out, "--time=30")
+    _wait_for(os.path.join(out, "metrics.jsonl"), lines=1)
     engine = subprocess.run(["pgrep", "-f", f"rollout.serve.*--port {port}( |$)"], capture_output=True,
                             text=True).stdout.split()
     assert len(engine) == 1
     os.kill(int(engine[0]), signal.SIGKILL)
-    _wait_for(os.path.join(out, "checkpoints", "step_00000002", "manifest.json"))
+    _wait_for(hold + ".held", text="2")
     assert not os.path.exists(os.path.join(out, "logs", f"slurm_{job}_restart1"))  # the engine cost no requeue
     ranks = subprocess.run(["pgrep", "-f", f"spice_megatron.cli train .*--output-dir {out}"], capture_output=True,
                            text=True).stdout.split()
-    os.kill(int(sorted(ranks, key=int)[-1]), signal.SIGKILL)  # one learner rank
-    state = wait_for_job(job, poll_s=2, timeout_s=1500)
+    os.kill(int(sorted(ranks, key=int)[-1]), signal.SIGKILL)  # one learner rank, while the run is held
+    _hold(hold, 4)  # where the requeued attempt stops next (it redoes iteration 2, held there or not)
+    _wait_for(hold + ".held", text="4")
+    assert os.path.exists(os.path.join(out, "logs", f"slurm_{job}_restart1"))
+    subprocess.run(["scancel", job], env=env, check=True)
+    wait_for_job(job, poll_s=2, timeout_s=300)
     log = _log(out, job)
-    assert state == "COMPLETED", log[-4000:]
     assert "requeueing job" in log and "learner exit" in log
-    rollout0 = "".join(open(os.path.join(out, "logs", f"slurm_{job}_restart0", f)).read()
-                       for f in os.listdir(os.path.join(out, "logs", f"slurm_{job}_restart0")) if f.startswith("rollout_"))
-    assert "restart 1 of 3" in rollout0
+    assert "restart 1 of 3" in _logs(out, job, 0, "rollout_")
+    assert not _left_behind(out, port), "processes left after scancel"
+    assert os.path.exists(os.path.join(out, "checkpoints", "step_00000003", "manifest.json"))
+    os.remove(hold)
+    job_env = _job_env(env, model, out)
+    job2 = _sbatch(job_env, out, "--time=20")
+    state = wait_for_job(job2, poll_s=2, timeout_s=1200)
+    assert state == "COMPLETED", _log(out, job2)[-4000:]
     _same_run(out, plain[0])
-    assert not _left_behind(out, port)
-    print(f"real-Slurm test d: {time.monotonic() - t0:.0f} s")
+    assert not _left_behind(out, job_env["ROLLOUT_PORT"])
+    print(f"real-Slurm tests c+d: {time.monotonic() - t0:.0f} s")
 
 
+@pytest.mark.timeout(1500)
 def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
     """e. python -m recipes.launch --recipe tiny_cpu --executor slurm (no container) submits to the
     box through NeMo-Run's own sbatch script and the run completes (NeMo-Run's job directory is the
@@ -238,6 +268,7 @@ def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
     print(f"real-Slurm test e: {time.monotonic() - t0:.0f} s")
 
 
+@pytest.mark.timeout(2400)
 def test_one_node_colocated_through_sbatch_and_nemo_run(box, tmp_path):
     """f. Colocation on one node, by both launch paths: sbatch slurm/spice_8b_1node.sbatch (COLOCATE=1:
     the engine's step and the learner's on the same node with --overlap, the engine started asleep
@@ -256,6 +287,7 @@ def test_one_node_colocated_through_sbatch_and_nemo_run(box, tmp_path):
                        cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     job = r.stdout.strip().split(";")[0]
+    SUBMITTED.append(job)
     state = wait_for_job(job, poll_s=2, timeout_s=900)
     assert state == "COMPLETED", _log(out, job)[-4000:]
     log = _log(out, job)
