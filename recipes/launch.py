@@ -21,7 +21,6 @@ requeues like any failure) the learner refuses to resume and the requeued job en
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import sys
@@ -234,7 +233,9 @@ def dryrun_sbatch(exp) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m recipes.launch", description=__doc__.split("\n")[0])
+    from spice_megatron.entry import ArgumentParser
+
+    ap = ArgumentParser(prog="python -m recipes.launch", description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--executor", choices=["local", "slurm"], default="local")
     ap.add_argument("--output-dir", default="")
@@ -258,15 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = ap.parse_args(argv)
     if args.executor == "local":
-        from spice_megatron.run_lock import RunDirLocked, check_unlocked
+        from spice_megatron.run_lock import check_unlocked
 
         exp = local_experiment(args.recipe, args.overrides, args.output_dir, args.model_dir)
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
-        try:  # the run would refuse too, after NeMo-Run set it up: say it before
-            check_unlocked(os.path.abspath(args.output_dir or cfg.run.output_dir))
-        except RunDirLocked as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        check_unlocked(os.path.abspath(args.output_dir or cfg.run.output_dir))  # the run would refuse too, later
         with exp:
             exp.run(sequential=True, tail_logs=True)
         # NeMo-Run does not track local task states; the run's last checkpoint says how far it got.
@@ -301,4 +298,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from spice_megatron.entry import run_entry_point
+
+    run_entry_point(main)

@@ -24,6 +24,7 @@ ENTRY_POINTS = {
     "bench_rollout": [os.path.join(ROOT, "tools", "bench_rollout.py")],
     "bench_weight_sync": [os.path.join(ROOT, "tools", "bench_weight_sync.py")],
     "prepare_corpus": [os.path.join(ROOT, "tools", "prepare_corpus.py")],
+    "recipes.launch": ["-m", "recipes.launch"],
 }
 
 
@@ -113,6 +114,9 @@ CASES = [
     Case("bench_rollout_model", "bench_rollout", "--model {d}/nope", "--model {d}/nope", "a model that does not exist"),
     Case("bench_weight_sync_layers", "bench_weight_sync", "--layers x", "--layers", "a count that is not a number"),
     Case("prepare_corpus_out", "prepare_corpus", "--out {d}/a_file", "--out {d}/a_file", "an output path that is a file"),
+    Case("launch_recipe", "recipes.launch", "--recipe nope", "--recipe 'nope'", "an unknown recipe"),
+    Case("launch_slurm_flags", "recipes.launch", "--recipe tiny_cpu --executor slurm", "--account",
+         "Slurm without the flags it needs"),
 ]
 
 

@@ -127,7 +127,8 @@ def bad_inputs_table() -> str:
     spec.loader.exec_module(module)
     rows = ["| entry point | bad input | the command (`D`: a directory) | the `error:` line names |", "|---|---|---|---|"]
     for c in module.CASES:
-        entry = "spice " + c.args.split(" ")[0] if c.entry == "spice" else f"tools/{c.entry}.py"
+        entry = {"spice": "spice " + c.args.split(" ")[0], "recipes.launch": "python -m recipes.launch"}.get(
+            c.entry, f"tools/{c.entry}.py")
         args = c.args.format(d="D")
         rows.append(f"| `{entry}` | {c.what} | `{args}` | `{c.names.format(d='D')}` |")
     return "\n".join(rows)
