@@ -100,6 +100,7 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
     checkpoint (a conversion from HF) holds no optimizer, scheduler or RNG state."""
     from megatron.core import dist_checkpointing
 
+    _results_queue_that_dies_with_this_rank()
     rank, world = dist.get_rank(), dist.get_world_size()
     final = os.path.join(root, _step_dir(step))
     tmp = os.path.join(root, f".{_step_dir(step)}.tmp")
@@ -135,6 +136,29 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
         log.info("checkpoint saved: %s", final)
     dist.barrier()
     return final
+
+
+_queue_manager = None  # kept alive with the process: its server holds megatron's results queue
+
+
+def _results_queue_that_dies_with_this_rank() -> None:
+    """megatron's torch_dist writer keeps its results in a queue served by a multiprocessing
+    Manager it spawns at the first save (filesystem_async._get_write_results_queue), whose server
+    outlives a rank killed with kill -9 (found left behind by the suite). Put one there first whose
+    server takes the parent-death signal. Once per process, from the thread that saves (the main one)."""
+    global _queue_manager
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _queue_manager is not None or getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # done, megatron made its own already, or a megatron without that queue
+    from spice_megatron.launch import die_with_parent
+
+    _queue_manager = SyncManager(ctx=mp.get_context("spawn"))
+    _queue_manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = _queue_manager.Queue()
 
 
 def _writer(name: str, world: int) -> int:
