@@ -55,6 +55,15 @@ def wait_for_leftovers(marker: str, exclude: set[int], grace_s: float, ignore=la
         time.sleep(1.0)
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent to reap it."""
+    try:
+        stat = _read(f"/proc/{pid}/stat").decode(errors="replace")
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
 def kill(pids) -> None:
     for pid in pids:
         try:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from leftovers import SUITE_MARKER, kill, marked_processes
+from leftovers import SUITE_MARKER, alive, kill, marked_processes
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
@@ -48,14 +48,6 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_a_rank_killed_after_a_checkpoint_save_leaves_no_process(tmp_path):
@@ -78,9 +70,9 @@ def test_a_rank_killed_after_a_checkpoint_save_leaves_no_process(tmp_path):
         proc.kill()
         proc.wait(30)
     deadline = time.monotonic() + 20
-    while any(_alive(p) for p in helpers) and time.monotonic() < deadline:
+    while any(alive(p) for p in helpers) and time.monotonic() < deadline:
         time.sleep(0.5)
-    left = [p for p in helpers if _alive(p)]
+    left = [p for p in helpers if alive(p)]
     kill(left)
     assert not left, f"helpers outlived their killed rank: {left}"
 

@@ -121,17 +121,14 @@ if __name__ == "__main__":
 
 
 def _gone(pid: int, timeout: float) -> bool:
+    from leftovers import alive
+
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # a zombie has exited
-                    return True
-        except FileNotFoundError:
-            return True
+    while alive(pid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)
+    return True
 
 
 @pytest.mark.multiprocess
