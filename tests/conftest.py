@@ -87,7 +87,7 @@ def pytest_sessionfinish(session, exitstatus):
     me = os.getpid()
     xdist = session.config.pluginmanager.has_plugin("dsession")  # its workers are this process's children
     left = wait_for_leftovers(os.environ[SUITE_MARKER], {me}, grace_s=30.0,
-                              ignore=lambda pid: xdist and _parent(pid) == me)
+                              ignore=lambda pid: _parent(pid) == me and (xdist or _is_resource_tracker(pid)))
     if not left:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -100,6 +100,16 @@ def pytest_sessionfinish(session, exitstatus):
         print(message, file=sys.stderr)
     kill(left)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's resource tracker of this very process (a test used multiprocessing in it,
+    without xdist): it lives as long as its parent, by design, and ends with it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
 
 
 def _parent(pid: int) -> int:
