@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import replace
 
-from spice_megatron.entry import ArgumentParser, UserError, call_entry_point
+from spice_megatron.entry import ArgumentParser, UserError, call_entry_point, require_dir
 from spice_megatron.preflight import looks_like_local_path
 
 
@@ -44,8 +44,8 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
         paths = [os.path.join(args.data, "corpus", "math.jsonl"), os.path.join(args.data, "corpus", "general.jsonl")]
     cfg = CorpusConfig(sources=[SourceConfig(path=p, text_field=args.text_field) for p in paths],
                        max_doc_tokens=args.max_doc_tokens, max_docs=args.max_docs)
-    if args.tokenizer and not os.path.isdir(args.tokenizer):
-        raise UserError(f"--tokenizer {args.tokenizer}: no such directory")
+    if args.tokenizer:
+        require_dir(args.tokenizer, "--tokenizer")
     corpus = Corpus.build(cfg, load_tokenizer(args.tokenizer or qwen3_tokenizer_dir()))
     for d in DocumentSampler(corpus, seed=cfg.seed).next_batch(args.show):
         print(json.dumps({"doc_id": d.doc_id, "tokens": d.num_tokens, "sha256": d.sha256[:16],
@@ -69,8 +69,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             setattr(cfg.cluster, name, getattr(args, name))
     cfg.cluster.validate()
-    if args.model and looks_like_local_path(args.model) and not os.path.isdir(args.model):
-        raise UserError(f"--model {args.model}: no such directory")
+    if args.model and looks_like_local_path(args.model):
+        require_dir(args.model, "--model")
     spec = model_spec(args.model or cfg.run.model)
     if not args.choose:  # the recipe's own layout: what the learner would refuse, named by its field
         from spice_megatron.preflight import check_layout

@@ -15,6 +15,7 @@ it, rank 0's line unmarked.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -54,9 +55,31 @@ def debugging(argv: list[str] | None = None) -> bool:
 
 
 def error_line(e: BaseException) -> str:
-    """The one line: the message without Python's decorations (KeyError quotes its argument)."""
-    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    """The one line: the message's first line, its spacing collapsed."""
+    msg = str(e)
     return "error: " + " ".join(msg.split("\n")[0].split()) if msg else f"error: {type(e).__name__}"
+
+
+def read_json(path: str, what: str = "") -> dict:
+    """A JSON object from a user's file, or one UserError naming the file and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file{what}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}: expected a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+def require_dir(path: str, flag: str, what: str = "") -> None:
+    """A directory the user named with `flag` must exist."""
+    if not os.path.isdir(path):
+        raise UserError(f"{flag} {path}: no such directory{what}")
 
 
 def report_user_error(e: BaseException) -> None:

@@ -11,7 +11,7 @@ import struct
 from typing import TYPE_CHECKING
 
 from spice_megatron.config import ConfigError
-from spice_megatron.entry import UserError
+from spice_megatron.entry import UserError, read_json, require_dir
 
 if TYPE_CHECKING:  # the model module imports torch: only the checks that need it pay for it
     from spice_megatron.policy.model import ModelSpec
@@ -19,22 +19,6 @@ if TYPE_CHECKING:  # the model module imports torch: only the checks that need i
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
-
-
-def read_json(path: str, what: str = "") -> dict:
-    """A JSON object from a file, or one line naming the file and what is wrong with it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file{what}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise UserError(f"{path}: expected a JSON object, found {type(obj).__name__}")
-    return obj
 
 
 def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -103,8 +87,7 @@ def check_hf_model(model_dir: str, flag: str = "--model") -> ModelSpec:
     """A local HF model directory, checked without loading weights: config.json parses and has what
     its family needs, every shard's header parses, and every tensor the architecture needs is there
     with its shape. Returns the model's spec."""
-    if not os.path.isdir(model_dir):
-        raise UserError(f"{flag} {model_dir}: no such directory")
+    require_dir(model_dir, flag)
     from spice_megatron.bridge.mapping import expected_hf_shapes
     from spice_megatron.policy.model import model_spec_from_hf
 
@@ -146,8 +129,7 @@ def check_checkpoint(ckpt: str, flag: str = "--ckpt") -> str:
     step directory. Sizes are checked against the manifest; checksums are left to the load."""
     from spice_megatron.policy.checkpoint import HF_META_DIR, MANIFEST, checkpoint_root, latest_checkpoint
 
-    if not os.path.isdir(ckpt):
-        raise UserError(f"{flag} {ckpt}: no such directory")
+    require_dir(ckpt, flag)
     root = checkpoint_root(ckpt)
     read_json(os.path.join(root, HF_META_DIR, "config.json"),
               f" (the checkpoint root {root} keeps the model's HF config in {HF_META_DIR}/)")

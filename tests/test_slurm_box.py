@@ -292,9 +292,7 @@ def test_one_node_colocated_through_sbatch_and_nemo_run(box, tmp_path):
     assert state == "COMPLETED", _log(out, job)[-4000:]
     log = _log(out, job)
     assert "(asleep until the learner has built)" in log and "spice: run finished" in log
-    learner_log = "".join(open(os.path.join(out, "logs", f"slurm_{job}_restart0", f)).read()
-                          for f in os.listdir(os.path.join(out, "logs", f"slurm_{job}_restart0")) if f.startswith("learner_"))
-    assert "woke the rollout engines started asleep" in learner_log
+    assert "woke the rollout engines started asleep" in _logs(out, job, 0, "learner_")
     phases = records(os.path.join(out, "colocation.jsonl"))
     assert [p["phase"] for p in phases if p["iteration"] == 3][:2] == ["rollouts_done", "engines_asleep"]
     assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]

@@ -231,7 +231,7 @@ def print_encoding(result: dict[str, tuple[float, int]]) -> None:
 
 
 def main() -> int:
-    from spice_megatron.entry import ArgumentParser, positive_int
+    from spice_megatron.entry import ArgumentParser, positive_int, require_dir
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -240,10 +240,8 @@ def main() -> int:
     ap.add_argument("--encoding-only", action="store_true", help="only the response-encoding measure (no engine)")
     ap.add_argument("--fleet-only", action="store_true", help="only the modelled 8-engine fleet (no engine)")
     args = ap.parse_args()
-    if args.model and not os.path.isdir(args.model):
-        from spice_megatron.entry import UserError
-
-        raise UserError(f"--model {args.model}: no such directory (an HF model directory)")
+    if args.model:
+        require_dir(args.model, "--model", " (an HF model directory)")
     if args.fleet_only:
         print_fleet_phases()
         return 0

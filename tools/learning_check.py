@@ -247,15 +247,15 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="more recipe overrides (section.field=value) for every run")
     args = ap.parse_args()
     args.extra = list(args.overrides)
-    from spice_megatron.entry import UserError
+    from spice_megatron.entry import UserError, require_dir
 
     try:
         args.seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         raise UserError(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. 1234,4321") from None
-    if args.model and not os.path.isdir(args.model):
-        raise UserError(f"--model {args.model}: no such directory (an HF model directory)")
-    if not args.model:
+    if args.model:
+        require_dir(args.model, "--model", " (an HF model directory)")
+    else:
         from spice_megatron.offline_assets import smollm2_dir
 
         args.model = smollm2_dir()

@@ -1,7 +1,6 @@
 """A megatron-core GPTModel from a Hugging Face config.json (Qwen3, Qwen3-MoE and Llama 3 families)."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from spice_megatron.entry import UserError
+from spice_megatron.entry import UserError, read_json
 from spice_megatron.config import ConfigError
 
 
@@ -130,15 +129,7 @@ def model_spec_from_hf(config: dict | str) -> ModelSpec:
     where = "config"
     if isinstance(config, str):
         where = os.path.join(config, "config.json") if os.path.isdir(config) else config
-        try:
-            with open(where, encoding="utf-8") as f:
-                config = json.load(f)
-        except FileNotFoundError:
-            raise UnsupportedModelError(f"{where}: no such file (an HF model directory has a config.json)") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UnsupportedModelError(f"{where}: not a readable JSON file ({e})") from None
-        if not isinstance(config, dict):
-            raise UnsupportedModelError(f"{where}: expected a JSON object")
+        config = read_json(where, " (an HF model directory has a config.json)")
     try:
         return _spec(config)
     except KeyError as e:
