@@ -343,7 +343,9 @@ class RolloutConfig:
     engines: list[str] = field(default_factory=list)  # attach to these URLs; empty: start local engines
     challenger_engines: list[str] = field(default_factory=list)  # selfplay.challenger=model: the fixed challenger's
     local_engines: int = 1
-    token: str = ""  # shared secret of the engines' control endpoints ("": $SPICE_ROLLOUT_TOKEN, else generated)
+    # engines started elsewhere (rollout.engines): the job's secret is $SPICE_ROLLOUT_TOKEN, or this file
+    # (mode 600); engines this run starts get a fresh one. Never the secret itself: configs are saved.
+    token_file: str = ""
     max_model_len: int = 4096
     kv_cache_gib: float = 1.0  # per local CPU engine
     request_timeout: float = 900.0

@@ -97,7 +97,7 @@ class Driver:
         self.sampler = DocumentSampler(self.corpus, cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)
         self.engines: list = []
-        token = cfg.rollout.token or os.environ.get("SPICE_ROLLOUT_TOKEN") or secrets.token_hex(16)
+        token = self._job_token(cfg)
         self.token = token
         urls = list(cfg.rollout.engines) or self._start_local_engines(cfg.run.model, cfg.rollout.local_engines)
         self.fleet = RolloutFleet(urls, token, cfg.rollout.request_timeout, chunk_size=cfg.rollout.chunk_size)
@@ -141,6 +141,21 @@ class Driver:
         # checked before every generation call: a long iteration (many challenger rounds of a paper
         # recipe) must not outlast the job's grace period after the time-limit STOP
         self.abandon_when = abandon_when
+
+    @staticmethod
+    def _job_token(cfg: SpiceConfig) -> str:
+        """Engines started elsewhere share the job's secret (its launcher makes a fresh one per attempt);
+        engines this run starts get a fresh one, which lives only in this process and theirs."""
+        from spice_megatron.config import ConfigError
+        from spice_megatron.rollout.auth import read_token
+
+        if not (cfg.rollout.engines or cfg.rollout.challenger_engines):
+            return secrets.token_hex(16)
+        token = read_token(cfg.rollout.token_file or None)
+        if not token:
+            raise ConfigError("rollout.engines: engines started elsewhere need the job's secret in "
+                              "$SPICE_ROLLOUT_TOKEN or in the file rollout.token_file names")
+        return token
 
     def _start_local_engines(self, model: str, count: int, challenger: bool = False) -> list[str]:
         from spice_megatron.rollout.local import engine_args, engine_devices, start_engines

@@ -91,7 +91,9 @@ class WeightSync:
             if self.transfer is None:
                 self.transfer = self._init_transfer()
             if self.cfg.rollout.weight_transfer == "spice":
-                sent = self.transfer.send_weights(version)["bytes"]
+                # every stage sender signs its buckets: the driver's fresh key goes to every rank
+                nonce, key = broadcast_from_driver(self.client.sync_credentials() if self.driver else None, self.control)
+                sent = self.transfer.send_weights(version, nonce, key)["bytes"]
             else:  # vLLM's engine finishes without a version: the client stamps it
                 if self.client:
                     self.client.version = str(version)

@@ -50,6 +50,7 @@ class ReceivedManifest:
 
     version: int | None = None
     checksums: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)  # each tensor's checksum as it arrived (checked per bucket)
     most_buffered: int = 0  # concurrent receive: the most buckets received and not yet consumed at once
 
 

@@ -188,8 +188,10 @@ class SpiceTrainerTransfer:
                     joining.result()
         return engine
 
-    def send_weights(self, version: int) -> dict[str, Any]:
-        """One update, start to finish. Returns this rank's figures (bytes sent by its stage)."""
+    def send_weights(self, version: int, nonce: str = "", key: bytes | None = None) -> dict[str, Any]:
+        """One update, start to finish. `nonce` (rank 0: sent to the engines over the signed HTTP
+        plane) and `key` (every stage sender: signs the buckets) are this sync's (the fleet client's
+        `sync_credentials`). Returns this rank's figures (bytes sent by its stage)."""
         from spice_megatron.bridge.weight_sync import send_learner_weights
 
         receiving = None
@@ -198,8 +200,8 @@ class SpiceTrainerTransfer:
             if self.is_sender:
                 self.client.start_weight_update()
                 # the engines receive inside update_weights: it runs while the stages send
-                receiving = exe.submit(self.client.update_weights, {"version": version})
-            report = send_learner_weights(self.source.learner, self.group, version, self.info.bucket_bytes)
+                receiving = exe.submit(self.client.update_weights, {"version": version, "nonce": nonce})
+            report = send_learner_weights(self.source.learner, self.group, version, self.info.bucket_bytes, key)
             if receiving is not None:
                 receiving.result()
                 self.client.finish_weight_update(str(version))

@@ -10,8 +10,15 @@ HF names and full (TP-gathered) tensors, as a sequence of messages:
   header   int64[1]  length of the metadata
   meta     uint8[n]  JSON {"version", "stage", "end": false, "tensors": [[name, dtype, shape, offset, nbytes]]}
   payload  uint8[m]  the tensors' bytes, back to back
+  header + trailer   {"checksums": [per tensor], "mac": HMAC(sync key, version|stage|bucket|tensors|checksums)}
   ...
-  header + meta      {"version", "stage", "end": true, "checksums": {name: checksum}}
+  header + meta      {"version", "stage", "end": true, "buckets": count, "checksums": {name: checksum}, "mac"}
+
+A receiver checks each bucket's tensors against its trailer, and the trailer's MAC with the sync's
+key (rollout/auth.sync_key: derived from the job's token and a nonce the trainer sent over the
+signed HTTP plane), before it hands the bucket on: a process that joined the group without the
+token can make a sync fail, never load weights. The rendezvous store listens on the address the
+engines are given only, not on every interface.
 
 The bucket is two half-size buffers: one is on the wire while the other fills, so the sender holds
 at most one bucket plus the tensor being gathered, and filling overlaps sending. The TP gather
@@ -22,9 +29,11 @@ what it loaded against them. No pickle crosses the wire.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from spice_megatron.bridge.sync_integrity import ReceivedManifest, WeightSyncError, tensor_checksum
+from spice_megatron.rollout.auth import bucket_mac
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +93,9 @@ class WeightSyncGroup:
         self.sync_rank, self.num_stages, self.num_receivers, self.backend = sync_rank, num_stages, num_receivers, backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, num_stages + num_receivers, is_master=sync_rank == 0, timeout=timeout)
+        self._listener = _listen(host, port) if sync_rank == 0 else None
+        store = dist.TCPStore(host, port, num_stages + num_receivers, is_master=sync_rank == 0, timeout=timeout,
+                              master_listen_fd=self._listener.fileno() if self._listener else None)
         size = num_receivers + 1
         self.pgs: dict[int, object] = {}  # stage -> process group (sender is its rank 0)
         if sync_rank < num_stages:
@@ -124,14 +136,40 @@ class WeightSyncGroup:
                 pg.shutdown()
             except Exception:  # already torn down by a peer; nothing left to release
                 pass
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The store's socket, bound to `host` alone (TCPStore by itself listens on every interface)."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 # ----------------------------------------------------------------------------- sending
 
-def _send_meta(group: WeightSyncGroup, stage: int, meta: dict) -> None:
+def _send_meta(group: WeightSyncGroup, stage: int, meta: dict, async_op: bool = False) -> list:
+    """Blocking, or with async_op the two broadcasts' works (their tensors stay alive with them)."""
     data = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8).to(group.device)
-    group.broadcast(torch.tensor([data.numel()], dtype=torch.long, device=group.device), stage)
-    group.broadcast(data, stage)
+    length = torch.tensor([data.numel()], dtype=torch.long, device=group.device)
+    works = [(group.broadcast(t, stage, async_op=True), t) for t in (length, data)]
+    if not async_op:
+        for work, _ in works:
+            work.wait()
+    return works
+
+
+def _signed(key: bytes | None, *fields) -> str:
+    return bucket_mac(key, json.dumps(fields, separators=(",", ":")).encode()) if key else ""
 
 
 def _recv_meta(group: WeightSyncGroup, stage: int) -> dict:
@@ -179,12 +217,13 @@ class BucketSender:
     caller's collectives stay in step, and `close` raises the error.
     """
 
-    def __init__(self, group: WeightSyncGroup, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        self.group, self.stage = group, group.sync_rank
+    def __init__(self, group: WeightSyncGroup, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 key: bytes | None = None):
+        self.group, self.stage, self.key = group, group.sync_rank, key
         self.report = SyncReport(version)
         self.half = max(bucket_bytes // 2, 1)
         self.buffers = group.buffers("send", 2, self.half)
-        self.in_flight: list = [None, None]  # per half: its broadcast, until it completes
+        self.in_flight: list = [None, None]  # per half: its broadcasts, until they complete
         self.current, self.used, self.entries = 0, 0, []
         self.own: tuple | None = None  # a reservation too large for a half bucket: (buffer, entries)
         self.error: BaseException | None = None
@@ -208,8 +247,11 @@ class BucketSender:
                 self._flush()
                 self._settle(0)
                 self._settle(1)
-                _send_meta(self.group, self.stage, {"version": self.report.version, "stage": self.stage, "end": True,
-                                                    "checksums": self.report.checksums})
+                version, buckets = self.report.version, self.report.buckets
+                _send_meta(self.group, self.stage, {
+                    "version": version, "stage": self.stage, "end": True, "buckets": buckets,
+                    "checksums": self.report.checksums,
+                    "mac": _signed(self.key, version, self.stage, "end", buckets, self.report.checksums)})
             except Exception as e:  # noqa: BLE001 - raised below
                 self.error = e
         if self.error is not None:
@@ -238,22 +280,28 @@ class BucketSender:
             (buffer, entries), self.own = self.own, None
             self._flush()
             self._settle(1 - self.current)
-            self._launch(buffer, entries).wait()
+            for work, _ in self._launch(buffer, entries):
+                work.wait()
 
-    def _launch(self, payload: torch.Tensor, entries: list):
-        _send_meta(self.group, self.stage, {"version": self.report.version, "stage": self.stage, "end": False,
-                                           "tensors": entries})
-        work = self.group.broadcast(payload, self.stage, async_op=True)
-        for entry, view in zip(entries, _views(payload, entries)):  # overlaps the transfer; only reads
-            self.report.checksums[entry[0]] = tensor_checksum(view)
+    def _launch(self, payload: torch.Tensor, entries: list) -> list:
+        version, index = self.report.version, self.report.buckets
+        _send_meta(self.group, self.stage, {"version": version, "stage": self.stage, "end": False, "tensors": entries})
+        works = [(self.group.broadcast(payload, self.stage, async_op=True), payload)]
+        checksums = [tensor_checksum(view) for view in _views(payload, entries)]  # overlaps the transfer; only reads
+        self.report.checksums.update((entry[0], c) for entry, c in zip(entries, checksums))
+        # queued behind the payload on the same group: receivers take them in this order
+        works += _send_meta(self.group, self.stage, {
+            "checksums": checksums, "mac": _signed(self.key, version, self.stage, index, entries, checksums)},
+            async_op=True)
         self.report.buckets += 1
         self.report.bytes += payload.numel()
-        return work
+        return works
 
     def _settle(self, i: int) -> None:
         if self.in_flight[i] is not None:
-            work, self.in_flight[i] = self.in_flight[i], None
-            work.wait()
+            works, self.in_flight[i] = self.in_flight[i], None
+            for work, _ in works:
+                work.wait()
 
     def _flush(self) -> None:
         """Send the current half and make the other one ready to be filled."""
@@ -268,26 +316,54 @@ class BucketSender:
 
 def receive_stage(group: WeightSyncGroup, stage: int, manifest: ReceivedManifest | None = None,
                   reuse_buffer: bool = False, before_alloc: Callable[[int], None] | None = None,
-                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                  key: bytes | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets of (name, tensor) from one stage's sender; the tensors are views of the bucket.
-    With reuse_buffer, one receive buffer serves every bucket: a bucket's tensors are valid only
-    until the next one arrives (an engine that loads each bucket as it comes needs no more).
-    `before_alloc(nbytes)` is called before a fresh bucket is allocated (it may wait)."""
+    Each bucket is handed on only after its tensors matched the sender's trailer and, with `key`,
+    the trailer's MAC held (the checksums go to manifest.received). With reuse_buffer, one receive
+    buffer serves every bucket: a bucket's tensors are valid only until the next one arrives (an
+    engine that loads each bucket as it comes needs no more). `before_alloc(nbytes)` is called
+    before a fresh bucket is allocated (it may wait)."""
+    index = 0
     while True:
         meta = _recv_meta(group, stage)
+        version = meta["version"]
         if manifest is not None:
-            manifest.version = meta["version"]
+            manifest.version = version
         if meta["end"]:
+            _check_mac(key, meta.get("mac"), f"stage {stage}'s end of version {version}", version, stage, "end",
+                       meta.get("buckets"), meta["checksums"])
+            if meta.get("buckets") != index:
+                raise WeightSyncError(f"stage {stage} ended version {version} after {meta.get('buckets')} buckets, "
+                                      f"{index} arrived")
             if manifest is not None:
                 manifest.checksums.update(meta["checksums"])
             return
-        size = max(e[3] + e[4] for e in meta["tensors"])
+        entries = meta["tensors"]
+        size = max(e[3] + e[4] for e in entries)
         if before_alloc is not None:
             before_alloc(size)
         payload = (group.buffers("recv", 1, size)[0][:size] if reuse_buffer
                    else torch.empty(size, dtype=torch.uint8, device=group.device))
         group.broadcast(payload, stage)
-        yield list(zip((e[0] for e in meta["tensors"]), _views(payload, meta["tensors"])))
+        trailer = _recv_meta(group, stage)
+        what = f"stage {stage}'s bucket {index} of version {version}"
+        _check_mac(key, trailer.get("mac"), what, version, stage, index, entries, trailer["checksums"])
+        views = _views(payload, entries)
+        checksums = [tensor_checksum(v) for v in views]
+        for entry, got, sent in zip(entries, checksums, trailer["checksums"], strict=True):
+            if got != sent:
+                raise WeightSyncError(f"{what}: tensor {entry[0]!r} arrived different from what its sender sent; "
+                                      "the bucket is refused")
+        if manifest is not None:
+            manifest.received.update((e[0], c) for e, c in zip(entries, checksums))
+        index += 1
+        yield list(zip((e[0] for e in entries), views))
+
+
+def _check_mac(key: bytes | None, mac: object, what: str, *fields) -> None:
+    if key is not None and not (isinstance(mac, str) and hmac.compare_digest(mac, _signed(key, *fields))):
+        raise WeightSyncError(f"{what} is not signed with this sync's key (a sender without the job's token?): "
+                              "refused before loading")
 
 
 # Concurrent receive: buckets received but not yet consumed, across all stages. Unbounded, each stage
@@ -326,7 +402,8 @@ class _BucketSlots:
 
 
 def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None, reuse_buffer: bool = False,
-                concurrent: bool = False, ahead: int = RECEIVE_AHEAD) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                concurrent: bool = False, ahead: int = RECEIVE_AHEAD,
+                key: bytes | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Every stage's buckets (what an engine worker consumes): stage by stage, or with `concurrent`
     all stages at once, one receiving thread per stage (each stage has its own process group),
     yielded as they arrive, at most `ahead` received before the consumer is done with them (a
@@ -335,7 +412,7 @@ def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None
     engines use it only with NCCL."""
     if not concurrent or group.num_stages == 1:
         for stage in range(group.num_stages):
-            yield from receive_stage(group, stage, manifest, reuse_buffer)
+            yield from receive_stage(group, stage, manifest, reuse_buffer, key=key)
         return
     import queue
 
@@ -346,7 +423,8 @@ def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None
     def receive(stage: int) -> None:
         try:
             # reuse_buffer would let the next bucket overwrite one not consumed yet: fresh buffers here
-            for bucket in receive_stage(group, stage, manifest, reuse_buffer=False, before_alloc=slots.acquire):
+            for bucket in receive_stage(group, stage, manifest, reuse_buffer=False, before_alloc=slots.acquire,
+                                        key=key):
                 arrived.put((bucket, StreamHandover.mark(group.device)))
             arrived.put(done)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
@@ -412,7 +490,7 @@ class StreamHandover:
 
 
 def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport | None:
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, key: bytes | None = None) -> SyncReport | None:
     """Collective over the learner: every rank calls it. The TP ranks of data-parallel rank 0 (and
     for experts the EP x ETP ranks of expert-data-parallel rank 0) gather each stage's tensors
     onto the stage's TP rank 0 of DP rank 0 (its member of the sync group), which
@@ -430,7 +508,7 @@ def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,
         return None
     if group is None or group.sync_rank != lay.pp_rank:
         raise WeightSyncError(f"stage {lay.pp_rank}'s sender needs a WeightSyncGroup with sync_rank {lay.pp_rank}")
-    sender = BucketSender(group, version, bucket_bytes)
+    sender = BucketSender(group, version, bucket_bytes, key)
     for _ in gather_stage_tensors(learner, allocate=sender.reserve):
         pass
     return sender.close()

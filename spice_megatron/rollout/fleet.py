@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import requests
 
+from spice_megatron.rollout.auth import AuthError, attest, new_nonce, signed_request, sync_key
 from spice_megatron.rollout.ipc_handles import encode_update
 from spice_megatron.rollout.types import Completion, SamplingSpec, unpack_completions
 
@@ -111,20 +112,23 @@ class RolloutFleet:
         # Many chunks in flight per engine: the engine merges those that wait into one submission.
         self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * len(urls)), thread_name_prefix="spice-fleet")
 
-    def _headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}"}
-
     # ------------------------------------------------------------------------- health
 
     def health(self) -> dict[str, dict | None]:
+        """Each engine's /status, once it proved it holds the job's token (else None: not used)."""
         out = {}
         for e in self.engines:
             try:
-                r = requests.get(e.url + "/health", timeout=10)
+                attest(e.url, self.token, timeout=10)
+                r = signed_request("GET", e.url, "/status", self.token, timeout=10)
                 r.raise_for_status()
                 out[e.url] = r.json()
                 e.healthy = True
                 e.workers = int(out[e.url].get("workers", 1))
+            except AuthError as err:
+                log.warning("%s", err)
+                out[e.url] = None
+                e.healthy = False
             except requests.RequestException:
                 out[e.url] = None
                 e.healthy = False
@@ -165,9 +169,8 @@ class RolloutFleet:
 
     def _post_generate(self, engine: EngineStats, prompts: list, spec: SamplingSpec) -> list[list[Completion]]:
         t0 = time.perf_counter()
-        r = requests.post(engine.url + "/generate", json={"prompts": prompts, "sampling": spec.to_json(),
-                                                          "packed": True},
-                          headers=self._headers(), timeout=self.request_timeout)
+        r = signed_request("POST", engine.url, "/generate", self.token,
+                           {"prompts": prompts, "sampling": spec.to_json(), "packed": True}, self.request_timeout)
         if r.status_code >= 400:
             raise FleetError(f"engine {engine.url}: HTTP {r.status_code}: {r.text[:300]}")
         out = unpack_completions(r.json())
@@ -251,7 +254,7 @@ class RolloutFleet:
 
     @property
     def num_receivers(self) -> int:
-        """Weight-sync receivers: every worker of every engine (as reported by /health)."""
+        """Weight-sync receivers: every worker of every engine (as reported by /status)."""
         return sum(e.workers for e in self.engines)
 
     def sync_client(self) -> "FleetSyncClient":
@@ -270,8 +273,7 @@ class RolloutFleet:
         return first
 
     def _control(self, engine: EngineStats, path: str, body: dict | None, method: str = "POST") -> dict:
-        r = requests.request(method, engine.url + path, json=body, headers=self._headers(),
-                             timeout=self.request_timeout)
+        r = signed_request(method, engine.url, path, self.token, body, self.request_timeout)
         if r.status_code >= 400:
             raise FleetError(f"engine {engine.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
         return r.json()
@@ -339,6 +341,12 @@ class FleetSyncClient:
         # vLLM's ipc backend: the learner's checksum of each tensor it shares (EveryRankSource on rank
         # 0), added to every update for the engines to check (rollout/ipc_engine.py)
         self.checksums: dict[str, int] | None = None
+
+    def sync_credentials(self) -> tuple[str, bytes]:
+        """A fresh nonce for one weight sync (the engines get it with the update) and the key that
+        signs its buckets, which the engines derive from the token and the nonce themselves."""
+        nonce = new_nonce()
+        return nonce, sync_key(self.fleet.token, nonce)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         bodies, offset = [], int(init_info.get("rank_offset", 0))

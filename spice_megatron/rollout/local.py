@@ -9,11 +9,15 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import requests
 
 from spice_megatron.launch import free_port
+from spice_megatron.rollout.auth import AuthError, attest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,6 +27,7 @@ class LocalEngine:
     log_path: str
     args: list[str]
     env: dict | None = None  # what start_engine added to the environment (the engine's GPUs)
+    token: str = field(default="", repr=False)  # the job's secret: the engine proves it holds it
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -55,7 +60,7 @@ def start_engine(model_dir: str, token: str, log_dir: str, port: int | None = No
     child_env = {**os.environ, "SPICE_ROLLOUT_TOKEN": token, **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-    return LocalEngine(f"http://127.0.0.1:{port}", proc, log_path, args, env)
+    return LocalEngine(f"http://127.0.0.1:{port}", proc, log_path, args, env, token)
 
 
 class EngineExited(RuntimeError):
@@ -65,19 +70,29 @@ class EngineExited(RuntimeError):
 
 
 def wait_healthy(engines: list[LocalEngine], timeout: float = 600.0) -> None:
+    """Until every engine answers and proves it holds the job's token. Something else answering on
+    an engine's port is never trusted: our engine binds the port before loading, so it exits when
+    the port is taken (start_engines then picks another) and until then this keeps waiting."""
     deadline = time.monotonic() + timeout
     pending = list(engines)
+    impostors: dict[str, str] = {}
     while pending:
         for e in list(pending):
             if not e.alive():
                 raise EngineExited(e, open(e.log_path, errors="replace").read()[-3000:])
             try:
-                if requests.get(e.url + "/health", timeout=2).ok:
-                    pending.remove(e)
+                attest(e.url, e.token, timeout=2)
+                pending.remove(e)
             except requests.RequestException:
                 pass
+            except AuthError as err:
+                if e.url not in impostors:
+                    log.warning("%s", err)
+                impostors[e.url] = str(err)
         if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"rollout engines not healthy after {timeout:.0f}s: {[e.url for e in pending]}")
+            why = "; ".join(impostors[e.url] for e in pending if e.url in impostors)
+            raise RuntimeError(f"rollout engines not healthy after {timeout:.0f}s: {[e.url for e in pending]}"
+                               + (f" ({why})" if why else ""))
         if pending:
             time.sleep(0.5)
 
@@ -93,7 +108,7 @@ def start_engines(model_dir: str, token: str, log_dir: str, extra: list[str], en
             wait_healthy(engines, timeout)
             return engines
         except EngineExited as e:
-            if "address already in use" not in e.tail or attempt == attempts - 1:
+            if "address already in use" not in e.tail.lower() or attempt == attempts - 1:
                 for other in engines:
                     other.stop()
                 raise

@@ -1,32 +1,36 @@
 """One rollout engine behind HTTP.
 
-  python -m spice_megatron.rollout.serve --model DIR [--host 127.0.0.1] [--port 8100] [--token T]
+  SPICE_ROLLOUT_TOKEN=... python -m spice_megatron.rollout.serve --model DIR [--host 127.0.0.1] [--port 8100]
                                           [--weight-transfer spice]
 
 Why a small service of our own rather than vLLM's OpenAI-compatible server: the trainer needs
 token ids, sampled-token log-probs and weight-version spans back for every completion, and vLLM
 exposes its RL control routes only in its dev mode, without authentication. This service maps
 the same routes (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
-`/finish_weight_update`, `/pause`, `/resume`, ...) onto vLLM's own methods, behind a shared token;
-generation needs the token too when the service listens beyond loopback. Bodies are plain JSON:
-no pickle crosses the wire.
+`/finish_weight_update`, `/pause`, `/resume`, ...) onto vLLM's own methods. Every route but
+`/health` and `/attest` needs a request signed with the job's token (rollout/auth.py), which
+never crosses the wire; the port is bound before the model loads, so no other process can take
+it meanwhile, and `/attest` lets the trainer check that it talks to the engine it started. Bodies
+are plain JSON (no pickle crosses the wire), their size and `n` and prompt count are capped.
 """
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import Body, FastAPI, HTTPException, Request, Response
+from fastapi import Body, Depends, FastAPI, HTTPException, Query, Request, Response
 from pydantic import BaseModel, Field
 
+from spice_megatron.rollout.auth import AuthError, RequestVerifier, attest_proof, read_token
 from spice_megatron.rollout.engine import version_label
 from spice_megatron.rollout.types import SamplingSpec, pack_completions
 
@@ -37,7 +41,42 @@ try:
     VALIDATION_ERRORS: tuple = (ValueError, VLLMClientError)
 except ImportError:  # older vLLM raises ValueError
     VALIDATION_ERRORS = (ValueError,)
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+OPEN_ROUTES = ("/health", "/attest")  # everything else needs a signed request
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the engine; beyond it the answer is one 4xx line and the engine
+    keeps serving (the trainer's own requests stay far below: rollout.chunk_size sequences)."""
+
+    max_n: int = 1024
+    max_prompts: int = 4096
+    max_body_bytes: int = 64 * 2**20
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body beyond the limit, or one of unknown length, is refused
+    before it is read."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
+            length = dict(scope["headers"]).get(b"content-length")
+            status, detail = None, ""
+            if length is None:
+                status, detail = 411, "a request body needs a Content-Length"
+            elif not length.isdigit() or int(length) > self.max_bytes:
+                status, detail = 413, f"request body over {self.max_bytes} bytes"
+            if status is not None:
+                body = json.dumps({"detail": detail}).encode()
+                await send({"type": "http.response.start", "status": status,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 class GenerateBody(BaseModel):
@@ -46,20 +85,28 @@ class GenerateBody(BaseModel):
     packed: bool = False  # token ids and log-probs as packed arrays (types.pack_completions)
 
 
-def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
+def build_app(engine, token: str, limits: RequestLimits = RequestLimits()) -> FastAPI:
     """`engine`: a VLLMEngine whose `serve_forever` runs on the thread that built it; every call
     here goes through its inbox and runs between two decoding steps."""
 
-    app = FastAPI(title="spice rollout engine")
+    verifier = RequestVerifier(token)
+
+    async def signed(request: Request) -> None:
+        if request.url.path in OPEN_ROUTES:
+            return
+        try:
+            verifier.verify(request.headers.get("authorization", ""), request.method, request.url.path,
+                            await request.body())
+        except AuthError as e:
+            raise HTTPException(status_code=401, detail=str(e)) from e
+
+    # no /docs, /redoc or /openapi.json: they would describe the engine to anyone who asks
+    app = FastAPI(title="spice rollout engine", dependencies=[Depends(signed)], docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
     state: dict[str, Any] = {"requests": 0, "tokens": 0, "busy_seconds": 0.0}
 
-    def check_token(request: Request) -> None:
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(status_code=401, detail="missing or wrong token")
-
     def control(request: Request, fn, *args):
-        check_token(request)
         try:
             return engine.call(fn, *args).result()
         except VALIDATION_ERRORS as e:
@@ -69,7 +116,15 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
             raise HTTPException(status_code=500, detail=f"{type(e).__name__}: {e}") from e
 
     @app.get("/health")
-    def health():
+    def health():  # open: says only that something answers here; /attest says whether it is ours
+        return {"status": "ok"}
+
+    @app.get("/attest")
+    def attest(nonce: str = Query(min_length=16, max_length=128)):
+        return {"proof": attest_proof(token, nonce)}
+
+    @app.get("/status")
+    def status():
         return {"status": "ok", "version": version_label(engine.version), "model": engine.model_dir,
                 "workers": engine.workers, "weight_transfer": engine.weight_transfer, "paused": engine.paused,
                 "updating": engine.updating, "steps": engine.steps, "admissions": engine.admissions,
@@ -82,12 +137,13 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
 
     @app.post("/generate")
     def generate(body: GenerateBody, request: Request):
-        if require_token_for_generate:
-            check_token(request)
         try:
             spec = SamplingSpec.from_json(body.sampling)
         except (TypeError, ValueError) as e:
             raise HTTPException(status_code=400, detail=str(e)) from e
+        if spec.n > limits.max_n or len(body.prompts) > limits.max_prompts:
+            raise HTTPException(status_code=413, detail=f"{len(body.prompts)} prompts x n={spec.n}: this engine takes "
+                                f"at most {limits.max_prompts} prompts and n <= {limits.max_n} per request")
         t0 = time.perf_counter()
         try:
             (out,) = engine.submit([(body.prompts, spec)]).result()
@@ -150,7 +206,6 @@ def build_app(engine, token: str, require_token_for_generate: bool) -> FastAPI:
 
     @app.post("/shutdown")
     def shutdown(request: Request):
-        check_token(request)
         threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
         return {"status": "shutting down"}
 
@@ -175,8 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8100)
-    ap.add_argument("--token", default=os.environ.get("SPICE_ROLLOUT_TOKEN"),
-                    help="shared secret for control endpoints (default: $SPICE_ROLLOUT_TOKEN)")
+    ap.add_argument("--token-file", default=None,
+                    help="a file (mode 600) holding the job's shared secret; default: $SPICE_ROLLOUT_TOKEN, or the "
+                         "file named by $SPICE_ROLLOUT_TOKEN_FILE (never a flag: a command line is visible to all)")
+    ap.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="samples per prompt a request may ask")
+    ap.add_argument("--max-prompts", type=int, default=RequestLimits.max_prompts, help="prompts per request")
+    ap.add_argument("--max-body-mb", type=float, default=RequestLimits.max_body_bytes / 2**20,
+                    help="request body size (MiB)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -199,9 +259,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="exit when process PID is gone (a trainer that started this engine and was killed)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    exposed = args.host not in LOOPBACK
-    if not args.token:
-        print("error: --token (or SPICE_ROLLOUT_TOKEN) is required: it guards the control endpoints", file=sys.stderr)
+    try:
+        token = read_token(args.token_file)
+    except AuthError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not token:
+        print("error: SPICE_ROLLOUT_TOKEN (or a --token-file) is required: it signs every request", file=sys.stderr)
+        return 2
+    try:  # bound before the model loads (minutes on a large model): no other process can take the port meanwhile
+        listener = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     import uvicorn
 
@@ -237,10 +306,24 @@ def main(argv: list[str] | None = None) -> int:
         raise started["error"]
     if args.start_asleep:
         started["engine"].call(started["engine"].sleep, 1).result()
-    app = build_app(started["engine"], args.token, exposed)
-    log.info("serving %s on %s:%d (token %s)", args.model, args.host, args.port, "set" if args.token else "unset")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    limits = RequestLimits(args.max_n, args.max_prompts, int(args.max_body_mb * 2**20))
+    app = build_app(started["engine"], token, limits)
+    log.info("serving %s on %s:%d (signed requests only)", args.model, args.host, args.port)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on the port of a dead engine
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
 
 
 if __name__ == "__main__":

