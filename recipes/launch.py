@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shlex
 import sys
 
 from recipes import get_recipe
@@ -34,6 +36,24 @@ ROLLOUT_PORT = 8100
 
 def _train_args(recipe: str, model_dir: str, output_dir: str, overrides: list[str]) -> list[str]:
     return ["train", "--recipe", recipe, "--model", model_dir, "--output-dir", output_dir, "--resume", *overrides]
+
+
+# NeMo-Run (0.11) writes `export KEY=VALUE`, script arguments and srun flags into its sbatch script
+# as they are: every value from the user or a recipe is quoted here (env values, arguments), or, where
+# NeMo-Run builds the text itself (#SBATCH lines, srun flags), must be plain.
+_PLAIN = re.compile(r"^[A-Za-z0-9_./:,+=@%~-]*$")
+EXPANDED_ENV = ("MASTER_ADDR", "PATH")  # deliberately expanded on the head node: $head_node_ip, $PATH
+
+
+def require_plain(what: str, value: str) -> str:
+    if not _PLAIN.match(value):
+        raise ValueError(f"{what} {value!r}: NeMo-Run writes it into the job script unquoted; use letters, digits and "
+                         "_ . / : , + = @ % ~ - only")
+    return value
+
+
+def quoted_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v if k in EXPANDED_ENV else shlex.quote(str(v)) for k, v in env.items()}
 
 
 def local_experiment(recipe: str, overrides: list[str] | None = None, output_dir: str = "", model_dir: str = ""):
@@ -92,6 +112,11 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
         raise ValueError("--output-dir: a Slurm run needs an output directory under one of the --mount destinations "
                          "(shared storage): checkpoints, metrics and hf_final are lost in the container otherwise")
     mounts = list(mounts or [])
+    for what, value in (("--account", account), ("--partition", partition or ""), ("--time", time),
+                        ("--container-image", container_image or ""),
+                        ("--rollout-container-image", rollout_container_image or ""), ("--job-dir", job_dir or ""),
+                        *(("--mount", m) for m in mounts)):
+        require_plain(what, value)
     container_image = None if container_image in (None, "", "none") else container_image
     rollout_image = None if rollout_container_image in ("", "none") and container_image is None else (
         rollout_container_image or container_image)
@@ -109,7 +134,7 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
                                  "of its script to the job directory; use a path without it")
         # NeMo-Run's script runs `python` and `bash` from PATH on the nodes: this environment's first
         bin_dir = os.path.dirname(sys.executable)
-        (env := dict(env or {})).setdefault("PATH", f"{bin_dir}:$PATH")
+        (env := dict(env or {})).setdefault("PATH", f"{shlex.quote(bin_dir)}:$PATH")
     shared = {"PYTHONPATH": CODE_DIR, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
               # NCCL_CUMEM_ENABLE stays NCCL's default (NVLS for the learner's collectives): no node holds
               # both a weight-sync sender and an engine (slurm/spice_job.sh); an `env` entry sets it for both
@@ -117,14 +142,15 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     setup = "\n".join([
         # NeMo-Run's script runs under `set -x`: the token must not be echoed into the job log
         "{ set +x; } 2>/dev/null",
-        'export SPICE_ROLLOUT_TOKEN="${SPICE_ROLLOUT_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d \' \\n\')}"',
+        # a fresh secret per attempt, never one inherited from the submitting shell
+        'export SPICE_ROLLOUT_TOKEN="$(od -An -N16 -tx1 /dev/urandom | tr -d \' \\n\')"',
         "set -x",
         # the engines' addresses as Slurm knows them (NodeAddr: a name or an IP)
         f'export SPICE_ROLLOUT_NODES="$(for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n '
         f"+{1 if colocated else learner_nodes + 1}); do scontrol show node -o \"$n\" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2; done "
         f'| paste -sd, -)"',
         f"export SPICE_ENGINES_PER_NODE={gpus // cfg.rollout.engine_tensor_parallel} "
-        f"SPICE_ROLLOUT_PORT={os.environ.get('SPICE_ROLLOUT_PORT', ROLLOUT_PORT)}",
+        f"SPICE_ROLLOUT_PORT={_port('SPICE_ROLLOUT_PORT', ROLLOUT_PORT)}",
     ])
 
     def executor(srun_args: list[str], extra_env: dict[str, str], image: str | None):
@@ -132,7 +158,7 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
             account=account, partition=partition, nodes=cfg.cluster.nodes, ntasks_per_node=1,
             gpus_per_node=gpus if request_gpus else None,
             time=time, container_image=image, container_mounts=mounts if image else [],
-            env_vars={**shared, **extra_env}, exclusive=True, mem="0", srun_args=srun_args, setup_lines=setup,
+            env_vars=quoted_env({**shared, **extra_env}), exclusive=True, mem="0", srun_args=srun_args, setup_lines=setup,
             retries=retries, tunnel=tunnel or run.LocalTunnel(job_dir=job_dir or _default_job_dir()),
             packager=packager or run.GitArchivePackager(), wait_time_for_group_job=group_wait_s,
             monitor_group_job_wait_time=group_monitor_s)
@@ -153,15 +179,22 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     # One task per GPU (srun, not torchrun): Megatron's init reads SLURM_PROCID / SLURM_NTASKS.
     learner = executor([f"--nodes={learner_nodes}", f"--ntasks={learner_nodes * gpus}", f"--ntasks-per-node={gpus}",
                         "--relative=0", *overlap],
-                       {"MASTER_ADDR": "$head_node_ip", "MASTER_PORT": os.environ.get("SPICE_MASTER_PORT", "29500"), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                       {"MASTER_ADDR": "$head_node_ip", "MASTER_PORT": str(_port("SPICE_MASTER_PORT", 29500)), "CUDA_DEVICE_MAX_CONNECTIONS": "1",
                         "SPICE_DATA_DIR": data_dir}, container_image)
     exp = run.Experiment(f"spice_{recipe}", executor=rollout)
     with exp:
         exp.add([run.Script(path="slurm/rollout_node.sh", entrypoint="bash"),
-                 run.Script(path="spice_megatron/cli.py", args=_train_args(recipe, model_dir, output_dir, overrides),
-                            entrypoint="python")],
+                 run.Script(path="spice_megatron/cli.py", entrypoint="python",
+                            args=[shlex.quote(a) for a in _train_args(recipe, model_dir, output_dir, overrides)])],
                 executor=[rollout, learner], name="spice")
     return exp
+
+
+def _port(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(f"${name}={value!r} is not a port number")
+    return int(value)
 
 
 def require_mounted(flag: str, path: str, mounts: list[str]) -> None:

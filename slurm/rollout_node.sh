@@ -8,7 +8,11 @@
 # so that the learner builds beside them; a restarted one starts awake, to receive the weights at
 # once (on a GPU its memory must then be free: see docs/cluster.md). Past the bound the others are stopped and the script fails, so that srun
 # (--kill-on-bad-exit) ends the job and Slurm requeues it; the learner resumes from its checkpoint.
+# Each engine listens on this node's address as the trainer knows it (its entry in
+# SPICE_ROLLOUT_NODES), or on every interface where that name resolves to loopback here;
+# SPICE_ENGINE_HOST overrides. Numbers from the environment are checked before any arithmetic.
 set -euo pipefail
+umask "${SPICE_UMASK:-077}"
 
 : "${SPICE_MODEL:?SPICE_MODEL: the HF directory of the base model}"
 : "${SPICE_ROLLOUT_TOKEN:?SPICE_ROLLOUT_TOKEN: the shared secret of the engines}"
@@ -19,6 +23,20 @@ log_dir=${SPICE_LOG_DIR:-logs}
 node=${SLURMD_NODENAME:-$(hostname -s)}
 node_index=${SLURM_NODEID:-0}
 restarts_allowed=${SPICE_ENGINE_RESTARTS:-3}
+seed=${SPICE_SEED:-1234}
+for name in engine_tp port gpus node_index restarts_allowed seed; do
+  if [[ ! ${!name} =~ ^[0-9]+$ ]]; then
+    echo "rollout_node.sh: $name=${!name} (from the environment) is not a whole number" >&2
+    exit 2
+  fi
+done
+host=${SPICE_ENGINE_HOST:-}
+if [[ -z $host ]]; then
+  IFS=, read -ra addrs <<< "${SPICE_ROLLOUT_NODES:-}"
+  host=${addrs[node_index]:-}
+  ip=$(getent ahosts "$host" 2>/dev/null | awk 'NR == 1 {print $1}') || ip=""
+  if [[ -z $host || -z $ip || $ip == 127.* || $ip == ::1 ]]; then host=0.0.0.0; fi
+fi
 mkdir -p "$log_dir"
 
 if (( gpus % engine_tp != 0 )); then
@@ -33,13 +51,13 @@ start_engine() {  # engine $1 on its GPUs and port, appending to its log; $2: it
   local i=$1 first=${2:-} devices
   devices=$(seq -s, $(( i * engine_tp )) $(( (i + 1) * engine_tp - 1 )))
   CUDA_VISIBLE_DEVICES=$devices python -m spice_megatron.rollout.serve \
-    --model "$SPICE_MODEL" --host 0.0.0.0 --port $(( first_port + i )) \
+    --model "$SPICE_MODEL" --host "$host" --port $(( first_port + i )) \
     --tensor-parallel-size "$engine_tp" ${SPICE_ENGINE_EXPERT_PARALLEL:+--enable-expert-parallel} \
     --max-model-len "${SPICE_MAX_MODEL_LEN:-12288}" \
     --gpu-memory-utilization "${SPICE_GPU_MEMORY_UTILIZATION:-0.85}" \
     --weight-transfer "${SPICE_WEIGHT_TRANSFER:-spice}" \
     ${SPICE_SLEEP_MODE:+--enable-sleep-mode} ${first:+${SPICE_START_ASLEEP:+--start-asleep}} \
-    --seed $(( ${SPICE_SEED:-1234} + 1000 * node_index + i )) \
+    --seed $(( seed + 1000 * node_index + i )) \
     >> "$log_dir/rollout_${node}_$(( first_port + i )).log" 2>&1 &
   pids[i]=$!
 }

@@ -35,8 +35,22 @@
 #                     the trainer wakes them once it has built; one image for both roles (vLLM's CUDA IPC
 #                     weight transfer needs vLLM in the learner's environment: ROLLOUT_CONTAINER_IMAGE is
 #                     ignored)
+#   SPICE_UMASK       what the job writes is its user's alone (default: 077; 027 with run.group_readable=true)
 #   Extra arguments to sbatch's script become config overrides: sbatch slurm/spice_8b.sbatch run.iterations=100
+#
+# Every number above is checked to be one before any arithmetic uses it (bash evaluates what an
+# arithmetic expression holds), and the run directory must be the user's own, writable by nobody
+# else: a resume runs what its checkpoints hold (docs/cluster.md, "Security on a shared cluster").
 set -euo pipefail
+umask "${SPICE_UMASK:-077}"
+
+# a whole number, or one line and exit 2
+require_count() {
+  if [[ ! $2 =~ ^[0-9]+$ ]]; then
+    echo "spice: $1=$2 is not a whole number; not starting" >&2
+    exit 2
+  fi
+}
 
 RECIPE=${SPICE_RECIPE:-${RECIPE:?}} LEARNER_NODES=${SPICE_LEARNER_NODES:-${LEARNER_NODES:-0}}
 COLOCATE=${SPICE_COLOCATE:-${COLOCATE:-0}}
@@ -55,6 +69,17 @@ HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-1800}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 STOP_GRACE=${STOP_GRACE:-540}
 RESTART=${SLURM_RESTART_COUNT:-0}
+for name in LEARNER_NODES COLOCATE ENGINE_TP MAX_MODEL_LEN ROLLOUT_PORT RDZV_PORT HEALTH_TIMEOUT MAX_RESTARTS \
+            STOP_GRACE RESTART GPUS_PER_NODE SLURM_JOB_ID; do
+  require_count "$name" "${!name}"
+done
+# The run directory: the user's own and writable by nobody else (created so), or not started.
+mkdir -p "$OUTPUT_DIR"
+if [[ ! -O $OUTPUT_DIR ]] || [[ -n $(find "$OUTPUT_DIR" -maxdepth 0 -perm /022 2>/dev/null) ]]; then
+  echo "spice: OUTPUT_DIR $OUTPUT_DIR is not yours alone to write (owner $(stat -c %U "$OUTPUT_DIR"), mode" \
+       "$(stat -c %a "$OUTPUT_DIR")): a resume would run what others put there; not starting (chmod go-w it if it is yours)" >&2
+  exit 2
+fi
 LOG_DIR=$OUTPUT_DIR/logs/slurm_${SLURM_JOB_ID}_restart${RESTART}
 mkdir -p "$LOG_DIR"
 # Files shared with the trainer (spice_megatron/trainer.py): torchrun reports every worker failure
@@ -113,9 +138,9 @@ for node in "${ROLLOUT[@]}"; do
 done
 echo "spice: job $SLURM_JOB_ID restart $RESTART: learner nodes $learner_list, rollout nodes $rollout_list"
 
-# What both roles read. The token is a fresh secret per attempt; it travels in the environment,
-# never on a command line.
-SPICE_ROLLOUT_TOKEN=${SPICE_ROLLOUT_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
+# What both roles read. The token is a fresh secret per attempt (never one inherited from the
+# submitting shell); it travels in the environment, never on a command line.
+SPICE_ROLLOUT_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 export SPICE_ROLLOUT_TOKEN
 SPICE_ROLLOUT_NODES=$(IFS=,; echo "${ROLLOUT_ADDRS[*]}")
 export SPICE_ROLLOUT_NODES
@@ -151,15 +176,31 @@ mapfile -t rollout_container < <(in_image "$ROLLOUT_CONTAINER_IMAGE")
 mapfile -t learner_container < <(in_image "$CONTAINER_IMAGE")
 if [[ $CONTAINER_IMAGE == none ]]; then cd "$SPICE_HOME"; fi
 
-count() { cat "$1" 2>/dev/null || echo 0; }
+# A counter file's number (0 when there is none); anything else is refused, never evaluated.
+count() {
+  local n=0
+  if [[ -e $1 || -L $1 ]]; then n=$(head -c 32 "$1"); fi
+  if [[ ! $n =~ ^[0-9]+$ ]]; then
+    echo "spice: $1 holds '${n//[^[:print:]]/?}', not a count; not requeueing (remove it if the run directory is yours)" >&2
+    exit 2
+  fi
+  echo "$n"
+}
+# Written next to the file and renamed over it: a link in its place is replaced, never followed.
+write_count() {
+  echo "$2" > "$1.$$" && mv -f "$1.$$" "$1"
+}
+count "$FAILURES_FILE" >/dev/null && count "$TIME_LIMITS_FILE" >/dev/null  # a bad one stops the job now
 # Requeue after a failure (at most MAX_RESTARTS failed attempts) or at the time limit (always).
 requeue() {
-  local why=$1 kind=$2
+  local why=$1 kind=$2 n
   if [[ $kind == time_limit ]]; then
-    echo $(( $(count "$TIME_LIMITS_FILE") + 1 )) > "$TIME_LIMITS_FILE"
+    n=$(count "$TIME_LIMITS_FILE")
+    write_count "$TIME_LIMITS_FILE" $(( n + 1 ))
   else
-    local failures=$(( $(count "$FAILURES_FILE") + 1 ))
-    echo "$failures" > "$FAILURES_FILE"
+    n=$(count "$FAILURES_FILE")
+    local failures=$(( n + 1 ))
+    write_count "$FAILURES_FILE" "$failures"
     if (( failures > MAX_RESTARTS )); then
       echo "spice: not requeueing ($why): $failures failed attempts, MAX_RESTARTS=$MAX_RESTARTS" >&2
       return

@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     """`spice`: a bad input is one `error:` line and exit code 2 (-v or SPICE_DEBUG=1: the traceback)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    os.umask(0o077)  # what spice writes (runs, evaluations, corpora) is its user's alone (run.group_readable: 027)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:

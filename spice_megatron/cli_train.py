@@ -31,8 +31,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
         cfg.rollout.engines = rollout_urls_from_env()
     if not under_launcher():  # one-machine conveniences, done once before any rank starts
+        from spice_megatron.run_dir import prepare_run_dir
         from spice_megatron.run_lock import check_unlocked
 
+        prepare_run_dir(cfg.run.output_dir, cfg.run.group_readable)  # private, or one line before torchrun
         check_unlocked(cfg.run.output_dir)  # rank 0 takes the lock; this names a live holder before anything starts
         if not cfg.run.model:
             from spice_megatron.offline_assets import smollm2_dir

@@ -450,6 +450,9 @@ class RunConfig:
     # How long a requeued Slurm job waits for its earlier attempt, still holding the run directory's
     # lock (run_lock.py), to end before it refuses to start.
     lock_wait_s: float = 300.0
+    # The run directory is private (0700, files 0600: it holds prompts, answers and checkpoints, which a
+    # resume executes); true: 0750, readable by the owner's group, still writable by the owner alone.
+    group_readable: bool = False
     # Learner and rollout engines share every GPU of the job (colocation.py): the engines sleep while
     # the learner steps, the learner's optimizer state and gradients go to host memory while they
     # generate. On-policy only (train.max_staleness=0); on a GPU the weights go through vLLM's CUDA IPC

@@ -234,21 +234,26 @@ def check_unlocked(output_dir: str) -> None:
 
 
 @contextlib.contextmanager
-def hold_run_dir(output_dir: str, wait_s: float, is_writer: bool, group) -> Iterator[None]:
-    """Collective over the learner ranks: the writer (rank 0) holds the directory's lock for the
-    block; if it cannot, every rank raises the same RunDirLocked."""
+def hold_run_dir(output_dir: str, wait_s: float, is_writer: bool, group,
+                 group_readable: bool = False) -> Iterator[None]:
+    """Collective over the learner ranks: every rank writes under the run's umask; the writer (rank
+    0) makes sure the directory is private (run_dir.py) and holds its lock for the block; if it
+    cannot, every rank raises the same error."""
     from spice_megatron.policy.parallel import broadcast_from_driver
+    from spice_megatron.run_dir import UnsafeRunDir, prepare_run_dir, run_umask
 
+    os.umask(run_umask(group_readable))
     lock = RunLock(output_dir, wait_s) if is_writer else None
-    error = ""
+    error: tuple[str, str] | None = None
     if lock is not None:
         try:
+            prepare_run_dir(output_dir, group_readable)
             lock.acquire()
-        except RunDirLocked as e:
-            error = str(e)
+        except (RunDirLocked, UnsafeRunDir) as e:
+            error = (type(e).__name__, str(e))
     error = broadcast_from_driver(error, group)
     if error:
-        raise RunDirLocked(error)
+        raise (UnsafeRunDir if error[0] == "UnsafeRunDir" else RunDirLocked)(error[1])
     try:
         yield
     finally:

@@ -92,7 +92,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     cfg.run.model = resolve_model_dir(cfg.run.model)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
     control = control_group(cfg.run.driver_timeout)
-    with hold_run_dir(cfg.run.output_dir, cfg.run.lock_wait_s, layout.rank == 0, control):
+    with hold_run_dir(cfg.run.output_dir, cfg.run.lock_wait_s, layout.rank == 0, control, cfg.run.group_readable):
         return _train(cfg, layout.rank == 0, control, resume, eval_hook, resume_after_kill_switch)
 
 

@@ -1,0 +1,69 @@
+"""A run directory nobody else writes.
+
+A run directory holds what a resume executes: Megatron's distributed checkpoints are read with
+pickle (`.metadata`, objects saved with the state), so whoever can write there can run code as
+the job's owner at its next resume (and the Slurm job reads its counters from there). A checkpoint
+is trusted like code. So a run creates its directory private (0700; 0750 with
+run.group_readable), every rank writes under umask 077 (027), and a start or resume refuses a run
+directory, or anything under its checkpoints, that is owned by another user or writable by group
+or others: one line, before anything loads.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+
+from spice_megatron.entry import UserError
+
+CHECKED_TREES = ("checkpoints",)  # what a resume loads
+
+
+class UnsafeRunDir(UserError):
+    pass
+
+
+def run_umask(group_readable: bool) -> int:
+    return 0o027 if group_readable else 0o077
+
+
+def prepare_run_dir(path: str, group_readable: bool = False) -> None:
+    """Creates `path` private if it is missing, then checks it and its checkpoints (UnsafeRunDir)."""
+    os.umask(run_umask(group_readable))
+    if not os.path.exists(path):
+        os.makedirs(path, exist_ok=True)
+        os.chmod(path, 0o750 if group_readable else 0o700)
+    check_run_dir(path)
+
+
+def check_run_dir(path: str) -> None:
+    _check(path, os.stat(path), "run directory")  # the directory itself may be a link the user made
+    for tree in CHECKED_TREES:
+        top = os.path.join(path, tree)
+        if not os.path.lexists(top):
+            continue
+        _check(top, os.lstat(top), "run directory's")
+        for root, dirs, files in os.walk(top):
+            for name in dirs + files:
+                p = os.path.join(root, name)
+                _check(p, os.lstat(p), "checkpoint")
+
+
+def _owner(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _check(path: str, st: os.stat_result, what: str) -> None:
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise UnsafeRunDir(f"{what} {path} is owned by {_owner(st.st_uid)}, not {_owner(me)}: a resume would run what "
+                           "it holds (checkpoints are trusted like code); use a run directory of your own")
+    if stat.S_ISLNK(st.st_mode):
+        return  # a link of our own: what it points to is checked where the walk reaches it (or not followed)
+    writers = [who for bit, who in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "others")) if st.st_mode & bit]
+    if writers:
+        raise UnsafeRunDir(f"{what} {path} is writable by {' and '.join(writers)} (mode {stat.S_IMODE(st.st_mode):o}): "
+                           f"a resume would run what they put there; chmod -R go-w {path} if its contents are yours")
