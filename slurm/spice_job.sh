@@ -51,6 +51,20 @@ require_count() {
     exit 2
   fi
 }
+# A counter file's number (0 when there is none); anything else is refused, never evaluated.
+count() {
+  local n=0
+  if [[ -e $1 || -L $1 ]]; then n=$(head -c 32 "$1"); fi
+  if [[ ! $n =~ ^[0-9]+$ ]]; then
+    echo "spice: $1 holds '${n//[^[:print:]]/?}', not a count; not requeueing (remove it if the run directory is yours)" >&2
+    exit 2
+  fi
+  echo "$n"
+}
+# Written next to the file and renamed over it: a link in its place is replaced, never followed.
+write_count() {
+  echo "$2" > "$1.$$" && mv -f "$1.$$" "$1"
+}
 
 RECIPE=${SPICE_RECIPE:-${RECIPE:?}} LEARNER_NODES=${SPICE_LEARNER_NODES:-${LEARNER_NODES:-0}}
 COLOCATE=${SPICE_COLOCATE:-${COLOCATE:-0}}
@@ -80,6 +94,13 @@ if [[ ! -O $OUTPUT_DIR ]] || [[ -n $(find "$OUTPUT_DIR" -maxdepth 0 -perm /022 2
        "$(stat -c %a "$OUTPUT_DIR")): a resume would run what others put there; not starting (chmod go-w it if it is yours)" >&2
   exit 2
 fi
+# The code every node runs: writable by others, it would run as this user on every node.
+unsafe_code=$(find "$SPICE_HOME/spice_megatron" "$SPICE_HOME/recipes" "$SPICE_HOME/slurm" -perm /022 -print -quit 2>/dev/null || true)
+if [[ -n $unsafe_code ]]; then
+  echo "spice: $unsafe_code is writable by group or others: the job would run what they put there; not starting" \
+       "(chmod -R go-w $SPICE_HOME)" >&2
+  exit 2
+fi
 LOG_DIR=$OUTPUT_DIR/logs/slurm_${SLURM_JOB_ID}_restart${RESTART}
 mkdir -p "$LOG_DIR"
 # Files shared with the trainer (spice_megatron/trainer.py): torchrun reports every worker failure
@@ -89,6 +110,7 @@ STOPPED_FILE=$OUTPUT_DIR/STOPPED  # written by the trainer when it stopped on a 
 KILL_SWITCH_FILE=$OUTPUT_DIR/KILL_SWITCH
 FAILURES_FILE=$OUTPUT_DIR/.slurm_failed_attempts
 TIME_LIMITS_FILE=$OUTPUT_DIR/.slurm_time_limit_requeues
+count "$FAILURES_FILE" >/dev/null && count "$TIME_LIMITS_FILE" >/dev/null  # a bad one stops the job now
 # One writer per run directory (spice_megatron/run_lock.py): the trainer holds OUTPUT_DIR/RUN_LOCK.
 # Held by another Slurm job that still runs: refuse before touching anything here (no requeue).
 # A holder outside Slurm, or an earlier attempt of this job, is the trainer's to judge.
@@ -176,21 +198,6 @@ mapfile -t rollout_container < <(in_image "$ROLLOUT_CONTAINER_IMAGE")
 mapfile -t learner_container < <(in_image "$CONTAINER_IMAGE")
 if [[ $CONTAINER_IMAGE == none ]]; then cd "$SPICE_HOME"; fi
 
-# A counter file's number (0 when there is none); anything else is refused, never evaluated.
-count() {
-  local n=0
-  if [[ -e $1 || -L $1 ]]; then n=$(head -c 32 "$1"); fi
-  if [[ ! $n =~ ^[0-9]+$ ]]; then
-    echo "spice: $1 holds '${n//[^[:print:]]/?}', not a count; not requeueing (remove it if the run directory is yours)" >&2
-    exit 2
-  fi
-  echo "$n"
-}
-# Written next to the file and renamed over it: a link in its place is replaced, never followed.
-write_count() {
-  echo "$2" > "$1.$$" && mv -f "$1.$$" "$1"
-}
-count "$FAILURES_FILE" >/dev/null && count "$TIME_LIMITS_FILE" >/dev/null  # a bad one stops the job now
 # Requeue after a failure (at most MAX_RESTARTS failed attempts) or at the time limit (always).
 requeue() {
   local why=$1 kind=$2 n

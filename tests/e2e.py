@@ -93,6 +93,13 @@ def engine_pids(proc) -> list[str]:
                                       capture_output=True, text=True).stdout.split()]
 
 
+def engine_token(pid: str) -> str:
+    """The job's secret, as the engine `pid` (a child of the run: the same user) was given it."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    return env[b"SPICE_ROLLOUT_TOKEN"].decode()
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A test module's tiny model, corpus and folder (imported by the test_trainer*.py files)."""

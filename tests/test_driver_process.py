@@ -21,6 +21,11 @@ pytestmark = [pytest.mark.multiprocess]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def job_token(monkeypatch):  # the stand-in's secret: engines started elsewhere share the job's
+    monkeypatch.setenv("SPICE_ROLLOUT_TOKEN", "test")
+
+
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory):
     root = tmp_path_factory.mktemp("driver_process")
@@ -30,7 +35,7 @@ def standin(tmp_path_factory):
                               for i in range(12)))
     port = free_port()
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "bench_overlap.py"), "--serve-standin",
-                             str(model), str(port), "100000"], cwd=ROOT)
+                             str(model), str(port), "100000"], cwd=ROOT, env={**os.environ, "SPICE_ROLLOUT_TOKEN": "test"})
     probe = RolloutFleet([f"http://127.0.0.1:{port}"], "test")
     try:
         probe.wait_until_healthy(120)
@@ -46,7 +51,7 @@ def config(model, corpus, url, out):
 
     cfg = tiny_cpu(model=model, output_dir=out)
     cfg.corpus.sources = [SourceConfig(path=corpus, name="docs")]
-    return apply_overrides(cfg, [f"rollout.engines={url}", "rollout.token=test", "corpus.max_docs=12",
+    return apply_overrides(cfg, [f"rollout.engines={url}", "corpus.max_docs=12",
                                  "corpus.min_doc_tokens=4", "selfplay.batch_docs=2", "selfplay.group_size=2",
                                  "selfplay.max_attempts=2", "selfplay.attempts_per_round=2"])
 

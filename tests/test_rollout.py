@@ -9,6 +9,7 @@ import requests
 
 from dist_utils import free_port, run_ranks
 from spice_megatron.offline_assets import make_tiny_engine_model
+from spice_megatron.rollout.auth import signed_request
 from spice_megatron.rollout.fleet import Request, RolloutFleet
 from spice_megatron.rollout.local import start_engine, wait_healthy
 from spice_megatron.rollout.types import SamplingSpec
@@ -37,6 +38,14 @@ def services(models, tmp_path_factory):
     yield engines
     for e in engines.values():
         e.stop()
+
+
+def signed(method, url, path, body=None):
+    return signed_request(method, url, path, TOKEN, body, timeout=60)
+
+
+def status(url):
+    return signed("GET", url, "/status").json()
 
 
 def _in_process_greedy(model_dir, prompts, max_tokens, with_logprobs=False):
@@ -82,13 +91,13 @@ def test_seeded_sampling_is_reproducible_and_batching_independent(services):
     assert ids(a) == ids(b) and ids(a) != ids(c)
     # many concurrent chunks on one engine join the running batch together, same results
     url = services["qwen3"].url
-    before = requests.get(url + "/health").json()
+    before = status(url)
     one_engine = RolloutFleet([url], TOKEN, chunk_size=3)
     try:
         d = one_engine.generate(PROMPTS * 4, spec)
     finally:
         one_engine.close()
-    after = requests.get(url + "/health").json()
+    after = status(url)
     assert ids(d)[:len(PROMPTS)] == ids(a)  # chunk seeds are spec.seed + the chunk's first index
     assert after["requests"] - before["requests"] == len(PROMPTS) * 4
     assert after["admissions"] - before["admissions"] < len(PROMPTS) * 4
@@ -97,30 +106,32 @@ def test_seeded_sampling_is_reproducible_and_batching_independent(services):
 
 
 def test_auth_and_malformed_requests(services):
+    """Every route but /health and /attest needs a request signed with the job's token (the raw
+    token is refused as a credential); vLLM's and our own validation answer 4xx, the engine serves on."""
     url = services["qwen3"].url
-    bad = {"Authorization": "Bearer wrong"}
     for path, body in [("/update_weights", {"update_info": {"version": 1}}), ("/start_weight_update", None),
                        ("/finish_weight_update", {"weight_version": "9"}), ("/pause", None), ("/resume", None),
                        ("/init_weight_transfer_engine", {"init_info": {"host": "127.0.0.1", "port": 1}}),
-                       ("/shutdown_weight_transfer_engine", None)]:
-        assert requests.post(url + path, json=body, headers=bad).status_code == 401, path
+                       ("/shutdown_weight_transfer_engine", None), ("/generate", {"prompts": ["x"]}), ("/shutdown", None)]:
         assert requests.post(url + path, json=body).status_code == 401, path
-    assert requests.get(url + "/weight_checksums").status_code == 401
+        assert requests.post(url + path, json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401, path
+        assert signed_request("POST", url, path, "wrong", body).status_code == 401, path
+    for path in ("/weight_checksums", "/status", "/is_sleeping", "/weight_info", "/docs", "/openapi.json"):
+        assert requests.get(url + path).status_code in (401, 404), path
     # vLLM's own validation of a backend's init info, named
-    r = requests.post(url + "/init_weight_transfer_engine", json={"init_info": {"bogus": 1}},
-                      headers={"Authorization": f"Bearer {TOKEN}"})
+    r = signed("POST", url, "/init_weight_transfer_engine", {"init_info": {"bogus": 1}})
     assert r.status_code == 400 and "Invalid init_info for SpiceWeightTransferEngine" in r.json()["detail"]
-    assert requests.post(url + "/pause?mode=abort", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 422
-    assert requests.post(url + "/shutdown", headers=bad).status_code == 401
-    assert requests.post(url + "/generate", json={"prompts": []}).status_code == 422
-    assert requests.post(url + "/generate", data=b"{not json").status_code == 422
-    r = requests.post(url + "/generate", json={"prompts": ["x"], "sampling": {"n": 0}})
+    assert signed("POST", url, "/pause?mode=abort").status_code == 422
+    assert signed("POST", url, "/generate", {"prompts": []}).status_code == 422
+    r = signed("POST", url, "/generate", {"prompts": ["x"], "sampling": {"n": 0}})
     assert r.status_code == 400 and "sampling.n" in r.json()["detail"]
-    r = requests.post(url + "/generate", json={"prompts": ["x"], "sampling": {"temperature": 0.0, "n": 2}})
+    r = signed("POST", url, "/generate", {"prompts": ["x"], "sampling": {"temperature": 0.0, "n": 2}})
     assert r.status_code == 400 and "greedy" in r.json()["detail"]
-    r = requests.post(url + "/generate", json={"prompts": ["x"], "sampling": {"bogus": 1}})
+    r = signed("POST", url, "/generate", {"prompts": ["x"], "sampling": {"bogus": 1}})
     assert r.status_code == 400 and "bogus" in r.json()["detail"]
-    assert requests.get(url + "/health").json()["status"] == "ok"  # still serving
+    r = signed("POST", url, "/generate", {"prompts": ["x"], "sampling": {"n": 5000}})
+    assert r.status_code == 413 and "n <= 1024" in r.json()["detail"]
+    assert requests.get(url + "/health").json() == {"status": "ok"}  # still serving, and says nothing else
     assert len(greedy(url, ["still there?"], 3)[0]) == 3
 
 
@@ -176,7 +187,7 @@ def _learner_sends(model_dir, port, version, receivers, urls, go_file, joined_fi
     open(joined_file, "w").close()
     while not os.path.exists(go_file):
         time.sleep(0.05)
-    sent = engine.send_weights(version)
+    sent = engine.send_weights(version, *fleet.sync_client().sync_credentials())
     engine.shutdown()
     fleet.close()
     return sent["bytes"], learner.spec.num_parameters
@@ -204,9 +215,9 @@ def test_a_weight_update_lands_between_decoding_steps_of_requests_in_flight(mode
         spec = SamplingSpec(n=2, temperature=1.0, max_tokens=300, seed=11)
         out = {}
         generating = threading.Thread(target=lambda: out.update(r=fleet.generate([f"Story {i}:" for i in range(4)], spec)))
-        steps0 = [requests.get(u + "/health").json()["steps"] for u in urls]
+        steps0 = [status(u)["steps"] for u in urls]
         generating.start()
-        while any(requests.get(u + "/health").json()["steps"] < s + 20 for u, s in zip(urls, steps0)):
+        while any(status(u)["steps"] < s + 20 for u, s in zip(urls, steps0)):
             time.sleep(0.02)  # both engines are decoding
         open(go, "w").close()
         learner.join(300)
@@ -221,7 +232,7 @@ def test_a_weight_update_lands_between_decoding_steps_of_requests_in_flight(mode
         assert any(len(c.versions) == 2 for c in completions), [c.versions for c in completions]
         assert len(c.logprobs) == len(c.token_ids)
         for u in urls:
-            health = requests.get(u + "/health").json()
+            health = status(u)
             assert health["version"] == 5 and not health["paused"] and not health["updating"]
         fleet.barrier(5)
         (fresh,) = run_ranks(_in_process_greedy, 1, models["qwen3_b"], PROMPTS, 12, tmp_path=tmp_path)
@@ -449,12 +460,11 @@ def test_a_sleeping_engine_holds_generation_until_it_is_fully_awake(services):
     url = services["qwen3_2"].url
     before = greedy(url)
     fleet = RolloutFleet([url], TOKEN)
-    headers = {"Authorization": f"Bearer {TOKEN}"}
     try:
         assert fleet.sleep(1)["seconds"] >= 0
         health = fleet.health()[url]
         assert health["sleeping"] == ["kv_cache", "weights"] and health["paused"]
-        assert requests.get(url + "/is_sleeping").json() == {"is_sleeping": True, "tags": ["kv_cache", "weights"]}
+        assert signed("GET", url, "/is_sleeping").json() == {"is_sleeping": True, "tags": ["kv_cache", "weights"]}
         out = {}
         waiting = threading.Thread(target=lambda: out.update(r=greedy(url)))
         waiting.start()
@@ -462,13 +472,13 @@ def test_a_sleeping_engine_holds_generation_until_it_is_fully_awake(services):
         assert "r" not in out
         fleet.wake_up(["weights"])
         # a weight update's finish does not resume generation while the KV cache sleeps
-        assert requests.post(url + "/start_weight_update", headers=headers).ok
-        r = requests.post(url + "/wake_up", json={"tags": None}, headers=headers)
+        assert signed("POST", url, "/start_weight_update").ok
+        r = signed("POST", url, "/wake_up", {"tags": None})
         assert r.status_code == 400 and "weight update is in progress" in r.text
-        assert requests.post(url + "/finish_weight_update", json={"weight_version": "0"}, headers=headers).ok
+        assert signed("POST", url, "/finish_weight_update", {"weight_version": "0"}).ok
         time.sleep(0.5)
         assert "r" not in out and fleet.health()[url]["sleeping"] == ["kv_cache"]
-        assert requests.post(url + "/wake_up", json={"tags": ["gpu"]}, headers=headers).status_code == 400
+        assert signed("POST", url, "/wake_up", {"tags": ["gpu"]}).status_code == 400
         fleet.wake_up(["kv_cache"])
         waiting.join(120)
         assert out["r"] == before

@@ -12,8 +12,9 @@ import pytest
 import requests
 import torch
 
-from e2e import (engine_pids, kill_after_second_checkpoint, records, setup, spice_train,  # noqa: F401
-                 straight, weights)
+from e2e import (engine_pids, engine_token, kill_after_second_checkpoint, records, setup,  # noqa: F401
+                 spice_train, straight, weights)
+from spice_megatron.rollout.auth import signed_request
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 COLOCATE = ("run.iterations=4", "run.colocate=true")
@@ -75,12 +76,14 @@ def test_an_engine_killed_while_asleep_is_restarted_with_the_new_weights(setup, 
     proc = spice_train(model, corpus, out, *COLOCATE, wait=False)
     deadline = time.monotonic() + 600
     url = None
-    while True:  # the engine's address, from its log's name, then its /health until it sleeps
+    token = None
+    while True:  # the engine's address from its log's name, its token from its environment, then its /status
         assert proc.poll() is None and time.monotonic() < deadline, "no sleeping engine seen"
         logs = glob.glob(os.path.join(out, "logs", "rollout_*.log"))
         url = url or (f"http://127.0.0.1:{os.path.basename(logs[0])[8:-4]}" if logs else None)
+        token = token or next((engine_token(pid) for pid in engine_pids(proc)), None)
         try:
-            if url and requests.get(url + "/health", timeout=2).json().get("sleeping"):
+            if url and token and signed_request("GET", url, "/status", token, timeout=2).json().get("sleeping"):
                 break
         except requests.RequestException:
             pass

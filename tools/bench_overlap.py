@@ -51,6 +51,7 @@ def serve_standin(model: str, port: int, tokens_per_s: float, token: str) -> Non
 
     from spice_megatron.bridge.sync_integrity import ReceivedManifest, compare_checksums, tensor_checksum
     from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all
+    from spice_megatron.rollout.auth import attest_proof, sync_key
     from spice_megatron.rollout.types import SamplingSpec
 
     torch.set_num_threads(1)
@@ -73,6 +74,14 @@ def serve_standin(model: str, port: int, tokens_per_s: float, token: str) -> Non
 
     @app.get("/health")
     def health():
+        return {"status": "ok"}
+
+    @app.get("/attest")
+    def attest(nonce: str):
+        return {"proof": attest_proof(token, nonce)}
+
+    @app.get("/status")  # the real engine checks every request's signature too; the stand-in trusts its caller
+    def status():
         return {"status": "ok", "version": int(state["version"]), "model": model, "workers": 1,
                 "weight_transfer": "spice", "paused": False, "updating": False, "steps": state["steps"]}
 
@@ -105,7 +114,8 @@ def serve_standin(model: str, port: int, tokens_per_s: float, token: str) -> Non
     @app.post("/update_weights")
     def update(update_info: dict = Body(embed=True)):
         manifest = ReceivedManifest()
-        held = {n: tensor_checksum(t) for bucket in receive_all(state["group"], manifest) for n, t in bucket}
+        key = sync_key(token, update_info["nonce"])  # the buckets must be signed with this sync's key
+        held = {n: tensor_checksum(t) for bucket in receive_all(state["group"], manifest, key=key) for n, t in bucket}
         compare_checksums(held, manifest)
         return {"status": "ok"}
 
@@ -196,14 +206,15 @@ def main() -> int:
     print(f"tiny qwen3 model, {args.iterations} iterations, {os.cpu_count()} cores; {' '.join(RUN)}")
     ok = True
     port = free_port()
-    env = {**os.environ, "SPICE_ROLLOUT_TOKEN": "bench"}
+    os.environ["SPICE_ROLLOUT_TOKEN"] = "bench"  # the stand-in's and the runs' (engines started elsewhere)
+    env = dict(os.environ)
     standin = subprocess.Popen([sys.executable, __file__, "--serve-standin", model, str(port), str(args.tokens_per_s)],
                                env=env, cwd=ROOT)
     try:
         probe = RolloutFleet([f"http://127.0.0.1:{port}"], "bench")
         probe.wait_until_healthy(300)
         probe.close()
-        extra = [f"rollout.engines=http://127.0.0.1:{port}", "rollout.token=bench"]
+        extra = [f"rollout.engines=http://127.0.0.1:{port}"]
         modelled = [summarise(spice_train(model, corpus, os.path.join(work, f"modelled{s}"), s, args.iterations, extra))
                     for s in (0, 1)]
         in_process = summarise(spice_train(model, corpus, os.path.join(work, "modelled1_process"), 1, args.iterations,

@@ -93,9 +93,10 @@ class WeightSyncGroup:
         self.sync_rank, self.num_stages, self.num_receivers, self.backend = sync_rank, num_stages, num_receivers, backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         timeout = timedelta(seconds=timeout_s)
-        self._listener = _listen(host, port) if sync_rank == 0 else None
+        # the store owns the socket from here (it closes the fd): Python's object lets go of it
+        listen_fd = _listen(host, port).detach() if sync_rank == 0 else None
         store = dist.TCPStore(host, port, num_stages + num_receivers, is_master=sync_rank == 0, timeout=timeout,
-                              master_listen_fd=self._listener.fileno() if self._listener else None)
+                              master_listen_fd=listen_fd)
         size = num_receivers + 1
         self.pgs: dict[int, object] = {}  # stage -> process group (sender is its rank 0)
         if sync_rank < num_stages:
@@ -136,9 +137,6 @@ class WeightSyncGroup:
                 pg.shutdown()
             except Exception:  # already torn down by a peer; nothing left to release
                 pass
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -42,6 +42,7 @@ class NoEngineLeft(FleetError):
 class EngineStats:
     url: str
     healthy: bool = True
+    attested: bool = False  # proved it holds the job's token since its last failure (nothing is sent before)
     workers: int = 1  # vLLM workers (engine tensor parallel size): each one receives weights
     in_flight: int = 0  # sequences (prompts x n) of its requests not answered yet
     requests: int = 0
@@ -118,21 +119,34 @@ class RolloutFleet:
         """Each engine's /status, once it proved it holds the job's token (else None: not used)."""
         out = {}
         for e in self.engines:
+            e.attested = False  # proved again at every check: a restarted engine is a new process
             try:
-                attest(e.url, self.token, timeout=10)
-                r = signed_request("GET", e.url, "/status", self.token, timeout=10)
-                r.raise_for_status()
-                out[e.url] = r.json()
+                out[e.url] = self._signed(e, "GET", "/status", None, 10)
                 e.healthy = True
                 e.workers = int(out[e.url].get("workers", 1))
             except AuthError as err:
                 log.warning("%s", err)
                 out[e.url] = None
                 e.healthy = False
-            except requests.RequestException:
+            except (requests.RequestException, FleetError):
                 out[e.url] = None
                 e.healthy = False
         return out
+
+    def _signed(self, engine: EngineStats, method: str, path: str, body, timeout: float):
+        """One signed request's JSON answer, to an engine that has proved it holds the token (it is
+        asked to first if it has not since its last failure)."""
+        try:
+            if not engine.attested:
+                attest(engine.url, self.token, timeout=min(timeout, 30))
+                engine.attested = True
+            r = signed_request(method, engine.url, path, self.token, body, timeout)
+            if r.status_code >= 400:
+                raise FleetError(f"engine {engine.url}{path.split('?')[0]}: HTTP {r.status_code}: {r.text[:500]}")
+            return r.json()
+        except (requests.RequestException, AuthError, FleetError, ValueError):
+            engine.attested = False
+            raise
 
     def wait_until_healthy(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
@@ -169,11 +183,9 @@ class RolloutFleet:
 
     def _post_generate(self, engine: EngineStats, prompts: list, spec: SamplingSpec) -> list[list[Completion]]:
         t0 = time.perf_counter()
-        r = signed_request("POST", engine.url, "/generate", self.token,
-                           {"prompts": prompts, "sampling": spec.to_json(), "packed": True}, self.request_timeout)
-        if r.status_code >= 400:
-            raise FleetError(f"engine {engine.url}: HTTP {r.status_code}: {r.text[:300]}")
-        out = unpack_completions(r.json())
+        out = unpack_completions(self._signed(engine, "POST", "/generate",
+                                              {"prompts": prompts, "sampling": spec.to_json(), "packed": True},
+                                              self.request_timeout))
         dt = time.perf_counter() - t0
         with self._lock:
             engine.requests += 1
@@ -234,7 +246,7 @@ class RolloutFleet:
                     if len(out) != plan[k].count or any(len(comps) != plan[k].n for comps in out):
                         raise FleetError(f"engine {engine.url} answered {[len(c) for c in out]} completions "
                                          f"for {describe(k)}, {plan[k].n} each asked")
-                except (requests.RequestException, FleetError, ValueError) as e:
+                except (requests.RequestException, FleetError, AuthError, ValueError) as e:
                     with self._lock:
                         engine.failures += 1
                         engine.healthy = False  # until a health check says otherwise
@@ -273,10 +285,7 @@ class RolloutFleet:
         return first
 
     def _control(self, engine: EngineStats, path: str, body: dict | None, method: str = "POST") -> dict:
-        r = signed_request(method, engine.url, path, self.token, body, self.request_timeout)
-        if r.status_code >= 400:
-            raise FleetError(f"engine {engine.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
-        return r.json()
+        return self._signed(engine, method, path, body, self.request_timeout)
 
     def _on_every_engine(self, path: str, bodies: list[dict | None]) -> list[dict]:
         futures = [self._pool.submit(self._control, e, path, b) for e, b in zip(self.engines, bodies)]

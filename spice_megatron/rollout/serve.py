@@ -226,7 +226,7 @@ def _watch_parent(pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="one vLLM rollout engine behind HTTP")
+    ap = argparse.ArgumentParser(description="one vLLM rollout engine behind HTTP", allow_abbrev=False)  # no --token
     ap.add_argument("--model", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8100)

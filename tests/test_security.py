@@ -1,0 +1,444 @@
+"""Security on a shared cluster (docs/cluster.md): the probes of the first security review
+(shared/notes/review-security-1/) as tests. A squatter on an engine's port, a stranger in the
+weight-sync group, a planted checkpoint or counter file and hostile launcher values are each
+refused before anything is sent, loaded or run."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import requests
+
+from dist_utils import free_port, run_ranks
+from spice_megatron.rollout.auth import AuthError, attest, read_token, signed_request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "job-secret-token"
+
+
+@pytest.fixture(autouse=True)
+def keep_umask():  # prepare_run_dir sets the run's umask in the calling process
+    old = os.umask(0o022)
+    os.umask(old)
+    yield
+    os.umask(old)
+
+
+# ----------------------------------------------------------------------------- engines
+
+class Squatter(BaseHTTPRequestHandler):
+    """Another user's process on an engine's port: answers like an engine, records what reaches it."""
+
+    seen: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.seen.append(("GET", self.path, self.headers.get("Authorization")))
+        self._send({"status": "ok", "proof": "0" * 64, "version": 0, "workers": 1, "weight_transfer": "spice"})
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.seen.append(("POST", self.path, self.headers.get("Authorization"), body))
+        self._send({"version": 0, "completions": [[{"text": "ATTACKER TEXT", "token_ids": [1], "logprobs": [-0.1],
+                                                    "finish_reason": "stop", "versions": [[0, 0, 1]]}]]})
+
+
+def test_a_squatter_on_an_engines_port_is_refused_before_it_sees_a_prompt_or_the_token(tmp_path):
+    from spice_megatron.rollout.fleet import FleetError, RolloutFleet
+    from spice_megatron.rollout.local import LocalEngine, wait_healthy
+    from spice_megatron.rollout.types import SamplingSpec
+
+    port = free_port()
+    server = ThreadingHTTPServer(("127.0.0.1", port), Squatter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    loading = subprocess.Popen(["sleep", "30"])  # our engine, still starting
+    Squatter.seen = []
+    try:
+        engine = LocalEngine(f"http://127.0.0.1:{port}", loading, os.devnull, [], token=TOKEN)
+        with pytest.raises(RuntimeError, match="could not prove it holds this job's token"):
+            wait_healthy([engine], timeout=2)
+        fleet = RolloutFleet([engine.url], TOKEN)
+        try:
+            assert fleet.health() == {engine.url: None}
+            with pytest.raises(FleetError):
+                fleet.generate(["<challenger prompt with a corpus document>"], SamplingSpec(n=2))
+        finally:
+            fleet.close()
+        with pytest.raises(AuthError, match="not our engine"):
+            attest(engine.url, TOKEN)
+    finally:
+        loading.kill()
+        loading.wait()
+        server.shutdown()
+        server.server_close()
+    assert Squatter.seen and all(s[0] == "GET" and s[1].startswith("/attest?nonce=") for s in Squatter.seen)
+    assert TOKEN not in repr(Squatter.seen) and all(s[2] is None for s in Squatter.seen)
+
+
+def test_the_engine_holds_its_port_before_the_model_loads(monkeypatch, tmp_path):
+    """serve.main binds first: while the (stand-in) engine loads, no one else can bind the port."""
+    from spice_megatron.rollout import engine as engine_module
+    from spice_megatron.rollout import serve
+
+    port, seen = free_port(), {}
+
+    class Loading:
+        def __init__(self, *args, **kwargs):
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+                seen["bind"] = "free"
+            except OSError as e:
+                seen["bind"] = e.strerror
+            finally:
+                s.close()
+            raise RuntimeError("stand-in engine: stop here")
+
+    monkeypatch.setattr(engine_module, "VLLMEngine", Loading)
+    monkeypatch.setenv("SPICE_ROLLOUT_TOKEN", TOKEN)
+    with pytest.raises(RuntimeError, match="stand-in engine"):
+        serve.main(["--model", str(tmp_path), "--port", str(port)])
+    assert seen["bind"] == "Address already in use"
+
+
+class StubEngine:
+    """What build_app calls of a VLLMEngine (no vLLM): generation answers at once."""
+
+    version, model_dir, workers, weight_transfer = "3", "/lustre/proj/secret_model_path", 1, "spice"
+    paused = updating = False
+    steps = admissions = sleeps = wakes = requests_while_asleep = 0
+    sleeping: set = set()
+
+    def submit(self, requests_):
+        from concurrent.futures import Future
+
+        from spice_megatron.rollout.types import Completion
+
+        f = Future()
+        f.set_result([[[Completion("hi", [1], [-0.1], "stop")] * spec.n for _ in prompts] for prompts, spec in requests_])
+        return f
+
+    def call(self, fn, *args):
+        from concurrent.futures import Future
+
+        f = Future()
+        f.set_result({} if fn.__name__ in ("sleep", "wake_up", "weight_checksums") else None)
+        return f
+
+    def __getattr__(self, name):  # the control methods, called through `call`
+        def method(*args):
+            return None
+
+        method.__name__ = name
+        return method
+
+
+@pytest.fixture(scope="module")
+def stub_service():
+    import uvicorn
+
+    from spice_megatron.rollout.serve import RequestLimits, build_app
+
+    app = build_app(StubEngine(), TOKEN, RequestLimits(max_n=8, max_prompts=4, max_body_bytes=4096))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            requests.get(url + "/health", timeout=1)
+            break
+        except requests.RequestException:
+            time.sleep(0.05)
+    yield app, url
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_every_route_but_health_and_attest_needs_a_signed_request_and_says_nothing_otherwise(stub_service):
+    app, url = stub_service
+    assert requests.get(url + "/health").json() == {"status": "ok"}  # no model path, version or counters
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert requests.get(url + path).status_code == 404
+    routes = sorted({(m, r.path) for r in app.routes for m in getattr(r, "methods", ())} - {("GET", "/health"),
+                                                                                           ("GET", "/attest")})
+    assert ("POST", "/generate") in routes and ("GET", "/status") in routes and len(routes) >= 14
+    for method, path in routes:
+        if path == "/shutdown":
+            continue  # a signed one would end this process
+        body = {"prompts": ["x"], "sampling": {}} if path == "/generate" else None
+        assert requests.request(method, url + path, json=body).status_code == 401, path
+        assert requests.request(method, url + path, json=body,
+                                headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401, path
+        assert signed_request(method, url, path, "not-the-token", body).status_code == 401, path
+        assert signed_request(method, url, path, TOKEN, body).status_code != 401, path
+    assert signed_request("GET", url, "/status", TOKEN).json()["model"] == StubEngine.model_dir
+    # a recorded request cannot be sent again
+    from spice_megatron.rollout.auth import sign_request
+
+    header = {"Authorization": sign_request(TOKEN, "GET", "/status")}
+    assert requests.get(url + "/status", headers=header).status_code == 200
+    r = requests.get(url + "/status", headers=header)
+    assert r.status_code == 401 and "replayed" in r.text
+
+
+def test_generate_refuses_what_is_over_its_limits_and_keeps_serving(stub_service):
+    _, url = stub_service
+    r = signed_request("POST", url, "/generate", TOKEN, {"prompts": ["x"], "sampling": {"n": 9}})
+    assert r.status_code == 413 and "n <= 8" in r.json()["detail"]
+    r = signed_request("POST", url, "/generate", TOKEN, {"prompts": ["x"] * 5})
+    assert r.status_code == 413 and "at most 4 prompts" in r.json()["detail"]
+    r = signed_request("POST", url, "/generate", TOKEN, {"prompts": ["x" * 5000]})
+    assert r.status_code == 413 and "over 4096 bytes" in r.json()["detail"]
+
+    def chunked():
+        yield b'{"prompts": ["x"]}'
+
+    r = requests.post(url + "/generate", data=chunked())  # no Content-Length: refused before it is read
+    assert r.status_code == 411
+    r = signed_request("POST", url, "/generate", TOKEN, {"prompts": ["x", "y"], "sampling": {"n": 2}})
+    assert r.status_code == 200 and [len(c) for c in r.json()["completions"]] == [2, 2]
+
+
+def test_the_token_comes_from_the_environment_or_a_private_file_never_a_flag(tmp_path, monkeypatch):
+    from spice_megatron.rollout import serve
+
+    f = tmp_path / "token"
+    f.write_text("from-file\n")
+    f.chmod(0o644)
+    with pytest.raises(AuthError, match="mode 644 lets others read it"):
+        read_token(str(f))
+    f.chmod(0o600)
+    assert read_token(str(f)) == "from-file"
+    monkeypatch.setenv("SPICE_ROLLOUT_TOKEN", "from-env")
+    assert read_token() == "from-env"
+    with pytest.raises(SystemExit):
+        serve.main(["--model", str(tmp_path), "--token", "on-the-command-line"])
+    monkeypatch.delenv("SPICE_ROLLOUT_TOKEN")
+    assert serve.main(["--model", str(tmp_path)]) == 2
+
+
+# ----------------------------------------------------------------------------- weight sync
+
+def _sync_rank(port, sender_token, receiver_token):
+    """Rank 0 sends three tensors signed with its key; rank 1 (an engine) receives with its own."""
+    import torch
+
+    from spice_megatron.bridge.sync_integrity import ReceivedManifest, WeightSyncError, compare_checksums
+    from spice_megatron.bridge.weight_sync import BucketSender, WeightSyncGroup, receive_all
+    from spice_megatron.rollout.auth import sync_key
+
+    rank = int(os.environ["RANK"])
+    nonce = "a-nonce-the-trainer-sent-over-http"
+    group = WeightSyncGroup("127.0.0.1", port, rank, 1, 1, "gloo", timeout_s=60)
+    tensors = {f"model.layers.{i}.w": torch.full((64, 64), float(i)) for i in range(3)}
+    try:
+        if rank == 0:
+            sender = BucketSender(group, 7, bucket_bytes=40_000, key=sync_key(sender_token, nonce) if sender_token else None)
+            for name, t in tensors.items():
+                (slot,) = sender.reserve([(name, tuple(t.shape), t.dtype)])
+                slot.copy_(t)
+            try:
+                return sender.close().buckets
+            except Exception as e:  # noqa: BLE001 - the receiver left
+                return f"sender: {type(e).__name__}"
+        manifest, loaded = ReceivedManifest(), {}
+        try:
+            for bucket in receive_all(group, manifest, key=sync_key(receiver_token, nonce)):
+                loaded.update({n: t.clone() for n, t in bucket})
+            compare_checksums(manifest.received, manifest)
+        except WeightSyncError as e:
+            return f"refused: {e}", sorted(loaded)
+        return "loaded", sorted(loaded)
+    finally:
+        group.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stranger", [None, "a-stranger-without-the-token"])
+def test_a_stranger_in_the_sync_group_cannot_make_an_engine_load_weights(stranger, tmp_path):
+    """Whoever reaches the rendezvous store can join the group as the stage's sender; buckets not
+    signed with this sync's key are refused before the engine loads any of them."""
+    sender, (outcome, loaded) = run_ranks(_sync_rank, 2, free_port(), stranger, TOKEN, tmp_path=tmp_path, timeout=120)
+    assert outcome.startswith("refused:") and "not signed with this sync's key" in outcome and "bucket 0" in outcome
+    assert loaded == [] and str(sender).startswith("sender:")
+    sender, (outcome, loaded) = run_ranks(_sync_rank, 2, free_port(), TOKEN, TOKEN, tmp_path=tmp_path, timeout=120)
+    assert outcome == "loaded" and len(loaded) == 3 and sender >= 2
+
+
+def test_the_sync_store_listens_on_the_engines_address_only():
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup
+
+    port, errors = free_port(), []
+
+    def master():  # waits for a receiver that never comes
+        try:
+            WeightSyncGroup("127.0.0.1", port, 0, 1, 1, "gloo", timeout_s=4)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=master, daemon=True)
+    t.start()
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), 1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    with pytest.raises(ConnectionRefusedError):  # TCPStore alone listens on every interface
+        socket.create_connection(("127.0.0.2", port), 1)
+    t.join(30)
+
+
+# ----------------------------------------------------------------------------- run directory
+
+def _planted_run_dir(root) -> tuple[str, str]:
+    """ckpt_probe.py: a checkpoint whose .metadata runs a command when unpickled, with a manifest
+    that matches (a writer of the run directory recomputes CRC-32s)."""
+    import zlib
+
+    run = os.path.join(root, "run")
+    step = os.path.join(run, "checkpoints", "step_00000004")
+    os.makedirs(step)
+    payload = os.path.join(root, "PWNED_BY_METADATA")
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {payload}",))
+
+    with open(os.path.join(step, ".metadata"), "wb") as f:
+        f.write(pickle.dumps(Evil()))
+    with open(os.path.join(step, "layout.json"), "w") as f:
+        json.dump({"tp": 1, "pp": 1, "dp": 1, "step": 4}, f)
+    files = {n: {"size": os.path.getsize(os.path.join(step, n)),
+                 "crc32": zlib.crc32(open(os.path.join(step, n), "rb").read())} for n in os.listdir(step)}
+    with open(os.path.join(step, "manifest.json"), "w") as f:
+        json.dump({"files": files}, f)
+    with open(os.path.join(run, "checkpoints", "latest"), "w") as f:
+        f.write("step_00000004\n")
+    return run, payload
+
+
+@pytest.mark.parametrize("how", ["run directory writable by its group", "checkpoint file writable by others",
+                                 "checkpoint owned by another user"])
+def test_a_planted_checkpoint_is_refused_before_anything_loads(how, tmp_path):
+    from spice_megatron.run_dir import UnsafeRunDir, prepare_run_dir
+
+    run, payload = _planted_run_dir(str(tmp_path))
+    metadata = os.path.join(run, "checkpoints", "step_00000004", ".metadata")
+    if how.startswith("run directory"):
+        os.chmod(run, 0o775)
+        match = "writable by its group"
+    elif how.startswith("checkpoint file"):
+        os.chmod(metadata, 0o666)
+        match = r"checkpoint .*\.metadata is writable by its group and others"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give a file to another user")
+        os.chown(metadata, 65534, 65534)
+        match = "is owned by"
+    with pytest.raises(UnsafeRunDir, match=match):
+        prepare_run_dir(run)
+    assert not os.path.exists(payload)
+
+
+def test_spice_train_refuses_an_unsafe_run_directory_with_one_line(tmp_path):
+    run, payload = _planted_run_dir(str(tmp_path))
+    os.chmod(run, 0o777)
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--output-dir",
+                        run, "--resume"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: run directory {run} is writable by its group "
+                                                        "and others (mode 777)")
+    assert not os.path.exists(payload)
+
+
+def test_a_new_run_directory_is_private(tmp_path):
+    from spice_megatron.run_dir import prepare_run_dir
+
+    old = os.umask(0o022)
+    try:
+        prepare_run_dir(str(tmp_path / "private"))
+        prepare_run_dir(str(tmp_path / "shared"), group_readable=True)
+        assert os.umask(0o022) == 0o027  # what every rank writes under
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "private").st_mode & 0o777 == 0o700
+    assert os.stat(tmp_path / "shared").st_mode & 0o777 == 0o750
+
+
+def test_the_job_script_refuses_a_counter_file_that_is_not_a_count(tmp_path):
+    from test_slurm import SBATCH, STAND_IN, _run_job
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("srun", "scontrol", "curl", "python", "squeue"):
+        (bin_dir / name).write_text(STAND_IN.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "run").mkdir()
+    payload = tmp_path / "PWNED_BY_COUNTER"
+    (tmp_path / "run" / ".slurm_failed_attempts").write_text(f"RESTART[$(touch {payload})0]\n")
+    script = next(s for s in SBATCH if s.endswith("spice_8b.sbatch"))
+    r, calls, _, _ = _run_job(script, bin_dir, tmp_path, learner="fail")
+    assert r.returncode == 2 and "not a count" in r.stderr, r.stderr
+    assert not payload.exists() and not any(c["cmd"] == "srun" for c in calls)
+    # numbers from the environment are checked before any arithmetic sees them
+    r, _, _, _ = _run_job(script, bin_dir, tmp_path, MAX_RESTARTS=f"x[$(touch {payload})]")
+    assert r.returncode == 2 and "MAX_RESTARTS=" in r.stderr and "not a whole number" in r.stderr
+    assert not payload.exists()
+    os.chmod(tmp_path / "run", 0o777)
+    (tmp_path / "run" / ".slurm_failed_attempts").write_text("1\n")
+    r, _, _, _ = _run_job(script, bin_dir, tmp_path)
+    assert r.returncode == 2 and "is not yours alone to write" in r.stderr
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def test_the_nemo_run_script_keeps_hostile_values_inert(tmp_path, monkeypatch):
+    """dry.py: hostile paths and overrides in the generated sbatch script are data, not code."""
+    import io
+
+    pytest.importorskip("nemo_run")
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # NeMo-Run's local tunnel (invoke) reads stdin
+    from recipes.launch import dryrun_sbatch, slurm_experiment
+
+    model = f"/models/Q8B$(touch {tmp_path}/pwned1)"
+    output = f"/results/q8;touch${{IFS}}{tmp_path}/pwned2"
+    overrides = ["run.iterations=3", f"run.name=ab$(touch {tmp_path}/pwned3)"]
+    text = dryrun_sbatch(slurm_experiment("qwen3_8b", account="acct", partition="p", container_image="none",
+                                          model_dir=model, data_dir="/data", output_dir=output, overrides=overrides,
+                                          job_dir=str(tmp_path / "nemorun")))
+    exports = "\n".join(line for line in text.splitlines() if line.startswith("export SPICE_MODEL=")
+                        or line.startswith("export SPICE_LOG_DIR="))
+    train = next(line for line in text.splitlines() if "spice_megatron/cli.py train" in line)
+    args = train.split("spice_megatron/cli.py ", 1)[1].rsplit(" & pids", 1)[0]
+    r = subprocess.run(["bash", "-c", exports + '\nprintf "%s\\n" "$SPICE_MODEL" "$SPICE_LOG_DIR"\nprintf "%s\\n" ' + args],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [model, f"{output}/logs", "train", "--recipe", "qwen3_8b", "--model", model,
+                                     "--output-dir", output, "--resume", *overrides]
+    assert not list(tmp_path.glob("pwned*"))
+    with pytest.raises(ValueError, match="--mount .* unquoted"):
+        slurm_experiment("qwen3_8b", account="acct", partition="p", container_image="/images/x.sqsh",
+                         model_dir="/models/m", data_dir="/data", output_dir="/results/r",
+                         mounts=["/lustre:/models;id"], job_dir=str(tmp_path / "nemorun"))
