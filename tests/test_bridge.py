@@ -513,7 +513,7 @@ def test_concurrent_receive_holds_at_most_a_bounded_number_of_buckets(monkeypatc
 
     alive, most, lock = [0], [0], threading.Lock()
 
-    def fake_stage(group, stage, manifest, reuse_buffer=False, before_alloc=None):
+    def fake_stage(group, stage, manifest, reuse_buffer=False, before_alloc=None, key=None):
         for k in range(5):
             before_alloc(1024)
             with lock:
