@@ -101,7 +101,8 @@ def task_block(index: int, iteration: IterationIndex) -> str:
     lines = [f"it={r.get('iteration')} v={r.get('weights_version')} doc={r.get('doc_id')} "
              f"reward={r.get('reward', 0.0):.3f} adv={r.get('advantage', 0.0):+.3f} "
              f"pass={sum(bool(a.get('correct')) for a in answers)}/{len(answers)}",
-             f"  document: {doc['text'] if doc else '(not recorded)'}",
+             f"  document: {doc['text'] if doc else '(not recorded)'}"
+             + ("   (not shown to the challenger: selfplay.grounding=none)" if r.get("grounded") is False else ""),
              f"  question: {task.get('question')}",
              f"  gold:     {task.get('answer')} ({task.get('answer_type')})"
              + ("   LEAK: the answer can be read off the question" if leaks(r) else ""),

@@ -140,7 +140,7 @@ def _eval_hook(args: argparse.Namespace, cfg):
                                 template=cfg.selfplay.template, prompt_dir=cfg.selfplay.prompt_dir,
                                 stop=tuple(cfg.selfplay.reasoner_stop))
         hooks.append(training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data, tokenizer, settings,
-                                        args.eval_limit or None))
+                                        args.eval_limit or None, os.path.join(cfg.run.output_dir, "eval")))
     if args.eval_challenger_docs:
         from spice_megatron.eval.challenger_eval import challenger_eval_hook, read_documents
 

@@ -70,6 +70,7 @@ class CorpusConfig:
 CHALLENGER_REWARDS = ("variance", "absolute_zero", "threshold", "r_zero")
 CHALLENGER_GROUPS = ("document", "single")
 CHALLENGERS = ("self", "model", "tasks")
+GROUNDINGS = ("document", "none")
 PROTOCOLS = ("paper", "compact")
 TEMPLATES = ("plain", "chat", "qwen3", "qwen3_nothink", "octothinker")
 LEAK_CHECKS = ("long", "all")  # tasks.py:_leaks
@@ -120,6 +121,10 @@ class SelfPlayConfig:
     # everyone solved or nobody did has zero advantage and teaches nothing). At a few documents per
     # iteration most random picks are such groups, and the reasoner learns from one or two per step.
     reasoner_task: str = "random"
+    # What grounds the challenger's tasks. document: SPICE's (the prompt shows the drawn document).
+    # none: the paper's corpus ablation: the prompt's document section is absent, everything else the
+    # same; the corpus is still drawn (the schedule) but never shown, the gold answer is the challenger's.
+    grounding: str = "document"
 
     def validate(self, prefix: str = "selfplay") -> None:
         for name in ("batch_docs", "group_size", "max_attempts", "attempts_per_round",
@@ -132,7 +137,7 @@ class SelfPlayConfig:
         _require(self.challenger_reward in CHALLENGER_REWARDS, f"{prefix}.challenger_reward",
                  f"must be one of {CHALLENGER_REWARDS}, got {self.challenger_reward!r}")
         for name, allowed in (("challenger_group", CHALLENGER_GROUPS), ("protocol", PROTOCOLS), ("template", TEMPLATES),
-                              ("challenger", CHALLENGERS), ("leak_check", LEAK_CHECKS),
+                              ("challenger", CHALLENGERS), ("leak_check", LEAK_CHECKS), ("grounding", GROUNDINGS),
                               ("reasoner_task", REASONER_TASKS)):
             _require(getattr(self, name) in allowed, f"{prefix}.{name}",
                      f"must be one of {allowed}, got {getattr(self, name)!r}")

@@ -122,10 +122,22 @@ class SelectionResult:
     reason: str = ""  # why invalid; empty when valid
 
 
-class ChallengerPrompts:
-    """The challenger's prompts in a model family's format, from the built-in text or files."""
+# A prompt's document section: the {document} placeholder with the markers around it, if any
+# (the built-in prompts' <document> tags, === DOCUMENT BEGIN/END === lines and "Document:" heading).
+_DOCUMENT_SECTION = re.compile(r"(<document>\n|=== DOCUMENT BEGIN ===\n|Document:\n)?\{document\}"
+                               r"(\n</document>|\n=== DOCUMENT END ===)?\n?")
 
-    def __init__(self, template: str = "plain", tokenizer=None, prompt_dir: str = ""):
+
+def without_document(prompt: str) -> str:
+    """The prompt with its document section left out (selfplay.grounding=none)."""
+    return _DOCUMENT_SECTION.sub("", prompt)
+
+
+class ChallengerPrompts:
+    """The challenger's prompts in a model family's format, from the built-in text or files.
+    `grounded=False` (selfplay.grounding=none): every prompt without its document section."""
+
+    def __init__(self, template: str = "plain", tokenizer=None, prompt_dir: str = "", grounded: bool = True):
         self.template, self.tokenizer = template, tokenizer
         self.selection = read_prompt_file(prompt_dir, "selection.txt") or SELECTION_PROMPT
         self.mcq = read_prompt_file(prompt_dir, "generate_mcq.txt") or MCQ_PROMPT
@@ -134,6 +146,9 @@ class ChallengerPrompts:
         self.compact = custom_compact or (CHALLENGER_INSTRUCTIONS + "\n<document>\n{document}\n</document>\n")
         self._compact_notes = custom_compact is None
         self.compact_stop = compact_stop(self.compact)  # the built-in prompt's format block ends in </answer>
+        if not grounded:  # the document is never shown: the placeholder and its markers go
+            self.selection, self.mcq, self.free_form, self.compact = (
+                without_document(p) for p in (self.selection, self.mcq, self.free_form, self.compact))
 
     def _wrap(self, user: str) -> str:
         return conversation(self.template, user, self.tokenizer)

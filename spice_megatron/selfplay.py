@@ -129,7 +129,8 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     stats: dict[str, float] = {}
     # a fixed challenger may have a format of its own (selfplay.challenger_template)
     challenger_template = (cfg.challenger_template if challenger_generate else "") or cfg.template
-    prompts = ChallengerPrompts(challenger_template, tokenizer, cfg.prompt_dir)
+    grounded = cfg.grounding == "document"
+    prompts = ChallengerPrompts(challenger_template, tokenizer, cfg.prompt_dir, grounded)
     context = max_model_len if tokenizer is not None else None
     records: list[dict] = []
     if context:
@@ -138,8 +139,9 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
         records += [{"kind": "document", "iteration": iteration, "doc_id": d.doc_id, "doc_sha256": d.sha256,
                      "weights_version": weights_version, "text": d.text, "skipped": why} for d, why in too_long]
     # the documents the challenger read, first: `spice audit` shows each task beside its document
+    # (selfplay.grounding=none: drawn for the schedule, never shown; "shown" says so)
     records += [{"kind": "document", "iteration": iteration, "doc_id": d.doc_id, "doc_sha256": d.sha256,
-                 "weights_version": weights_version, "text": d.text} for d in documents]
+                 "weights_version": weights_version, "text": d.text, "shown": grounded} for d in documents]
     n_docs = len(documents)
     per_doc = cfg.group_size if cfg.challenger_group == "document" else 1
 
@@ -164,7 +166,8 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
                     attempts[i] += 1
                     if context and a.parsed.valid:
                         _check_reasoner_request(a, cfg, tokenizer, context, token_ids)
-                    records.append(_challenger_record(documents[i], attempts[i], a, weights_version, iteration))
+                    records.append(_challenger_record(documents[i], attempts[i], a, weights_version, iteration,
+                                                      grounded))
                     a.record = len(records) - 1
                     if a.parsed.valid:
                         valid[i].offer(a, rng)
@@ -382,8 +385,10 @@ def challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompts
     return result  # type: ignore[return-value]
 
 
-def _challenger_record(doc: Document, attempt: int, a: Attempt, weights_version: int, iteration: int) -> dict:
+def _challenger_record(doc: Document, attempt: int, a: Attempt, weights_version: int, iteration: int,
+                       grounded: bool = True) -> dict:
     rec = {"kind": "challenger", "iteration": iteration, "doc_id": doc.doc_id, "doc_sha256": doc.sha256,
+           "grounded": grounded,  # false: no document grounded the task (selfplay.grounding=none)
            "attempt": attempt, "weights_version": weights_version, "versions": a.completion.versions,
            "text": a.completion.text, "valid": a.parsed.valid,
            "reason": a.parsed.reason, "task": asdict(a.parsed.task) if a.parsed.task else None, "trained": False}

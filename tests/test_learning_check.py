@@ -1,4 +1,5 @@
 """tools/learning_check.py's pieces (the check itself runs for ~25-60 minutes: docs/learning.md)."""
+import json
 import os
 import sys
 
@@ -138,3 +139,47 @@ def test_a_changed_prompt_or_recipe_does_not_reuse_kept_runs(tmp_path):
     assert learning_check._finished(str(tmp_path), "trained_a", {**settings, "content": after}) is None
     recipe.write_text("ITERATIONS = 4\n")
     assert learning_check.content_hash([str(recipe), str(prompts)]) not in (before, after)
+
+
+# ----------------------------------------------------------------------------- --ablation
+
+def test_the_ablation_pairs_arms_with_spice_on_the_same_items_and_words_its_verdicts(tmp_path):
+    import learning_ablation as ab
+    from spice_megatron.eval.run import items_file_name
+
+    bench = f"file:{tmp_path}/heldout.jsonl:math"
+
+    def write(run, iteration, correct):
+        d = tmp_path / run / "eval" / f"iteration_{iteration:04d}"
+        d.mkdir(parents=True)
+        (d / items_file_name(bench)).write_text("".join(json.dumps({"id": f"q{i}", "correct": c}) + "\n"
+                                                        for i, c in enumerate(correct)))
+
+    spice = [True] * 30 + [False] * 70  # 30%
+    write("spice_1", 2, [False] * 100)  # an earlier evaluation: not the last
+    (tmp_path / "spice_1" / "eval" / "iteration_0004").mkdir()
+    (tmp_path / "spice_1" / "eval" / "iteration_0004" / items_file_name(bench)).write_text(
+        "".join(json.dumps({"id": f"q{i}", "correct": c}) + "\n" for i, c in enumerate(spice)))
+    write("worse_1", 4, [True] * 10 + [False] * 90)  # 10%: every item spice missed it missed too
+    iteration, items = ab.last_items(str(tmp_path / "spice_1"), bench)
+    assert iteration == 4 and sum(r["correct"] for r in items) == 30
+    _, worse = ab.last_items(str(tmp_path / "worse_1"), bench)
+    d, lo, hi = ab.paired_points(worse, items, seed=1)
+    assert d == pytest.approx(-20.0) and lo < d < hi < 0
+    assert ab.verdict(lo, hi) == "SPICE better"
+    assert ab.verdict(-3.0, 4.0) == "no measurable difference" and ab.verdict(1.0, 9.0) == "arm better"
+    assert ab.paired_points(items, items, seed=1) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="different held-out items"):
+        ab.paired_points(worse[:50], items, seed=1)
+    run = {"seconds": 120.0}
+    fig = ab.seed_figures(run, worse, items, 1)
+    assert fig["accuracy"] == pytest.approx(10.0) and fig["ci"][0] < 10.0 < fig["ci"][1]
+    pooled = ab.arm_summary("ungrounded", {1: fig, 2: ab.seed_figures(run, worse, items, 2)})
+    assert pooled["verdict"] == "SPICE better" and pooled["diff"][0] == pytest.approx(-20.0)
+    assert ab.verdict_line(pooled).startswith("ungrounded: SPICE better (held-out accuracy ungrounded - spice -20.0 "
+                                              "points, 95% CI -")
+    for f in (fig,):
+        f.pop("item_correct"), f.pop("spice_item_correct")
+    table = ab.markdown_table({"arms": {"spice": {"verdict": "reference", "seeds": [{**fig, "paired": (0, 0, 0)}]},
+                                        "ungrounded": {"verdict": "SPICE better", "seeds": [fig]}}})
+    assert "| ungrounded | 1 | 10.0 (" in table and "| -20.0 (" in table and "SPICE better |" in table

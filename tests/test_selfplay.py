@@ -494,3 +494,37 @@ def test_the_context_budget_is_checked_once_per_setting_across_the_cli_and_its_r
     assert context_budget.check_context_budget_once(cfg, qwen3_tokenizer) is False  # rank 0 of that run
     cfg.rollout.max_model_len = 16384  # other settings: checked again
     assert context_budget.check_context_budget_once(cfg, qwen3_tokenizer) is True
+
+
+@pytest.mark.parametrize("protocol", ["compact", "paper"])
+def test_ungrounded_self_play_never_shows_the_document_and_says_so(protocol):
+    """selfplay.grounding=none (the paper's corpus ablation): every challenger prompt lacks the
+    document section and the document's text; the rest of the iteration is unchanged."""
+    seen = []
+
+    def generate(prompts, spec):
+        seen.extend((spec.role, p) for p in prompts)
+        if spec.role == "challenger" and "suitable_for_mcq" in prompts[0]:  # the paper protocol's selection
+            return [[Completion('{"suitable_for_mcq": false, "suitable_for_free_form": true, '
+                                '"best_answer_type": "Integer"}', [1])] * spec.n for _ in prompts]
+        if spec.role == "challenger":
+            body = ('{"question": "How many things are there here? K=4", "answer": "42", "answer_type": "Integer"}'
+                    if protocol == "paper" else task_text("How many things are there here? K=4", "integer", "42"))
+            return [[Completion(body, [1, 2])] * spec.n for _ in prompts]
+        return [[Completion(f"\\boxed{{{'42' if j < 4 else '7'}}}", [5])  for j in range(spec.n)] for _ in prompts]
+
+    cfg = SelfPlayConfig(batch_docs=2, group_size=8, attempts_per_round=2, protocol=protocol, grounding="none")
+    result = run_iteration([doc(0, "THE SECRET DOCUMENT ZX81"), doc(1, "ANOTHER SECRET QQ42")], generate, _verifier(),
+                           cfg, random.Random(0), iteration=1)
+    challenger_prompts = [p for role, p in seen if role == "challenger"]
+    assert challenger_prompts and not any("SECRET" in p or "{document}" in p or "DOCUMENT BEGIN" in p
+                                          for p in challenger_prompts)
+    assert result.stats["valid_task_rate"] == 1.0 and result.stats["reasoner_pass_rate"] == pytest.approx(0.5)
+    docs = [r for r in result.records if r["kind"] == "document"]
+    assert len(docs) == 2 and all(r["shown"] is False for r in docs)  # drawn (the schedule), never shown
+    assert all(r["grounded"] is False for r in result.records if r["kind"] == "challenger")
+    grounded = run_iteration([doc(0, "THE SECRET DOCUMENT ZX81")], generate, _verifier(),
+                             SelfPlayConfig(batch_docs=1, group_size=8, attempts_per_round=2, protocol=protocol),
+                             random.Random(0))
+    assert any("ZX81" in p for role, p in seen[len(challenger_prompts):] if role == "challenger")
+    assert all(r["grounded"] for r in grounded.records if r["kind"] == "challenger")

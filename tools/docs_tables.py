@@ -9,7 +9,8 @@
   python tools/docs_tables.py           # rewrite every generated block from the code
   python tools/docs_tables.py --check   # exit 1, naming the block, if any differs (tests/test_docs.py)
 
-Measured figures (benchmarks, learning checks) are not generated: they keep their date and machine.
+Measured figures (benchmarks, learning checks) are not generated: they keep their date and machine;
+the ablation table lays out the figures of the run committed in docs/data/ablation_summary.json.
 """
 from __future__ import annotations
 
@@ -134,10 +135,27 @@ def bad_inputs_table() -> str:
     return "\n".join(rows)
 
 
+ABLATION_SUMMARY = os.path.join(ROOT, "docs", "data", "ablation_summary.json")
+
+
+def ablation_table() -> str:
+    """The paper's comparisons at laptop scale, from the last `learning_check.py --ablation` run's
+    summary.json as committed in docs/data/ (measured figures: the table only lays them out)."""
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from learning_ablation import markdown_table
+
+    if not os.path.exists(ABLATION_SUMMARY):
+        return "(not run yet: `python tools/learning_check.py --ablation`, then copy its summary.json to docs/data/)"
+    with open(ABLATION_SUMMARY) as f:
+        return markdown_table(json.load(f))
+
+
 TABLES: dict[str, Callable[[], str]] = {"recipes": recipes_table, "step_time": step_time_table,
                                         "placements": placements_table,
                                         "run_defaults": run_defaults, "train_defaults": train_defaults,
-                                        "bad_inputs": bad_inputs_table}
+                                        "bad_inputs": bad_inputs_table, "ablation": ablation_table}
 
 
 def doc_files() -> list[str]:

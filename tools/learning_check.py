@@ -5,6 +5,8 @@ engine, the Megatron learner, the weight sync.
   python tools/learning_check.py [--out runs/learning_check] [--iterations 12] [--seeds 1234,4321]
                                  [--staleness 1]
   python tools/learning_check.py --selfplay [--out runs/selfplay_check] [--only trained_b] [section.field=value ...]
+  python tools/learning_check.py --ablation [--out runs/ablation_check] [--arms spice,ungrounded,...]
+                                 (the paper's comparisons: tools/learning_ablation.py)
 
 Each finished run is kept as <out>/<name>.done.json with the settings it ran under; a later
 invocation with the same settings reuses it, so a killed check resumes and runs can be done apart.
@@ -224,6 +226,9 @@ def main() -> int:
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--selfplay", action="store_true", help="SPICE itself: the policy writes and answers its tasks")
+    ap.add_argument("--ablation", action="store_true", help="the self-play check's settings, one run per arm and seed")
+    ap.add_argument("--arms", default="spice,fixed_challenger,ungrounded,absolute_zero,r_zero",
+                    help="--ablation: comma-separated arms (also: threshold)")
     ap.add_argument("--out", default="", help="default: runs/learning_check, runs/selfplay_check with --selfplay")
     ap.add_argument("--model", default="", help="HF directory (default: SmolLM2-135M-Instruct from its wheel)")
     ap.add_argument("--iterations", type=positive_int, default=None, help="default 8; --selfplay 4")
@@ -247,7 +252,15 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="more recipe overrides (section.field=value) for every run")
     args = ap.parse_args()
     args.extra = list(args.overrides)
+    args.selfplay = args.selfplay or args.ablation
     from spice_megatron.entry import UserError, require_dir
+
+    if args.ablation:
+        from learning_ablation import ARMS
+
+        args.arms = [a for a in args.arms.split(",") if a]
+        if "spice" not in args.arms or any(a not in ARMS for a in args.arms):
+            raise UserError(f"--arms {','.join(args.arms)}: arms are {', '.join(ARMS)}, and spice (the reference) is one")
 
     try:
         args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -259,7 +272,8 @@ def main() -> int:
         from spice_megatron.offline_assets import smollm2_dir
 
         args.model = smollm2_dir()
-    args.out = args.out or os.path.join(ROOT, "runs", "selfplay_check" if args.selfplay else "learning_check")
+    args.out = args.out or os.path.join(ROOT, "runs", "ablation_check" if args.ablation else
+                                        "selfplay_check" if args.selfplay else "learning_check")
     for name, tasks_mode, selfplay_mode in (("max_tokens", 10, 24), ("iterations", 8, 4), ("eval_every", 4, 2),
                                             ("batch", 8, 6), ("lr", 1e-5, 1e-5), ("heldout", 200, 300)):
         if getattr(args, name) is None:
@@ -292,6 +306,10 @@ def main() -> int:
     # what the runs read besides their flags: a changed prompt or recipe must not reuse old runs
     settings["content"] = content_hash([os.path.join(ROOT, "recipes", "tiny_cpu.py"), train_file,
                                         heldout.split(":")[1], args.prompt_dir])
+    if args.ablation:
+        from learning_ablation import run_ablation
+
+        return run_ablation(args, settings, train_file, heldout, fixed)
     before = _finished(args.out, "baseline", settings) or _keep(args.out, "baseline", settings,
                                                                 _baseline(args.out, heldout, args))
     before["ci"] = wilson(before["correct"], before["items"])
@@ -359,10 +377,11 @@ def main() -> int:
     return 0 if verdict == "PASS" else 1
 
 
-def challenger_scores(args, runs: dict, gold: dict[str, str]) -> dict[str, dict[int, list[dict]]]:
+def challenger_scores(args, runs: dict, gold: dict[str, str],
+                      last_only: bool = False) -> dict[str, dict[int, list[dict]]]:
     """Each run's held-out challenger tasks (its evaluations; iteration 0: the base model's, written
     here with the run's seed), answered by the base model, the fixed reasoner, in one engine:
-    {run: {iteration: per-document scores}}."""
+    {run: {iteration: per-document scores}}. `last_only`: each run's last evaluation alone."""
     import glob
 
     from transformers import AutoTokenizer
@@ -394,11 +413,12 @@ def challenger_scores(args, runs: dict, gold: dict[str, str]) -> dict[str, dict[
                     memo[key] = score_tasks(generate, written, tokenizer, cfg, verifier, args.seeds[0], gold.get)
                 return memo[key]
 
-            base = {seed: score(write_tasks(generate, docs, tokenizer, cfg, seed, args.group))
-                    for seed in sorted({r["seed"] for r in runs.values()})}
+            base = {} if last_only else {seed: score(write_tasks(generate, docs, tokenizer, cfg, seed, args.group))
+                                         for seed in sorted({r["seed"] for r in runs.values()})}
             for name, run in runs.items():
-                out[name] = {0: base[run["seed"]]}
-                for path in sorted(glob.glob(os.path.join(args.out, name, "challenger_eval", "iteration_*.json"))):
+                out[name] = {} if last_only else {0: base[run["seed"]]}
+                paths = sorted(glob.glob(os.path.join(args.out, name, "challenger_eval", "iteration_*.json")))
+                for path in paths[-1:] if last_only else paths:
                     with open(path) as f:
                         written = json.load(f)
                     out[name][written["iteration"]] = score(written["documents"])

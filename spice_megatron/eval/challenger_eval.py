@@ -39,7 +39,7 @@ def write_tasks(generate, docs: Sequence, tokenizer, cfg, seed: int, attempts: i
     from spice_megatron.protocol import ChallengerPrompts
     from spice_megatron.selfplay import challenger_round
 
-    prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir)
+    prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir, cfg.grounding == "document")
     rounds = challenger_round(list(docs), attempts, generate, prompts, cfg, seed, Counter())
     return [{"doc_id": d.doc_id, "tasks": [asdict(a.parsed.task) if a.parsed.valid else None for a in tried],
              "reasons": [a.parsed.reason for a in tried]} for d, tried in zip(docs, rounds)]

@@ -3,8 +3,10 @@ generated through rollout engines (started here, or given), graded, tabulated.""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -98,9 +100,12 @@ def run_evaluation(model: str, names: list[str], out_dir: str, data_dir: str = "
     return report, write_report(out_dir, report, records)
 
 
-def training_eval_hook(names: list[str], data_dir: str, tokenizer, settings: EvalSettings, limit: int | None = None):
+def training_eval_hook(names: list[str], data_dir: str, tokenizer, settings: EvalSettings, limit: int | None = None,
+                       out_dir: str = ""):
     """The trainer's evaluation hook: the given benchmarks through the training fleet (which holds
-    the current weights); returns accuracies and averages, logged under eval/."""
+    the current weights); returns accuracies and averages, logged under eval/. With `out_dir`, each
+    evaluation's per-item records go to out_dir/iteration_NNNN/NAME.items.jsonl (paired comparisons
+    of runs on the same items: tools/learning_ablation.py)."""
     from spice_megatron.verify import AnswerVerifier
 
     loaded, verifier = {}, None
@@ -113,9 +118,27 @@ def training_eval_hook(names: list[str], data_dir: str, tokenizer, settings: Eva
     def hook(iteration: int, fleet) -> dict[str, float]:
         nonlocal verifier
         verifier = verifier or AnswerVerifier(processes=1)
-        results = [evaluate_benchmark(b, fleet.generate, verifier, tokenizer, settings)[0] for b in loaded.values()]
+        results = []
+        for b in loaded.values():
+            result, records = evaluate_benchmark(b, fleet.generate, verifier, tokenizer, settings)
+            results.append(result)
+            if out_dir:
+                _write_items(os.path.join(out_dir, f"iteration_{iteration:04d}", items_file_name(result.name)), records)
         out = {r.name: r.accuracy for r in results}
         out.update({k: v for k, v in summarise(results).items() if k.endswith("average")})
         return out
 
     return hook
+
+
+def items_file_name(benchmark: str) -> str:
+    """A benchmark's per-item records file: its name with path separators and the like replaced
+    (a file benchmark is named by its path)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", benchmark).strip("_") + ".items.jsonl"
+
+
+def _write_items(path: str, records: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
