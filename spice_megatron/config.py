@@ -171,7 +171,7 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
 
 
 def _parse_like(raw: str, current: Any, key: str) -> Any:
-    if raw.lower() in ("none", "null"):
+    if raw.lower() in ("none", "null") and not isinstance(current, str):  # a text field keeps the word
         return None
     if isinstance(current, list):  # lists of strings: comma-separated (rollout.engines=http://a:8100,http://b:8100)
         return [x.strip() for x in raw.split(",") if x.strip()]

@@ -88,3 +88,11 @@ def test_learner_temperature_must_match_the_trained_roles():
     cfg.selfplay.challenger = "tasks"  # a fixed challenger is not trained: its temperature is free
     cfg.selfplay.tasks_file = __file__
     cfg.validate()
+
+
+def test_none_is_a_word_for_text_fields_and_nothing_for_the_others():
+    from spice_megatron.config import SpiceConfig
+
+    cfg = apply_overrides(SpiceConfig(), ["selfplay.grounding=none", "corpus.max_docs=none"])
+    assert cfg.selfplay.grounding == "none" and cfg.corpus.max_docs is None
+    cfg.selfplay.validate()
