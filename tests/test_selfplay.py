@@ -469,7 +469,7 @@ def test_a_fixed_challenger_writes_in_its_own_template_and_the_reasoner_in_the_p
 
     def fixed(prompts, sampling):
         seen["challenger"] = prompts[0]
-        return [[Completion(task_text(f"How many things are there here? K=4", "integer", "42"), [1])] * sampling.n
+        return [[Completion(task_text("How many things are there here? K=4", "integer", "42"), [1])] * sampling.n
                 for _ in prompts]
 
     def policy(prompts, sampling):
@@ -511,7 +511,7 @@ def test_ungrounded_self_play_never_shows_the_document_and_says_so(protocol):
             body = ('{"question": "How many things are there here? K=4", "answer": "42", "answer_type": "Integer"}'
                     if protocol == "paper" else task_text("How many things are there here? K=4", "integer", "42"))
             return [[Completion(body, [1, 2])] * spec.n for _ in prompts]
-        return [[Completion(f"\\boxed{{{'42' if j < 4 else '7'}}}", [5])  for j in range(spec.n)] for _ in prompts]
+        return [[Completion(f"\\boxed{{{'42' if j < 4 else '7'}}}", [5]) for j in range(spec.n)] for _ in prompts]
 
     cfg = SelfPlayConfig(batch_docs=2, group_size=8, attempts_per_round=2, protocol=protocol, grounding="none")
     result = run_iteration([doc(0, "THE SECRET DOCUMENT ZX81"), doc(1, "ANOTHER SECRET QQ42")], generate, _verifier(),
