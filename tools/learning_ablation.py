@@ -53,16 +53,21 @@ def last_items(run_dir: str, benchmark: str) -> tuple[int, list[dict]]:
     return int(os.path.basename(os.path.dirname(paths[-1])).split("_")[1]), items
 
 
+def aligned(arm: list[dict], spice: list[dict]) -> tuple[list[float], list[float]]:
+    """Each held-out item's correctness (100 or 0) for the arm and for spice, in item-id order."""
+    theirs = {r["id"]: 100.0 * bool(r["correct"]) for r in arm}
+    ours = {r["id"]: 100.0 * bool(r["correct"]) for r in spice}
+    if ours.keys() != theirs.keys():
+        raise ValueError("the arm and spice were evaluated on different held-out items")
+    ids = sorted(ours)
+    return [theirs[i] for i in ids], [ours[i] for i in ids]
+
+
 def paired_points(arm: list[dict], spice: list[dict], seed: int) -> tuple[float, float, float]:
     """(arm - spice) held-out accuracy in points over the same items, with its bootstrap interval."""
     from spice_megatron.eval.challenger_eval import paired_bootstrap
 
-    ours = {r["id"]: 100.0 * bool(r["correct"]) for r in spice}
-    theirs = {r["id"]: 100.0 * bool(r["correct"]) for r in arm}
-    if ours.keys() != theirs.keys():
-        raise ValueError("the arm and spice were evaluated on different held-out items")
-    ids = sorted(ours)
-    return paired_bootstrap([theirs[i] for i in ids], [ours[i] for i in ids], seed=seed)
+    return paired_bootstrap(*aligned(arm, spice), seed=seed)
 
 
 def verdict(low: float, high: float) -> str:
@@ -78,13 +83,11 @@ def arm_summary(arm: str, per_seed: dict[int, dict]) -> dict:
     """Pooled over seeds: every seed's items paired with spice's of the same seed."""
     from spice_megatron.eval.challenger_eval import paired_bootstrap
 
-    diffs_arm, diffs_spice = [], []
-    for s in per_seed.values():
-        diffs_arm += s["item_correct"]
-        diffs_spice += s["spice_item_correct"]
     if arm == "spice":
         return {"arm": arm, "verdict": "reference", "diff": (0.0, 0.0, 0.0)}
-    d = paired_bootstrap(diffs_arm, diffs_spice, seed=min(per_seed))
+    arm_correct = [c for s in per_seed.values() for c in s["item_correct"]]
+    spice_correct = [c for s in per_seed.values() for c in s["spice_item_correct"]]
+    d = paired_bootstrap(arm_correct, spice_correct, seed=min(per_seed))
     return {"arm": arm, "diff": d, "verdict": verdict(d[1], d[2]), "claim": PAPER_CLAIMS.get(arm, "")}
 
 
@@ -99,14 +102,13 @@ def verdict_line(summary: dict) -> str:
 def seed_figures(run: dict, items: list[dict], spice_items: list[dict], seed: int) -> dict:
     from learning_check import wilson
 
+    from spice_megatron.eval.challenger_eval import paired_bootstrap
+
     correct = sum(bool(r["correct"]) for r in items)
-    ids = sorted(r["id"] for r in items)
-    by_id = {r["id"]: r for r in items}
-    spice_by_id = {r["id"]: r for r in spice_items}
+    item_correct, spice_item_correct = aligned(items, spice_items)
     return {"seed": seed, "accuracy": 100.0 * correct / len(items), "ci": wilson(correct, len(items)),
-            "paired": paired_points(items, spice_items, seed),
-            "item_correct": [100.0 * bool(by_id[i]["correct"]) for i in ids],
-            "spice_item_correct": [100.0 * bool(spice_by_id[i]["correct"]) for i in ids],
+            "paired": paired_bootstrap(item_correct, spice_item_correct, seed=seed),
+            "item_correct": item_correct, "spice_item_correct": spice_item_correct,
             "minutes": run["seconds"] / 60}
 
 
@@ -154,6 +156,7 @@ def run_ablation(args, settings: dict, train_file: str, heldout: str, fixed_docs
     key = {**settings, "runs": sorted(trained), "last_only": True}
     scores = lc._finished(args.out, "ablation_challenger_scores", key) or lc._keep(
         args.out, "ablation_challenger_scores", key, lc.challenger_scores(args, trained, gold, last_only=True))
+    scores = {n: {int(it): docs for it, docs in by_it.items()} for n, by_it in scores.items()}  # JSON keys: strings
     summary: dict = {"mode": "ablation", "seeds": args.seeds, "settings": settings, "arms": {}}
     for arm in args.arms:
         per_seed = {}
@@ -162,10 +165,9 @@ def run_ablation(args, settings: dict, train_file: str, heldout: str, fixed_docs
             _, items = last_items(os.path.join(args.out, name), benchmark)
             _, spice_items = last_items(os.path.join(args.out, ref), benchmark)
             fig = seed_figures(runs[name], items, spice_items, seed)
-            if name in scores:
-                last = max(int(k) for k in scores[name])
-                fig["challenger"] = _challenger_figures(scores[name][str(last)] if str(last) in scores[name]
-                                                        else scores[name][last], scores.get(ref), last, seed)
+            if scores.get(name):
+                last = max(scores[name])
+                fig["challenger"] = _challenger_figures(scores[name][last], scores.get(ref, {}).get(last), last, seed)
             per_seed[seed] = fig
         pooled = arm_summary(arm, per_seed)
         for fig in per_seed.values():  # the per-item lists served the pooling; summary.json keeps figures
@@ -181,12 +183,11 @@ def run_ablation(args, settings: dict, train_file: str, heldout: str, fixed_docs
     return 0
 
 
-def _challenger_figures(scored: list[dict], reference: dict | None, iteration: int, seed: int) -> dict:
+def _challenger_figures(scored: list[dict], ref: list[dict] | None, iteration: int, seed: int) -> dict:
     """Held-out challenger means at the arm's last evaluation, and (arm - spice) over the same stories."""
     from spice_megatron.eval.challenger_eval import paired_bootstrap, summarise
 
     out = {"iteration": iteration, **{k: v for k, v in summarise(scored).items() if k != "pass_rate_histogram"}}
-    ref = (reference or {}).get(str(iteration)) or (reference or {}).get(iteration)
     if ref and [d["doc_id"] for d in ref] == [d["doc_id"] for d in scored]:
         out["variance_reward_vs_spice"] = paired_bootstrap([d["variance_reward"] for d in scored],
                                                            [d["variance_reward"] for d in ref], seed=seed)

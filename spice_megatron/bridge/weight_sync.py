@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from spice_megatron.bridge.stream_handover import StreamHandover
 from spice_megatron.bridge.sync_integrity import ReceivedManifest, WeightSyncError, tensor_checksum
-from spice_megatron.rollout.auth import bucket_mac
+from spice_megatron.rollout.auth import mac
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def _send_meta(group: WeightSyncGroup, stage: int, meta: dict, async_op: bool = 
 
 
 def _signed(key: bytes | None, *fields) -> str:
-    return bucket_mac(key, json.dumps(fields, separators=(",", ":")).encode()) if key else ""
+    return mac(key, json.dumps(fields, separators=(",", ":")).encode()) if key else ""
 
 
 def _recv_meta(group: WeightSyncGroup, stage: int) -> dict:
@@ -359,8 +359,8 @@ def receive_stage(group: WeightSyncGroup, stage: int, manifest: ReceivedManifest
         yield list(zip((e[0] for e in entries), views))
 
 
-def _check_mac(key: bytes | None, mac: object, what: str, *fields) -> None:
-    if key is not None and not (isinstance(mac, str) and hmac.compare_digest(mac, _signed(key, *fields))):
+def _check_mac(key: bytes | None, given: object, what: str, *fields) -> None:
+    if key is not None and not (isinstance(given, str) and hmac.compare_digest(given, _signed(key, *fields))):
         raise WeightSyncError(f"{what} is not signed with this sync's key (a sender without the job's token?): "
                               "refused before loading")
 

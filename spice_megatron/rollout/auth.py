@@ -34,12 +34,13 @@ class AuthError(UserError):
     pass
 
 
-def _mac(token: str, message: bytes) -> str:
-    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+def mac(key: str | bytes, message: bytes) -> str:
+    """HMAC-SHA256, hex: of requests and attestations (key: the token), of sync buckets (a sync key)."""
+    return hmac.new(key.encode() if isinstance(key, str) else key, message, hashlib.sha256).hexdigest()
 
 
 def attest_proof(token: str, nonce: str) -> str:
-    return _mac(token, b"spice-engine-attest\n" + nonce.encode())
+    return mac(token, b"spice-engine-attest\n" + nonce.encode())
 
 
 def new_nonce() -> str:
@@ -57,7 +58,7 @@ def _request_message(method: str, path: str, ts: str, nonce: str, body: bytes) -
 def sign_request(token: str, method: str, path: str, body: bytes = b"") -> str:
     """The Authorization header of one request (`path` without the query string)."""
     ts, nonce = f"{time.time():.3f}", new_nonce()
-    return f"{SCHEME} ts={ts},nonce={nonce},mac={_mac(token, _request_message(method, path, ts, nonce, body))}"
+    return f"{SCHEME} ts={ts},nonce={nonce},mac={mac(token, _request_message(method, path, ts, nonce, body))}"
 
 
 class RequestVerifier:
@@ -74,14 +75,14 @@ class RequestVerifier:
             raise AuthError("missing or unsigned Authorization header")
         try:
             fields = dict(part.split("=", 1) for part in rest.split(","))
-            ts, nonce, mac = fields["ts"], fields["nonce"], fields["mac"]
+            ts, nonce, given = fields["ts"], fields["nonce"], fields["mac"]
             when = float(ts)
         except (ValueError, KeyError) as e:
             raise AuthError("malformed Authorization header") from e
         now = time.time()
         if abs(now - when) > MAX_SKEW_S:
             raise AuthError(f"request time is {now - when:+.0f}s off this engine's clock (at most {MAX_SKEW_S:.0f}s)")
-        if not hmac.compare_digest(mac.encode(), _mac(self.token, _request_message(method, path, ts, nonce, body)).encode()):
+        if not hmac.compare_digest(given.encode(), mac(self.token, _request_message(method, path, ts, nonce, body)).encode()):
             raise AuthError("wrong signature")
         with self._lock:
             while self._seen and (next(iter(self._seen.values())) < now - 2 * MAX_SKEW_S
@@ -95,10 +96,6 @@ class RequestVerifier:
 def sync_key(token: str, nonce: str) -> bytes:
     """The key that signs one weight sync's buckets (sender and engines derive it alike)."""
     return hmac.new(token.encode(), b"spice-weight-sync\n" + nonce.encode(), hashlib.sha256).digest()
-
-
-def bucket_mac(key: bytes, message: bytes) -> str:
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
 def read_token(path: str | None = None) -> str:

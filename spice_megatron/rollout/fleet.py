@@ -121,7 +121,7 @@ class RolloutFleet:
         for e in self.engines:
             e.attested = False  # proved again at every check: a restarted engine is a new process
             try:
-                out[e.url] = self._signed(e, "GET", "/status", None, 10)
+                out[e.url] = self._control(e, "/status", None, "GET", timeout=10)
                 e.healthy = True
                 e.workers = int(out[e.url].get("workers", 1))
             except AuthError as err:
@@ -133,9 +133,11 @@ class RolloutFleet:
                 e.healthy = False
         return out
 
-    def _signed(self, engine: EngineStats, method: str, path: str, body, timeout: float):
+    def _control(self, engine: EngineStats, path: str, body: dict | None, method: str = "POST",
+                 timeout: float | None = None) -> dict:
         """One signed request's JSON answer, to an engine that has proved it holds the token (it is
         asked to first if it has not since its last failure)."""
+        timeout = self.request_timeout if timeout is None else timeout
         try:
             if not engine.attested:
                 attest(engine.url, self.token, timeout=min(timeout, 30))
@@ -183,9 +185,8 @@ class RolloutFleet:
 
     def _post_generate(self, engine: EngineStats, prompts: list, spec: SamplingSpec) -> list[list[Completion]]:
         t0 = time.perf_counter()
-        out = unpack_completions(self._signed(engine, "POST", "/generate",
-                                              {"prompts": prompts, "sampling": spec.to_json(), "packed": True},
-                                              self.request_timeout))
+        out = unpack_completions(self._control(engine, "/generate",
+                                               {"prompts": prompts, "sampling": spec.to_json(), "packed": True}))
         dt = time.perf_counter() - t0
         with self._lock:
             engine.requests += 1
@@ -283,9 +284,6 @@ class RolloutFleet:
                 if first.get(name) != sums.get(name):
                     raise FleetError(f"engines {url0} and {url} hold different weights: first difference {name!r}")
         return first
-
-    def _control(self, engine: EngineStats, path: str, body: dict | None, method: str = "POST") -> dict:
-        return self._signed(engine, method, path, body, self.request_timeout)
 
     def _on_every_engine(self, path: str, bodies: list[dict | None]) -> list[dict]:
         futures = [self._pool.submit(self._control, e, path, b) for e, b in zip(self.engines, bodies)]
