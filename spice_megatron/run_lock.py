@@ -13,8 +13,12 @@ An earlier attempt of this same Slurm job (same job id, lower restart count: a r
 before the old allocation's processes ended) is waited for, up to `wait_s`, then refused. Anything
 else is refused with one line naming the holder. Readers (evaluation, `spice audit`) take no lock.
 
-Two takeovers of one stale lock at the same instant can both succeed in removing it; the O_EXCL
-create that follows still lets only one of them hold it (the other refuses or waits).
+On the same host the pid test is used only when the holder ran in this PID namespace (containers
+sharing a hostname do not see each other's pids): otherwise the heartbeat decides, as for another
+host. A takeover renames the stale lock aside (atomic) and checks the renamed file's token: if a
+concurrent takeover had already replaced it, that lock is put back and this run refuses, so two
+takeovers of one stale lock cannot both hold it. The heartbeat re-reads the token: a lock that is no
+longer this run's stops the run (RunLockLost) without writing more.
 """
 from __future__ import annotations
 
@@ -23,12 +27,13 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from spice_megatron.entry import UserError
 
@@ -44,6 +49,10 @@ class RunDirLocked(UserError, RuntimeError):
     """Another live process writes this run directory."""
 
 
+class RunLockLost(RunDirLocked):
+    """While this run held its directory, another run's lock replaced this run's."""
+
+
 @dataclass
 class Holder:
     host: str
@@ -53,6 +62,7 @@ class Holder:
     slurm_restart_count: int
     started: float
     token: str
+    pid_ns: str = ""  # /proc/self/ns/pid ("" where unknown: lock files written before it was recorded)
 
     def describe(self) -> str:
         job = f", Slurm job {self.slurm_job_id} (restart {self.slurm_restart_count})" if self.slurm_job_id else ""
@@ -87,12 +97,19 @@ def _pid_alive(pid: int, start: str) -> bool:
     return not start or not fields or fields[19] == start
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def this_holder() -> Holder:
     pid = os.getpid()
     return Holder(host=socket.gethostname(), pid=pid, pid_start=_pid_start(pid),
                   slurm_job_id=os.environ.get("SLURM_JOB_ID", ""),
                   slurm_restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-                  started=time.time(), token=secrets.token_hex(8))
+                  started=time.time(), token=secrets.token_hex(8), pid_ns=_pid_namespace())
 
 
 def _slurm_job_running(job_id: str) -> bool | None:
@@ -122,7 +139,7 @@ def holder_gone(holder: Holder | None, age: float, me: Holder) -> str:
     """Why the lock's holder no longer writes the directory ("" if it may still)."""
     if holder is None:  # a create killed before its JSON was written, or a damaged file
         return "the lock file is unreadable and older than its heartbeat" if age > STALE_AFTER_S else ""
-    if holder.host == me.host:
+    if holder.host == me.host and holder.pid_ns and holder.pid_ns == me.pid_ns:
         return "" if _pid_alive(holder.pid, holder.pid_start) else f"pid {holder.pid} is no longer running"
     if age > STALE_AFTER_S:
         return f"no heartbeat for {age:.0f} s"
@@ -148,10 +165,13 @@ def earlier_attempt(holder: Holder | None, me: Holder) -> bool:
 class RunLock:
     """`with RunLock(output_dir, wait_s):` holds the directory for the block (or acquire/release)."""
 
-    def __init__(self, output_dir: str, wait_s: float = 300.0) -> None:
+    def __init__(self, output_dir: str, wait_s: float = 300.0,
+                 on_lost: Callable[[str], None] | None = None) -> None:
         self.path = os.path.join(output_dir, LOCK_FILE)
         self.wait_s = wait_s
         self.me = this_holder()
+        self.on_lost = on_lost  # called once, from the heartbeat thread, with the one line
+        self.lost = ""
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
@@ -171,7 +191,7 @@ class RunLock:
                 if gone:
                     log.warning("run directory %s: taking over the lock of %s (%s)", os.path.dirname(self.path),
                                 holder.describe() if holder else "an unknown holder", gone)
-                    self._remove_if(holder)
+                    self._take_over(holder)
                     continue
                 if earlier_attempt(holder, self.me) and time.monotonic() < deadline:
                     if not waited:
@@ -189,17 +209,54 @@ class RunLock:
         self._beat = threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True)
         self._beat.start()
 
-    def _remove_if(self, holder: Holder | None) -> None:
+    def _take_over(self, stale: Holder | None) -> None:
+        """Move the stale lock aside; if what was moved is not the lock judged stale (another
+        takeover replaced it in between), put it back: its holder is live."""
+        aside = f"{self.path}.stale.{self.me.token}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        moved, _ = _read(aside)
+        if (moved.token if moved else None) == (stale.token if stale else None):
+            os.remove(aside)
+            return
+        try:  # link, unlike rename, never replaces a lock created meanwhile
+            os.link(aside, self.path)
+        except FileExistsError:  # a third run created one: the moved lock's heartbeat finds it and stops
+            log.warning("run directory %s: a concurrent takeover's lock could not be put back",
+                        os.path.dirname(self.path))
+        os.remove(aside)
+
+    def _remove_if(self, holder: Holder) -> None:
         """Remove the lock file if it still names `holder` (not a lock taken meanwhile)."""
         try:
             now, _ = _read(self.path)
-            if (now.token if now else None) == (holder.token if holder else None):
+            if now is not None and now.token == holder.token:
                 os.remove(self.path)
         except FileNotFoundError:
             pass
 
+    def _still_mine(self) -> str:
+        """"" while the lock file is this run's, else why it is not."""
+        try:
+            now, _ = _read(self.path)
+        except FileNotFoundError:
+            return "its lock file was removed"
+        if now is None or now.token == self.me.token:  # unreadable: a write in progress, judged next beat
+            return ""
+        return f"another run took it over: {now.describe()}"
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
+            lost = self._still_mine()
+            if lost:
+                self.lost = (f"run directory {os.path.dirname(self.path) or '.'}: {lost}; this run stops "
+                             "without writing more (lock file " + self.path + ")")
+                log.error("%s", self.lost)
+                if self.on_lost is not None:
+                    self.on_lost(self.lost)
+                return
             try:
                 os.utime(self.path)
             except OSError as e:  # the directory was removed under the run: nothing left to guard
@@ -210,7 +267,8 @@ class RunLock:
         if self._beat is not None:
             self._beat.join()
             self._beat = None
-            self._remove_if(self.me)
+            if not self.lost:
+                self._remove_if(self.me)
 
     def __enter__(self) -> RunLock:
         self.acquire()
@@ -243,7 +301,7 @@ def hold_run_dir(output_dir: str, wait_s: float, is_writer: bool, group,
     from spice_megatron.run_dir import UnsafeRunDir, prepare_run_dir, run_umask
 
     os.umask(run_umask(group_readable))
-    lock = RunLock(output_dir, wait_s) if is_writer else None
+    lock = RunLock(output_dir, wait_s, on_lost=_signal_main) if is_writer else None
     error: tuple[str, str] | None = None
     if lock is not None:
         try:
@@ -254,8 +312,34 @@ def hold_run_dir(output_dir: str, wait_s: float, is_writer: bool, group,
     error = broadcast_from_driver(error, group)
     if error:
         raise (UnsafeRunDir if error[0] == "UnsafeRunDir" else RunDirLocked)(error[1])
+    stops_main = lock is not None and threading.current_thread() is threading.main_thread()
+    if stops_main:
+        previous = signal.getsignal(LOST_SIGNAL)
+        signal.signal(LOST_SIGNAL, _raise_lost(lock, previous))
     try:
         yield
     finally:
         if lock is not None:
             lock.release()
+        if stops_main:
+            signal.signal(LOST_SIGNAL, previous if previous is not None else signal.SIG_DFL)
+
+
+# the heartbeat thread stops the run by raising RunLockLost in the main thread (rank 0; the other
+# ranks then fail as on any rank-0 error), through a signal only this block handles
+LOST_SIGNAL = signal.SIGUSR2
+
+
+def _signal_main(_line: str) -> None:
+    # to the main thread itself, so a blocking call there returns (EINTR) and the handler runs
+    if signal.getsignal(LOST_SIGNAL) not in (signal.SIG_DFL, signal.SIG_IGN, None):
+        signal.pthread_kill(threading.main_thread().ident, LOST_SIGNAL)
+
+
+def _raise_lost(lock: RunLock, previous):
+    def handler(signum, frame):
+        if lock.lost:
+            raise RunLockLost(lock.lost)
+        if callable(previous):
+            previous(signum, frame)
+    return handler

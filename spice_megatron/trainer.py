@@ -90,7 +90,8 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
 
     cfg.validate()
     cfg.run.model = resolve_model_dir(cfg.run.model)
-    layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    layout = init_distributed(cfg.parallel, seed=cfg.train.seed,
+                              expandable_segments=cfg.rollout.weight_transfer != "ipc")
     control = control_group(cfg.run.driver_timeout)
     with hold_run_dir(cfg.run.output_dir, cfg.run.lock_wait_s, layout.rank == 0, control, cfg.run.group_readable):
         return _train(cfg, layout.rank == 0, control, resume, eval_hook, resume_after_kill_switch)

@@ -5,14 +5,16 @@ import logging
 import os
 import socket
 import subprocess
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 
 import pytest
 
 from spice_megatron import run_lock
-from spice_megatron.run_lock import LOCK_FILE, RunDirLocked, RunLock, check_unlocked, this_holder
+from spice_megatron.run_lock import LOCK_FILE, RunDirLocked, RunLock, RunLockLost, check_unlocked, this_holder
 
 
 @pytest.fixture
@@ -129,16 +131,90 @@ def test_an_unreadable_lock_is_refused_until_its_heartbeat_is_old(tmp_path, no_s
         pass
 
 
-def test_the_heartbeat_keeps_the_lock_fresh_and_a_taken_lock_is_not_removed(tmp_path, no_slurm, monkeypatch):
+def test_the_heartbeat_keeps_the_lock_fresh_and_a_taken_lock_stops_the_run(tmp_path, no_slurm, monkeypatch):
     monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
-    lock = RunLock(str(tmp_path), wait_s=0)
+    lines = []
+    lock = RunLock(str(tmp_path), wait_s=0, on_lost=lines.append)
     lock.acquire()
     old = time.time() - 1000
     os.utime(tmp_path / LOCK_FILE, (old, old))
     time.sleep(0.3)
-    assert time.time() - os.stat(tmp_path / LOCK_FILE).st_mtime < 5
-    # someone took the lock over meanwhile (this holder was judged gone): release leaves theirs alone
+    assert time.time() - os.stat(tmp_path / LOCK_FILE).st_mtime < 5 and not lock.lost
+    # someone took the lock over meanwhile (this holder was judged gone): the heartbeat stops, one
+    # line names the new holder, and release leaves their lock alone
     other = replace(this_holder(), pid=1, token="theirs")
     (tmp_path / LOCK_FILE).write_text(json.dumps(asdict(other)))
+    deadline = time.monotonic() + 30
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lines == [lock.lost] and "another run took it over: pid 1" in lock.lost and LOCK_FILE in lock.lost
     lock.release()
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs"
+
+
+def test_a_lost_lock_raises_in_the_main_thread_of_the_run(tmp_path, no_slurm, monkeypatch):
+    from spice_megatron.policy import parallel
+
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(parallel, "broadcast_from_driver", lambda obj, group: obj)  # one rank, no group
+    before = signal.getsignal(run_lock.LOST_SIGNAL)
+    with pytest.raises(RunLockLost, match="another run took it over"):
+        with run_lock.hold_run_dir(str(tmp_path / "run"), 0, True, None):
+            other = replace(this_holder(), pid=1, token="theirs")
+            (tmp_path / "run" / LOCK_FILE).write_text(json.dumps(asdict(other)))
+            time.sleep(60)  # a blocking call: the signal ends it
+    assert signal.getsignal(run_lock.LOST_SIGNAL) == before
+
+
+def test_two_takeovers_of_one_stale_lock_leave_one_holder(tmp_path, no_slurm, monkeypatch):
+    """The review's forced interleaving: B judged the lock stale and is about to move it when A
+    takes it over and holds it; B must then find A's lock live and refuse."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _write_lock(tmp_path, pid=dead.pid, pid_start="", token="stale")
+    a, b = RunLock(str(tmp_path), wait_s=0), RunLock(str(tmp_path), wait_s=0)
+    a_holds, b_moving = threading.Event(), threading.Event()
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if threading.current_thread().name == "B":
+            b_moving.set()
+            a_holds.wait(10)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(run_lock.os, "rename", rename)
+    errors = []
+
+    def run_a():
+        b_moving.wait(10)
+        a.acquire()
+        a_holds.set()
+
+    def run_b():
+        try:
+            b.acquire()
+        except RunDirLocked as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run_a, name="A"), threading.Thread(target=run_b, name="B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert a._beat is not None and b._beat is None and len(errors) == 1
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == a.me.token
+        assert [p.name for p in tmp_path.iterdir()] == [LOCK_FILE]  # nothing left aside
+    finally:
+        a.release()
+
+
+def test_the_pid_test_needs_the_holders_pid_namespace(tmp_path, no_slurm):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    me = this_holder()
+    for ns in ("pid:[1]", ""):  # another container on this host, or a lock written before pid_ns
+        holder = replace(me, pid=dead.pid, pid_start="", pid_ns=ns)
+        assert run_lock.holder_gone(holder, 1.0, me) == ""  # a fresh heartbeat: live
+        assert "no heartbeat" in run_lock.holder_gone(holder, run_lock.STALE_AFTER_S + 5, me)
+    assert "no longer running" in run_lock.holder_gone(replace(me, pid=dead.pid, pid_start=""), 1.0, me)

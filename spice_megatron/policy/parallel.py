@@ -1,6 +1,7 @@
 """Process groups for the learner from the torchrun / srun environment."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -10,6 +11,8 @@ import torch.distributed as dist
 
 from spice_megatron.config import ConfigError, ParallelConfig
 from spice_megatron.policy import cpu_compat
+
+log = logging.getLogger("spice.parallel")
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,14 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
-def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int = 30) -> Layout:
+def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int = 30,
+                     expandable_segments: bool = True) -> Layout:
     """torch.distributed + megatron parallel state. Reads RANK/WORLD_SIZE/LOCAL_RANK (torchrun) or
-    SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun); a bare process is a world of one."""
+    SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID (srun); a bare process is a world of one.
+    `expandable_segments` False where CUDA IPC hands the learner's memory to another process (the
+    colocated ipc weight sync): an expandable segment is a VMM allocation, which the engine can only
+    open through pidfd_getfd (ptrace rights, refused in unprivileged containers and under Yama
+    ptrace_scope=1; ~9x slower per vLLM where allowed)."""
     from megatron.core import parallel_state as ps
 
     cfg.validate()
@@ -62,7 +70,12 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
         # RL micro-batches change length every step and fragment the caching allocator; its
         # expandable segments grow in place instead (read once, at CUDA's first allocation; a
         # setting of the user's is kept). tools/gpu_check.py allocator_fragmentation measures it.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        if expandable_segments:
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        elif "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+            log.warning("PYTORCH_CUDA_ALLOC_CONF=%s: the engines open the ipc weight sync's buffers through "
+                        "pidfd_getfd, which needs ptrace rights over this process (docs/cluster.md)",
+                        os.environ["PYTORCH_CUDA_ALLOC_CONF"])
         # modulo: a launcher that starts one task per node with CUDA_VISIBLE_DEVICES per task
         # leaves each task fewer devices than its local rank suggests
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
