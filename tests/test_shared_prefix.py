@@ -11,6 +11,7 @@ from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence
 from spice_megatron.policy.packing import (collate_packed, packed_microbatches, plan_packed,
                                            split_units_data_parallel)
+from spice_megatron.policy.shared_prefix import row_segments
 
 # (prompt length, completion lengths): groups of 3, 2, 1 (a prompt no other sequence shares) and 2
 GROUPS = [(5, [4, 2, 6]), (3, [3, 1]), (4, [5]), (6, [2, 3])]
@@ -59,6 +60,12 @@ def test_a_packed_row_holds_each_prompt_once_with_positions_of_the_unshared_sequ
         assert mb.rollout_logprobs[r, :len(x.completion_ids)].tolist() == pytest.approx(x.rollout_logprobs)
     padded = collate_packed(seqs, units, pad_to=8)
     assert padded.tokens.shape[1] % 8 == 0 and padded.token_mask.sum() == mb.tokens.shape[1]
+    # the pads under sequence parallelism (a row a multiple of 128 on GPU) are one attention
+    # segment, not one each: attention's cost does not grow with them
+    real = row_segments(mb.attention_mask)
+    padded = collate_packed(seqs, units, pad_to=128)
+    assert padded.tokens.shape[1] - mb.tokens.shape[1] > 64
+    assert row_segments(padded.attention_mask) == real + [(mb.tokens.shape[1], padded.tokens.shape[1]) * 2]
 
 
 def test_groups_stay_on_one_data_parallel_rank_and_a_long_group_is_split_with_its_prompt_again():
@@ -108,7 +115,7 @@ def test_a_completion_sees_its_prefix_and_itself_and_never_another_completion():
                                                                                                      generator=g)
     out = attention(q, k, v, mb.attention_mask.clone())
     # reference: a prefix token sees its prefix up to itself; a completion token its whole prefix
-    # and its own completion up to itself; a padding token itself
+    # and its own completion up to itself; a pad the pads up to itself
     prefix_start, prefix_end, own = mb.attention_mask.tolist()
     allowed = torch.zeros(s, s, dtype=torch.bool)
     for t in range(s):

@@ -98,7 +98,7 @@ def collate_packed(seqs: list[TrainSequence], units: list[list[int]], pad_id: in
                    old: dict[int, list[float]] | None = None, pad_to: int = 1, num_experts: int = 0) -> MicroBatch:
     """One packed row of `units` (lists of indices into `seqs` sharing a prompt); `old`: the old
     log-probs by sequence index. `pad_to`: the row's length is a multiple of it (sequence
-    parallelism), padded at the end with tokens that attend to themselves only."""
+    parallelism), padded at the end with tokens that attend to the pads only (one segment)."""
     tokens: list[int] = []
     positions: list[int] = []
     structure: list[tuple[int, int, int]] = []  # per position: prefix start, prefix end, own segment start
@@ -129,10 +129,10 @@ def collate_packed(seqs: list[TrainSequence], units: list[list[int]], pad_id: in
             routing_rows.append((own, i, p, len(body)))
     real = len(tokens)
     total = -(-real // pad_to) * pad_to
-    for t in range(real, total):
+    for t in range(real, total):  # the pads: one segment, causal over itself (never scored, never attended)
         tokens.append(pad_id)
         positions.append(0)
-        structure.append((t, t, t))
+        structure.append((real, total, real))
     b = len(members)
     width = max(len(seqs[i].completion_ids) for i in members)
     mask = torch.zeros((b, width), dtype=torch.float32)

@@ -3,10 +3,12 @@ positions and logits only where a token is scored.
 
 Core attention: Prefix Grouper's decomposition (arXiv 2506.05433): each prefix attends to itself
 causally, each completion attends over [its prefix; itself], causally in its own part; nothing else
-is computed, so a completion can never see another completion. Each piece is one call of torch's
-`scaled_dot_product_attention`: on GPU it dispatches the prefix pieces (no mask, `is_causal`) to
-its flash kernel and the completion pieces (a boolean mask) to its memory-efficient kernel; on
-CPU to its fused CPU kernel. It replaces megatron's core attention (local DotProductAttention or
+is computed, so a completion can never see another completion. q, k and v are split once into the
+row's segments (the pads at the row's end are one segment); each piece is one call of torch's
+`scaled_dot_product_attention` with its own grouped-query attention (K/V at their KV heads): a
+prefix causal over itself (`is_causal`), a completion over [prefix; own keys] with the causal
+bias aligned to the lower right (`causal_lower_right`: every prefix key, its own keys causally).
+On GPU both go to the flash kernel, with no mask in memory; on CPU to the fused CPU kernel. It replaces megatron's core attention (local DotProductAttention or
 TEDotProductAttention) in the layer spec; the q/k/v projections, rotary embedding and output
 projection stay megatron's, Transformer Engine's on GPU. A forward without a row structure
 (attention_mask None) is plain causal attention.
@@ -25,21 +27,22 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention.bias import causal_lower_right
 
 from spice_megatron.policy.batching import MicroBatch
 from spice_megatron.policy.logprobs import token_logprobs
 
-# a row structure tensor carries its parsed segments and their completion masks per device as an
-# attribute: built by the first layer that reads it, read by every other (and gone with the tensor)
+# a row structure tensor carries its parsed segments as an attribute: built by the first layer that
+# reads it, read by every other (and gone with the tensor)
 _PARSED = "_spice_segments"
 
 
 def row_segments(structure: torch.Tensor) -> list[tuple[int, int, int, int]]:
     """(prefix start, prefix end, segment start, segment end) of each run of positions that share
-    a prefix and a segment; a prefix (or a padding position) has segment start == prefix start."""
+    a prefix and a segment; a prefix (or the row's pads) has segment start == prefix start."""
     cached = getattr(structure, _PARSED, None)
     if cached is not None:
-        return cached["segments"]
+        return cached
     prefix_start, prefix_end, own = structure.tolist()
     segments: list[tuple[int, int, int, int]] = []
     t = 0
@@ -49,18 +52,8 @@ def row_segments(structure: torch.Tensor) -> list[tuple[int, int, int, int]]:
             end += 1
         segments.append((prefix_start[t], prefix_end[t], t, end))
         t = end
-    setattr(structure, _PARSED, {"segments": segments, "masks": {}})
+    setattr(structure, _PARSED, segments)
     return segments
-
-
-def _completion_mask(structure: torch.Tensor, prefix: int, n: int, device: torch.device) -> torch.Tensor:
-    """[n, prefix + n] bool: every prefix key, and the completion's own keys causally."""
-    masks = getattr(structure, _PARSED)["masks"]
-    key = (prefix, n, str(device))
-    if key not in masks:
-        own = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        masks[key] = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device), own], dim=1)
-    return masks[key]
 
 
 class SharedPrefixAttention(MegatronModule):
@@ -90,28 +83,34 @@ class SharedPrefixAttention(MegatronModule):
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("shared-prefix attention takes neither an attention bias nor packed_seq_params")
         s, b = query.shape[:2]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
-        if self.groups != self.heads:  # grouped-query attention: megatron's head order
-            k = k.repeat_interleave(self.heads // self.groups, dim=1)
-            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads (k, v: groups), s, d]
+        gqa = self.groups != self.heads  # SDPA's own grouped-query attention: megatron's head order
         p = self.dropout if self.training else 0.0
         if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=p)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, dropout_p=p,
+                                                 enable_gqa=gqa)
         else:
             if b != 1:
                 raise ValueError(f"a shared-prefix packed micro-batch is one row, got {b}")
+            segments = row_segments(attention_mask)
+            # one split per tensor (its backward is one cat), not a slice per segment (a row-sized
+            # gradient per slice); K/V stay at their KV heads, never expanded or copied per head
+            sizes = [end - start for _, _, start, end in segments]
+            qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
+            at = {start: i for i, (_, _, start, _) in enumerate(segments)}
             pieces = []
-            for prefix_start, prefix_end, start, end in row_segments(attention_mask):
-                if start == prefix_start:  # a prefix, causal over itself
-                    pieces.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end],
-                                                                 v[:, :, start:end], is_causal=True,
-                                                                 scale=self.scale, dropout_p=p))
+            for i, (prefix_start, prefix_end, start, end) in enumerate(segments):
+                if start == prefix_start:  # a prefix (or the pads), causal over itself
+                    pieces.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True,
+                                                                 scale=self.scale, dropout_p=p, enable_gqa=gqa))
                     continue
-                keys = torch.cat([k[:, :, prefix_start:prefix_end], k[:, :, start:end]], dim=2)
-                values = torch.cat([v[:, :, prefix_start:prefix_end], v[:, :, start:end]], dim=2)
-                mask = _completion_mask(attention_mask, prefix_end - prefix_start, end - start, q.device)
-                pieces.append(F.scaled_dot_product_attention(q[:, :, start:end], keys, values, attn_mask=mask,
-                                                             scale=self.scale, dropout_p=p))
+                j = at[prefix_start]
+                # every prefix key, the own keys causally: causal aligned to the lower right of the
+                # [n, prefix + n] scores, which torch dispatches to its flash kernel without a mask
+                bias = causal_lower_right(end - start, prefix_end - prefix_start + end - start)
+                pieces.append(F.scaled_dot_product_attention(
+                    qs[i], torch.cat([ks[j], ks[i]], dim=2), torch.cat([vs[j], vs[i]], dim=2), attn_mask=bias,
+                    scale=self.scale, dropout_p=p, enable_gqa=gqa))
             out = torch.cat(pieces, dim=2)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
