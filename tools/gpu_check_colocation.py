@@ -36,24 +36,31 @@ def check_optimizer_offload_round_trip(model_dir: str) -> tuple[bool | None, str
     from spice_megatron.bridge.export import gathered_hf_state_dict
     from spice_megatron.colocation import offload_learner, reload_learner
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy import learner as learner_module
     from spice_megatron.policy.learner import Learner
 
-    lr = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-3, adam_eps=1e-5, weight_decay=0.0,
-                                                                  use_distributed_optimizer=True,
-                                                                  cpu_offload_fraction=0.5),
-                         PolicyTrainConfig(max_gen_len=16, micro_batch_tokens=256, dtype="bf16"))
-    moved, views = [], []
-    offload_learner(lr)  # as the trainer does before the first rollouts
-    for _ in range(3):
-        reload_learner(lr)
-        before = gathered_hf_state_dict(lr)
-        lr.train_on_batch(batch())
-        after = gathered_hf_state_dict(lr)
-        moved.append(max((after[k].float() - before[k].float()).abs().max().item() for k in after))
-        groups = [p for opt in getattr(lr.optimizer, "chained_optimizers", [lr.optimizer])
-                  for g in opt.optimizer.param_groups for p in g["params"]]
-        views.append(_buffers_hold(lr.ddp, groups))
-        offload_learner(lr)
+    # without TE or apex the learner refuses megatron's torch distributed optimizer for its broken
+    # checkpoint restore, which this check never runs
+    learner_module.ALLOW_TORCH_DISTRIBUTED_OPTIMIZER = True
+    try:
+        lr = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-3, adam_eps=1e-5, weight_decay=0.0,
+                                                                      use_distributed_optimizer=True,
+                                                                      cpu_offload_fraction=0.5),
+                             PolicyTrainConfig(max_gen_len=16, micro_batch_tokens=256, dtype="bf16"))
+        moved, views = [], []
+        offload_learner(lr)  # as the trainer does before the first rollouts
+        for _ in range(3):
+            reload_learner(lr)
+            before = gathered_hf_state_dict(lr)
+            lr.train_on_batch(batch())
+            after = gathered_hf_state_dict(lr)
+            moved.append(max((after[k].float() - before[k].float()).abs().max().item() for k in after))
+            groups = [p for opt in getattr(lr.optimizer, "chained_optimizers", [lr.optimizer])
+                      for g in opt.optimizer.param_groups for p in g["params"]]
+            views.append(_buffers_hold(lr.ddp, groups))
+            offload_learner(lr)
+    finally:
+        learner_module.ALLOW_TORCH_DISTRIBUTED_OPTIMIZER = False
     free = torch.cuda.mem_get_info()[0] / 2**30
     ok = all(m > 0 for m in moved) and all(views)
     return ok, (f"weights moved per step {', '.join(f'{m:.1e}' for m in moved)} (broken: 0 after the first "

@@ -1,7 +1,8 @@
 """Running megatron-core 0.16.1 on a CPU-only torch build (tests, the CPU demo).
 
 Everything here is applied only when CUDA is unavailable; on a GPU machine each entry point is a
-no-op, so GPU behaviour never changes. What megatron-core needs on CPU (measured, see
+no-op, so GPU behaviour never changes, except one fix that a GPU without Transformer Engine needs
+as well (`_without_transformer_engine`). What megatron-core needs on CPU (measured, see
 shared/notes/megatron-core-on-cpu.md):
 - RoPE moves its frequencies to `torch.cuda.current_device()` unconditionally;
 - several buffers are allocated on `torch.cuda.current_device()`;
@@ -13,7 +14,6 @@ Mixture-of-experts layers, in addition (measured with a 2-layer Qwen3-MoE at EP=
   (no TE, no apex) refuse sequence parallelism; a norm is per token, so the only thing SP asks of
   it is TE's: mark its weight `sequence_parallel` so that finalize_model_grads sums its gradient
   over the TP ranks, each of which saw part of the sequence.
-- moe_utils names `te_general_gemm` only when Transformer Engine imports (NameError in the router);
 - recompute (megatron's CheckpointFunction) saves and restores the CUDA generator's state around
   the recomputed forward; on CPU the CPU generator, which it saves too, is the only one. The
   recomputed forward runs inside autograd's backward, where the torch-function mode that moves
@@ -39,6 +39,7 @@ _applied = False
 def apply() -> None:
     """Patch the process-wide call sites once (CPU only)."""
     global _applied
+    _without_transformer_engine()
     if not ON_CPU or _applied:
         return
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -103,8 +104,6 @@ class _HostStream:
 def _apply_moe() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # the router then takes its torch.mm branch
     host = _HostStream()
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host
     torch.cuda.current_stream = lambda *a, **k: host
@@ -113,6 +112,16 @@ def _apply_moe() -> None:
         return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
+def _without_transformer_engine() -> None:
+    """On any device: megatron's moe_utils names `te_general_gemm` only when Transformer Engine
+    imports, and its router calls it when it is not None: a NameError on a GPU without TE too
+    (measured on an H200, gpu_check's MoE rows). With TE this changes nothing."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # the router then takes its torch.mm branch
 
 
 def _cpu_device(d):
