@@ -113,10 +113,11 @@ def test_planner_expert_terms_by_hand():
     # dense optimizer state over DP=8, experts' over TP x DP / EP = 1 replica
     assert m.optimizer == pytest.approx((12 * dense / 8 + 12 * per_gpu_experts) / 2**30, rel=1e-6)
     # TE layers, SP over TP=2, fused SwiGLU: norm input + output 4h (twice), q/k norm inputs, flash
-    # attention's q, k, v and output, rope; per routed copy (k/TP per token) 4h of dispatch + combine,
-    # 4 ffn of SwiGLU input and 2 ffn of fc2 input
+    # attention's q, k, v and output, the shared-prefix pieces' outputs and log-sum-exps, rope; per
+    # routed copy (k/TP per token) 4h of dispatch + combine, 4 ffn of SwiGLU input and 2 ffn of fc2 input
     q, kv = 32 * 128, 4 * 128
     attention = 4 * h / 2 + 2 * (q + kv) / 2 + 2 * (q + 2 * kv) / 2 + 2 * q / 2 + 8 * 128 + 4 * h / 2
+    attention += 2 * q / 2 + 4 * 32 / 2
     per_token_layer = attention + k / 2 * (4 * h + 4 * ffn + 2 * ffn)
     assert m.activations == pytest.approx(per_token_layer * 8192 * 48 / 2**30, rel=1e-6)
     assert m.all_to_all_gib == pytest.approx(8192 / 2 * k * h * 2 * 2 * 3 * 15 / 16 * 48 / 2**30, rel=1e-6)
@@ -143,8 +144,9 @@ def test_planner_memory_terms_by_hand():
     assert m.gradients == pytest.approx(4 * params / 2**30, rel=1e-3)
     assert m.optimizer == pytest.approx(12 * params / 4 / 2**30, rel=1e-3)  # sharded over DP=4
     # TE, SP, fused SwiGLU: Korthikanti's 34h / TP for Qwen3-8B's widths (q = h, kv = h / 4, ffn = 3h),
-    # term by term: norms 8h, q/k norms 2.5h, flash q, k, v 3h, output 2h, rope 8 x 128, SwiGLU 12h, fc2 6h
-    assert m.activations == pytest.approx(34 * 4096 * 8192 * 36 / 2 / 2**30)
+    # term by term: norms 8h, q/k norms 2.5h, flash q, k, v 3h, output 2h, rope 8 x 128, SwiGLU 12h, fc2 6h;
+    # with shared-prefix packing (the default) 2h more for its pieces' outputs and 4 x 32 heads' log-sum-exps
+    assert m.activations == pytest.approx((36 * 4096 + 4 * 32) * 8192 * 36 / 2 / 2**30)
 
 
 def test_planner_refuses_with_numbers_and_chooses_larger_layouts():

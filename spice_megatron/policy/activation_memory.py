@@ -25,6 +25,7 @@ class ActivationFlags:
     recompute: str  # off | selective (recompute_modules) | full (every layer from its input)
     recompute_modules: tuple[str, ...]
     transformer_engine: bool  # TE's fused layers (GPU) or the local torch spec
+    shared_prefix: bool = False  # the core attention of shared-prefix packed rows (policy/shared_prefix.py)
 
     def megatron_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(sequence_parallel=self.sequence_parallel, bias_activation_fusion=self.fused_swiglu)
@@ -42,7 +43,7 @@ def activation_flags(parallel: ParallelConfig, train: PolicyTrainConfig, tp: int
     fused = train.fused_swiglu == "on" or (train.fused_swiglu == "auto" and on_gpu)
     return ActivationFlags(sequence_parallel=parallel.use_sequence_parallel and tp > 1, fused_swiglu=fused,
                            recompute=train.recompute, recompute_modules=tuple(train.recompute_modules),
-                           transformer_engine=transformer_engine)
+                           transformer_engine=transformer_engine, shared_prefix=train.use_shared_prefix)
 
 
 def activation_terms(spec, tp: int, flags: ActivationFlags, moe_layer: bool = False, etp: int = 1) -> dict[str, float]:
@@ -63,6 +64,10 @@ def activation_terms(spec, tp: int, flags: ActivationFlags, moe_layer: bool = Fa
         terms["q/k norm inputs"] = 2 * (q + kv) if spec.family.qk_norm else 0.0  # Qwen3's; Llama has none
         terms["flash attention q, k, v"] = 2 * (q + 2 * kv)
         terms["attention output (= projection input)"] = 2 * q
+        if flags.shared_prefix and "core_attn" not in selective:
+            # SDPA's own output pieces (a prefix's; a completion's piece is recomputed) beside the
+            # projection's input, which is their concatenation, and the fp32 log-sum-exps
+            terms["shared-prefix attention pieces + log-sum-exps"] = 2 * q + 4 * spec.num_heads / tp
         norm_key = "mlp norm input + output"
         mlp = {norm_key: 4 * seq}
     else:

@@ -8,7 +8,11 @@ row's segments (the pads at the row's end are one segment); each piece is one ca
 `scaled_dot_product_attention` with its own grouped-query attention (K/V at their KV heads): a
 prefix causal over itself (`is_causal`), a completion over [prefix; own keys] with the causal
 bias aligned to the lower right (`causal_lower_right`: every prefix key, its own keys causally).
-On GPU both go to the flash kernel, with no mask in memory; on CPU to the fused CPU kernel. It replaces megatron's core attention (local DotProductAttention or
+On GPU both go to the flash kernel, with no mask in memory; on CPU to the fused CPU kernel. A
+completion's piece is recomputed in the backward (torch's checkpoint, its inputs are views), so
+the [prefix; own] K/V it concatenates is never kept: what a row saves is q, k, v, the prefixes'
+outputs and the log-sum-exps, within the planner's attention terms; the recompute is the
+completions' attention forward again (a few % of a step). It replaces megatron's core attention (local DotProductAttention or
 TEDotProductAttention) in the layer spec; the q/k/v projections, rotary embedding and output
 projection stay megatron's, Transformer Engine's on GPU. A forward without a row structure
 (attention_mask None) is plain causal attention.
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
 
 from spice_megatron.policy.batching import MicroBatch
 from spice_megatron.policy.logprobs import token_logprobs
@@ -77,6 +82,9 @@ class SharedPrefixAttention(MegatronModule):
             scale /= max(1, layer_number)
         self.scale = scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # megatron recomputes this whole module (recompute_modules core_attn): nothing to save twice
+        self.recomputed = (getattr(config, "recompute_granularity", None) == "selective"
+                           and "core_attn" in (getattr(config, "recompute_modules", None) or []))
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -104,15 +112,23 @@ class SharedPrefixAttention(MegatronModule):
                     pieces.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True,
                                                                  scale=self.scale, dropout_p=p, enable_gqa=gqa))
                     continue
-                j = at[prefix_start]
-                # every prefix key, the own keys causally: causal aligned to the lower right of the
-                # [n, prefix + n] scores, which torch dispatches to its flash kernel without a mask
-                bias = causal_lower_right(end - start, prefix_end - prefix_start + end - start)
-                pieces.append(F.scaled_dot_product_attention(
-                    qs[i], torch.cat([ks[j], ks[i]], dim=2), torch.cat([vs[j], vs[i]], dim=2), attn_mask=bias,
-                    scale=self.scale, dropout_p=p, enable_gqa=gqa))
+                args = (qs[i], ks[at[prefix_start]], ks[i], vs[at[prefix_start]], vs[i], self.scale, p, gqa)
+                if torch.is_grad_enabled() and not self.recomputed:  # saves its inputs (views) alone
+                    pieces.append(checkpoint(_completion_attention, *args, use_reentrant=False))
+                else:
+                    pieces.append(_completion_attention(*args))
             out = torch.cat(pieces, dim=2)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+
+
+def _completion_attention(q, prefix_k, own_k, prefix_v, own_v, scale: float, dropout: float, gqa: bool):
+    """A completion's queries over [prefix; own] keys: every prefix key, the own keys causally, i.e.
+    causal aligned to the lower right of the [n, prefix + n] scores (torch dispatches it to its
+    flash kernel without a mask in memory)."""
+    n, total = q.shape[2], prefix_k.shape[2] + own_k.shape[2]
+    return F.scaled_dot_product_attention(q, torch.cat([prefix_k, own_k], dim=2), torch.cat([prefix_v, own_v], dim=2),
+                                          attn_mask=causal_lower_right(n, total), scale=scale, dropout_p=dropout,
+                                          enable_gqa=gqa)
 
 
 def with_shared_prefix_attention(layer_spec):
