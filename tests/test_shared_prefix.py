@@ -1,5 +1,7 @@
 """Shared-prefix packed micro-batches: the layout, the attention's isolation, and exactness against
 the unshared forward at one rank, TP=2, PP=2, DP=2 and a mixture-of-experts model at EP=2."""
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -147,29 +149,10 @@ def test_a_long_prefix_row_saves_what_the_planner_counts_for_attention():
     GQA 4) once saved 6.9x the planner's attention terms (K/V per query head, copied per completion,
     a mask each). Now what the backward keeps (each storage once, q/k/v included, plus the output the
     projection keeps) is within 1.3x of the planner's terms for the row's tokens."""
-    from spice_megatron.policy.activation_memory import ActivationFlags, activation_terms
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from bench_learner import long_prefix_saved
 
-    heads, groups, dim = 8, 2, 64
-    seqs = [TrainSequence(list(range(1, 2401)), list(range(300)), 1.0) for _ in range(3)]
-    mb = collate_packed(seqs, [[0, 1, 2]])
-    s = mb.tokens.shape[1]
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, 1, n, dim, generator=g, dtype=torch.bfloat16).requires_grad_()
-               for n in (heads, groups, groups))
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = _attention(heads, groups, dim).train()(q, k, v, mb.attention_mask)
-    saved = sum(storages.values()) + out.numel() * out.element_size()
-    spec = SimpleNamespace(hidden_size=heads * dim, head_dim=dim, num_heads=heads, num_kv_heads=groups,
-                           ffn_hidden_size=4 * heads * dim, family=SimpleNamespace(qk_norm=False))
-    terms = activation_terms(spec, 1, ActivationFlags(False, True, "off", (), True, shared_prefix=True))
-    planned = s * (terms["flash attention q, k, v"] + terms["attention output (= projection input)"]
-                   + terms["shared-prefix attention pieces + log-sum-exps"])
+    saved, planned, _ = long_prefix_saved(torch.bfloat16)
     assert 0.5 < saved / planned <= 1.3, f"saved {saved / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB"
 
 
