@@ -6,12 +6,18 @@
 # wheels built beforehand on a machine with PyPI access (bash tools/build_gpu_wheels.sh, ~20 MB) and
 # carried along. Not a nested venv: a venv made from a venv with --system-site-packages sees the
 # base interpreter's packages, not the parent venv's, and loses torch.
-#   bash tools/gpu_check.sh [--allow-cpu] [WHEEL_DIR]   (default: tools/gpu_wheels)
+#   bash tools/gpu_check.sh [--allow-cpu] [--only NAME,...] [WHEEL_DIR]   (default: tools/gpu_wheels)
 # Finishes in well under 8 minutes (the checks use a tiny Qwen3 and one 151,936-vocabulary pass).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ARGS=()
-if [ "${1:-}" = "--allow-cpu" ]; then ARGS+=(--allow-cpu); shift; fi
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --allow-cpu) ARGS+=(--allow-cpu); shift ;;
+    --only) ARGS+=(--only "${2:?--only needs check names}"); shift 2 ;;
+    *) break ;;
+  esac
+done
 WHEELS=${1:-tools/gpu_wheels}
 PY=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/spice_gpu_check_site}
@@ -19,7 +25,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "gpu_check env: FAIL $PY has no torch"
   exit 1
 fi
-if [ ${#ARGS[@]} -eq 0 ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [[ " ${ARGS[*]} " != *" --allow-cpu "* ]] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check env: FAIL $PY has no CUDA torch (--allow-cpu for the CPU smoke run)"
   exit 1
 fi
