@@ -35,6 +35,10 @@ log = logging.getLogger("spice.colocation")
 PHASES_FILE = "colocation.jsonl"
 
 
+class EngineNotAsleep(RuntimeError):
+    """A colocated engine that did not sleep holds GPU memory the learner's step needs."""
+
+
 def offload_learner(learner) -> None:
     """Gradient buffers and optimizer state to host memory; the weights stay (the sync reads them)."""
     if not torch.cuda.is_available():
@@ -122,13 +126,44 @@ class Colocation:
             return
         self.iteration, self._stats = iteration, {}
         self._phase("rollouts_done")
+        awake = ""
         if self.driver is not None:
             slept = self.driver.fleet.sleep(self.level)
             self._stats.update({"time/engines_sleep": slept["seconds"], "colocate/engine_gib_freed": slept["freed_gib"]})
             self._phase("engines_asleep", **slept)
-        broadcast_from_driver(None, self.control)  # no learner rank claims memory before the engines free it
+            awake = self._stop_awake_engines(slept["not_asleep"])
+        # no learner rank claims memory before the engines free it
+        awake = broadcast_from_driver(awake, self.control)
+        if awake:
+            raise EngineNotAsleep(awake)
         self._timed("time/learner_reload", reload_learner)
         self._phase("learner_resident")
+
+    def _stop_awake_engines(self, urls: list[str]) -> str:
+        """An engine that did not sleep still holds its share of the GPU: the driver kills the ones
+        it started (and waits for them to exit; they are restarted before the next sync). One the
+        driver cannot stop (a cluster's) ends the run rather than an out-of-memory step beside it."""
+        if not urls:
+            return ""
+        left = self.driver.kill_engines(urls)
+        if left:
+            return (f"rollout engine(s) {', '.join(left)} did not go to sleep and still hold their GPU memory: the "
+                    "learner's step cannot run beside them; the run stops (continue with --resume once they answer)")
+        log.warning("rollout engine(s) %s did not go to sleep: stopped, restarted before the next weight sync",
+                    ", ".join(urls))
+        return ""
+
+    def before_sync(self) -> None:
+        """A weight sync outside the iteration's turn (on resume, after engines were restarted,
+        which start fully awake): the engines hold their weights alone while it runs, as in the
+        iteration's sync phase; after_sync wakes their KV cache."""
+        if not self.enabled:
+            return
+        if self.driver is not None:
+            self.driver.fleet.sleep(self.level)
+            woke = self.driver.fleet.wake_up(["weights"])
+            self._phase("engines_weights_awake", **woke)
+        broadcast_from_driver(None, self.control)
 
     def after_step(self) -> None:
         if not self.enabled:
@@ -145,6 +180,9 @@ class Colocation:
     def after_sync(self) -> None:
         if not self.enabled:
             return
+        if torch.cuda.is_available():  # the sync's staging, broadcast and gather buffers, before the KV cache
+            torch.cuda.empty_cache()
+        broadcast_from_driver(None, self.control)  # every rank's cache is empty before the engines take it
         self._phase("weights_synced")
         if self.driver is not None:
             woke = self.driver.fleet.wake_up(["kv_cache"])

@@ -210,6 +210,17 @@ class Driver:
             self.fleet.wait_until_healthy()
         return restarted
 
+    def kill_engines(self, urls: list[str]) -> list[str]:
+        """Kill the engines at `urls` that this driver started and wait for their processes to end
+        (their GPU memory is free then; restart_dead_engines brings them back). Returns the urls it
+        cannot stop: a cluster's engines."""
+        mine = {e.url: e for e in self.engines}
+        for url in urls:
+            if url in mine:
+                log.warning("rollout engine %s: killing it", url)
+                mine[url].kill()
+        return [url for url in urls if url not in mine]
+
     def _cluster_engines_restarted(self) -> bool:
         """Engines a cluster started (slurm/rollout_node.sh restarts one that dies, on its port): one
         that is down is waited for (rollout.health_timeout), and one that came back holds the base

@@ -91,6 +91,9 @@ class DriverProcess:
             self.fleet.health()
         return restarted
 
+    def kill_engines(self, urls: list[str]) -> list[str]:
+        return self._call("kill_engines", urls)
+
     def recover_engines(self, why: str) -> str:
         reason = self._call("recover_engines", why)
         self.fleet.health()

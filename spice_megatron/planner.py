@@ -372,11 +372,15 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         staging = max(cfg.rollout.bucket_mb / 1024, largest)  # vLLM's packed IPC buffer (engine_weights.py)
         phases = {"train_phase_gib": mem.total + ENGINE_ASLEEP_GIB,
                   "rollout_phase_gib": resident + utilization * cluster.gpu_memory_gib,
-                  # the engine's share minus its KV cache: its weights and overhead, awake before the KV
-                  "sync_phase_gib": resident + utilization * cluster.gpu_memory_gib - em.kv_cache + staging + largest}
+                  # the engine's share minus its KV cache: its weights and overhead, awake before the KV;
+                  # the learner's staging buffer and largest gathered tensor; the engine's clone of a
+                  # received chunk (vLLM's packed IPC consumer copies each before loading it)
+                  "sync_phase_gib": resident + utilization * cluster.gpu_memory_gib - em.kv_cache + 2 * staging
+                  + largest}
         if phases["sync_phase_gib"] > budget:
             raise PlanError(f"colocated weight sync: the engine's weights ({em.weights:.1f} GiB) beside the learner's "
-                            f"{resident:.1f} GiB and the IPC buffers ({staging + largest:.1f} GiB) exceed {budget:.1f} GiB; "
+                            f"{resident:.1f} GiB and the IPC buffers ({2 * staging + largest:.1f} GiB) exceed "
+                            f"{budget:.1f} GiB; "
                             "raise rollout.engine_tensor_parallel")
         notes.append("colocated: the phases run one after another on every GPU; on-policy only (train.max_staleness=0)")
     if cfg.selfplay.challenger == "model" and not cfg.rollout.challenger_engines:

@@ -143,7 +143,9 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     weights = WeightSync(cfg, learner, driver, control)
     deliver = BatchDelivery(learner, control)
     if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
+        colocation.before_sync()
         weights.sync(state["version"])
+        colocation.after_sync()
 
     # At staleness 1 the rollouts of the next iteration run while the learner steps (step 1-4 of
     # iteration t+1 during 5 of t): `ready` is a finished batch waiting for the learner, `pending`
@@ -189,6 +191,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
             at = f"a checkpoint after iteration {done}" if done is not None else "the last checkpoint"
             raise EnginesLost(f"{reason}; the run stopped: continue from {at} with --resume")
         weights.reform()
+        colocation.before_sync()  # restarted engines start awake: their KV cache waits for the sync
 
     if is_driver and os.path.exists(kill_marker):  # from an earlier attempt, resumed past it on purpose
         os.remove(kill_marker)
@@ -218,6 +221,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
             if lost:  # every engine died: bring them back with the current weights, then roll out again
                 recover(lost, iteration)
                 weights.sync(version)
+                colocation.after_sync()
                 continue
             if abandoned:  # STOP during the rollouts: keep what the iterations before it did
                 stop_requested(iteration, version, f"abandoned iteration {iteration + 1} (STOP during its rollouts)")
@@ -245,6 +249,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
                 recover(lost, None)
             elif _broadcast(driver.restart_dead_engines() if driver else False, control):
                 weights.reform()
+                colocation.before_sync()
             sync = weights.sync(version)
             colocation.after_sync()
             iteration += 1

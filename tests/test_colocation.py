@@ -4,6 +4,7 @@ names (a HybridDeviceOptimizer cannot be built without CUDA). A move to float64 
 to the host, so what moved is visible on a CPU."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from spice_megatron.colocation import optimizer_to
@@ -59,3 +60,61 @@ def test_weights_in_param_groups_stay_and_fp32_main_weights_move():
     optimizer_to(SimpleNamespace(chained_optimizers=[_megatron(opt, precision_aware=False)]), MOVED)
     assert all(p.dtype == MOVED for p in main)
     assert all(s["exp_avg"].dtype == MOVED for s in opt.state.values())
+
+
+class _Fleet:
+    def __init__(self, not_asleep: list[str]):
+        self.calls: list[tuple] = []
+        self.not_asleep = not_asleep
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+        return {"seconds": 0.1, "freed_gib": 1.0, "requests_while_asleep": 0, "not_asleep": self.not_asleep}
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+        return {"seconds": 0.0, "taken_gib": 0.0, "requests_while_asleep": 0, "not_awake": []}
+
+
+class _Driver:
+    def __init__(self, fleet: _Fleet, cluster: list[str]):
+        self.fleet, self.cluster, self.killed = fleet, cluster, []
+
+    def kill_engines(self, urls):
+        self.killed += [u for u in urls if u not in self.cluster]
+        return [u for u in urls if u in self.cluster]
+
+
+def _colocation(monkeypatch, tmp_path, not_asleep=(), cluster=()):
+    from spice_megatron import colocation
+
+    monkeypatch.setattr(colocation, "broadcast_from_driver", lambda obj, group: obj)  # one rank
+    cfg = SimpleNamespace(run=SimpleNamespace(colocate=True, output_dir=str(tmp_path)),
+                          rollout=SimpleNamespace(sleep_level=1))
+    driver = _Driver(_Fleet(list(not_asleep)), list(cluster))
+    return colocation.Colocation(cfg, learner=None, driver=driver, control=None), driver
+
+
+def test_an_engine_that_did_not_sleep_never_shares_the_gpu_with_the_step(monkeypatch, tmp_path):
+    """GPU review 2 finding 3: a failed /sleep once left the engine awake beside the learner's step
+    (an out-of-memory step). The driver's own engine is killed (restarted before the next sync); a
+    cluster's, which the driver cannot stop, ends the run with one line naming it."""
+    from spice_megatron.colocation import EngineNotAsleep
+
+    colocation, driver = _colocation(monkeypatch, tmp_path, not_asleep=["http://node1:8000"])
+    colocation.before_step(1)
+    assert driver.killed == ["http://node1:8000"]
+    colocation, driver = _colocation(monkeypatch, tmp_path, not_asleep=["http://node1:8000"],
+                                     cluster=["http://node1:8000"])
+    with pytest.raises(EngineNotAsleep, match="http://node1:8000 did not go to sleep"):
+        colocation.before_step(1)
+
+
+def test_a_sync_outside_the_turn_runs_with_the_kv_cache_asleep(monkeypatch, tmp_path):
+    """The resume sync and the one after engines were restarted (they start awake) run as the
+    iteration's: engines hold their weights alone, and the KV cache wakes after the sync."""
+    colocation, driver = _colocation(monkeypatch, tmp_path)
+    driver.fleet.calls.clear()
+    colocation.before_sync()
+    colocation.after_sync()
+    assert driver.fleet.calls == [("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]

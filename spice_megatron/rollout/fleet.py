@@ -303,7 +303,7 @@ class RolloutFleet:
         """Every healthy engine sleeps (vLLM's sleep mode). An engine that does not answer is marked
         unhealthy and left to the restart before the next sync. Returns the slowest engine's
         seconds, the device memory freed (GiB) and the generate calls that reached an engine while
-        it slept (colocation sends none), summed over engines."""
+        it slept (colocation sends none), summed over engines, and the engines that did not sleep."""
         return self._sleep_or_wake("/sleep", {"level": level}, "freed_gib")
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, float]:
@@ -313,7 +313,7 @@ class RolloutFleet:
     def _sleep_or_wake(self, path: str, body: dict, memory: str) -> dict[str, float]:
         engines = [e for e in self.engines if e.healthy]
         futures = [(e, self._pool.submit(self._control, e, path, body)) for e in engines]
-        seconds, gib, early = 0.0, 0.0, 0
+        seconds, gib, early, failed = 0.0, 0.0, 0, []
         for e, f in futures:
             try:
                 answer = f.result()
@@ -321,10 +321,12 @@ class RolloutFleet:
                 with self._lock:
                     e.healthy, e.failures = False, e.failures + 1
                 log.warning("engine %s failed %s (%s); it is restarted before the next weight sync", e.url, path, err)
+                failed.append(e.url)
                 continue
             seconds, gib = max(seconds, float(answer.get("seconds", 0.0))), gib + float(answer.get(memory, 0.0))
             early += int(answer.get("requests_while_asleep", 0))
-        return {"seconds": seconds, memory: gib, "requests_while_asleep": early}
+        return {"seconds": seconds, memory: gib, "requests_while_asleep": early,
+                "not_asleep" if path == "/sleep" else "not_awake": failed}
 
     def stats(self) -> dict[str, dict]:
         return {e.url: {"healthy": e.healthy, "requests": e.requests, "failures": e.failures, "tokens": e.tokens,
