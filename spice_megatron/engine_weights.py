@@ -80,7 +80,7 @@ class WeightSync:
         if ro.weight_transfer == "nccl":
             return _nccl_transfer(self.host, port, receivers, self.client, self.source)
         if ro.weight_transfer == "ipc":
-            return _ipc_transfer(self.client, self.source, ro.bucket_mb * 2**20)
+            return _ipc_transfer(self.client, self.source, ro.bucket_mb * 2**20, self.control)
         info = SpiceTrainerInitInfo(self.host, port, self.learner.layout.pp, receivers, timeout_s=ro.sync_timeout,
                                     bucket_bytes=ro.bucket_mb * 2**20, rank=dist.get_rank())
         return SpiceTrainerTransfer.trainer_init(info, client=self.client, source=self.source)
@@ -111,7 +111,7 @@ class WeightSync:
             return f"{type(e).__name__}: {e}"
 
 
-def _ipc_transfer(client, source, buffer_bytes: int):
+def _ipc_transfer(client, source, buffer_bytes: int, control):
     """vLLM's built-in `ipc` trainer engine (distributed/weight_transfer/ipc_engine.py) for engines on
     the learner's own GPUs (run.colocate). What it requires of us, from its source:
     - a WeightSource iterated on every trainer rank with the same names in the same order: handles
@@ -125,12 +125,15 @@ def _ipc_transfer(client, source, buffer_bytes: int):
       1 GiB default, so the buffer is the larger of rollout.bucket_mb and the largest tensor;
     - no checksums of its own: rank 0's source checksums each tensor, the client adds them to every
       update and the engines (spice_ipc: vLLM's IPC engine, checked) compare as they load.
-    Only rank 0 drives the engines' control plane. GPU only, and vLLM must be importable in the
-    learner's environment (one image for both roles on a colocated node)."""
+    Only rank 0 drives the engines' control plane, and a failed send ends on every rank together
+    (bridge/ipc_sender.py). GPU only, and vLLM must be importable in the learner's environment (one
+    image for both roles on a colocated node)."""
     from spice_megatron.bridge.transfer import EveryRankSource
 
     try:
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        from spice_megatron.bridge.ipc_sender import AgreeingIPCTrainerEngine
     except ImportError as e:
         raise RuntimeError("rollout.weight_transfer=ipc: its trainer engine is vLLM's, and vLLM is not importable in "
                            "the learner's environment; a colocated node needs one image with both (docs/cluster.md)") from e
@@ -139,7 +142,7 @@ def _ipc_transfer(client, source, buffer_bytes: int):
         client.checksums = every.checksums
     info = IPCTrainerInitInfo(rank=dist.get_rank(), packed=True,
                               packed_buffer_size_bytes=max(buffer_bytes, every.largest_tensor_bytes))
-    return IPCTrainerWeightTransferEngine.trainer_init(info, client=client, source=every)
+    return AgreeingIPCTrainerEngine.trainer_init(info, client=client, source=every, control=control)
 
 
 def _nccl_transfer(host: str, port: int, receivers: int, client, source):
