@@ -102,7 +102,7 @@ class _HostStream:
 
 
 def _apply_moe() -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import token_dispatcher
 
     host = _HostStream()
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host
