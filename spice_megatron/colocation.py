@@ -110,9 +110,11 @@ class Colocation:
             if woke["seconds"]:
                 log.info("woke the rollout engines started asleep in %.1fs", woke["seconds"])
 
-    def _phase(self, name: str, **figures: float) -> None:
+    def _phase(self, name: str, **figures) -> None:
         if self.driver is None:
             return
+        if torch.cuda.is_available():  # rank 0's GPU, device-wide (as nvidia-smi): the planner's phases to compare
+            figures["gpu_free_gib"] = torch.cuda.mem_get_info()[0] / 2**30
         with open(self.path, "a") as f:
             f.write(json.dumps({"iteration": self.iteration, "phase": name, "time": time.time(), **figures}) + "\n")
 

@@ -112,7 +112,8 @@ def check_colocation(work: str) -> tuple[bool | None, str]:
     (engine_weights._ipc_transfer: the learner's whole-model source, packed) into the engine woken
     weights-first after a level-2 sleep, its KV cache woken after; vLLM's weight checksums and greedy
     log-probs equal a fresh engine's on the learner's exported weights; seconds of sleep, wake and
-    the transfer per GB. Needs vLLM (not in the lent machine's environment unless installed)."""
+    the transfer per GB; the device memory the sync phase holds after the send, before and after
+    the learner empties its cache, beside the planner's sync-phase buffers. Needs vLLM (not in the lent machine's environment unless installed)."""
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -152,10 +153,18 @@ def check_colocation(work: str) -> tuple[bool | None, str]:
                 client = fleet.sync_client()
                 client.version = "1"
                 source = MegatronStageSource(lrn)
-                transfer = _ipc_transfer(client, source, 64 * 2**20)
-                t0 = t()
+                control = torch.distributed.new_group(backend="gloo")  # the learner's control group
+                transfer = _ipc_transfer(client, source, 64 * 2**20, control)
+                f0, t0 = free(), t()
                 transfer.send_weights()
                 figures["ipc_s_per_gb"] = (t() - t0) / (source.nbytes / 1e9)
+                # what the sync phase still holds after the send (learner's staging buffer, the
+                # engine's chunk clone) against the planner's 2 x staging + largest tensor
+                staging = max(64 * 2**20, transfer.source.largest_tensor_bytes)
+                figures["sync_held_gib"] = f0 - free()
+                figures["sync_planned_gib"] = (2 * staging + transfer.source.largest_tensor_bytes) / 2**30
+                torch.cuda.empty_cache()  # as Colocation.after_sync
+                figures["after_sync_empty_cache_gib"] = f0 - free()
                 fleet.wake_up(["kv_cache"])
         (fresh,) = start_engines(exported, token, os.path.join(work, "logs"),
                                  [a for a in args if a != "--enable-sleep-mode"], [{}], timeout=400)
