@@ -25,9 +25,10 @@ def test_gpu_check_smoke_on_cpu():
     passed = {"versions_and_checksums", "bf16_hf_load_then_step", "logprobs_gpu_vs_cpu", "bf16_checkpoint_resume",
               "moe_bf16_hf_load_then_step", "moe_logprobs_gpu_vs_cpu", "weight_sync_gloo_to_cpu_receiver",
               "activation_memory_vs_planner", "concurrent_receive", "moe_routing_replay_round_trip",
-              "shared_prefix_vs_unshared"}
+              "shared_prefix_vs_unshared", "long_prefix_row_pad_to_128"}
     gpu_only = {"stream_handover", "weight_sync_nccl", "weight_sync_nccl_one_rank", "vocab_parallel_logprob_peak",
-                "allocator_fragmentation", "moe_vllm_routed_experts", "colocation_sleep_wake_ipc"}
+                "allocator_fragmentation", "moe_vllm_routed_experts", "colocation_sleep_wake_ipc",
+                "optimizer_offload_round_trip", "ipc_leg_learner_allocator"}
     assert verdicts == {**{k: "PASS" for k in passed}, **{k: "SKIP" for k in gpu_only}}
 
 
