@@ -180,7 +180,8 @@ def check_colocation(work: str) -> tuple[bool | None, str]:
         if fresh is not None:
             fresh.stop()
     shown = ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
-    ok = same_sums and gap < 1e-3 and figures["freed1_gib"] > 0 and figures["freed2_gib"] > 0
+    ok = (same_sums and gap < 1e-3 and figures["freed1_gib"] > 0 and figures["freed2_gib"] > 0
+          and figures["sync_held_gib"] <= figures["sync_planned_gib"])
     return ok, f"{shown}; checksums equal a fresh engine's {same_sums}; greedy |dlogp| max {gap:.2e}"
 
 
