@@ -15,9 +15,9 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from spice_megatron.entry import UserError
-from spice_megatron.config import ClusterConfig, ParallelConfig, PolicyTrainConfig, SpiceConfig
+from spice_megatron.config import ClusterConfig, ConfigError, ParallelConfig, PolicyTrainConfig, SpiceConfig
 from spice_megatron.policy.activation_memory import ActivationFlags, activation_flags, activation_terms
-from spice_megatron.policy.model import ModelSpec, model_spec_from_hf
+from spice_megatron.policy.model import ModelSpec, check_parallel_layout, model_spec_from_hf
 
 GiB = 2**30
 
@@ -298,6 +298,12 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     tokens = max(cfg.train.micro_batch_tokens, longest)
     fixed = not choose
     ep = cfg.parallel.expert_parallel if spec.moe is not None else 1
+    if fixed:  # what the learner would refuse is refused here, with its line
+        try:
+            check_parallel_layout(spec, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, ep,
+                                  cfg.parallel.expert_tensor_parallel if spec.moe is not None else 1)
+        except ConfigError as e:
+            raise PlanError(f"{e}: the learner refuses this layout") from None
     candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)] if fixed else
                   sorted(((tp, pp) for tp in _powers_of_two(min(8, cluster.gpus_per_node))
                           for pp in range(1, spec.num_layers + 1) if spec.num_layers % pp == 0),

@@ -165,6 +165,13 @@ def test_planner_refuses_with_numbers_and_chooses_larger_layouts():
     assert chosen.tp * chosen.pp >= 8 and chosen.learner.total <= 72
 
 
+def test_a_fixed_layout_the_learner_would_refuse_is_refused_by_the_planner():
+    cfg = get_recipe("qwen3_235b_a22b")
+    cfg.parallel.pipeline_parallel = 4  # 94 layers: once planned at 105.3 GiB per GPU
+    with pytest.raises(PlanError, match="parallel.pipeline_parallel: 4 does not divide num_hidden_layers=94"):
+        plan_layout(cfg)
+
+
 def test_step_time_estimate_shrinks_with_nodes():
     totals = []
     for nodes in (2, 4, 8):
