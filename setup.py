@@ -9,6 +9,7 @@ CORE = [
     "datasets>=4.0",
     "transformers>=4.57",
     "safetensors>=0.4",
+    "google-crc32c>=1.5",  # checkpoint manifests: hardware CRC-32C
     "numpy",
     "psutil",
     "tensorboard",

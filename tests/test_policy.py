@@ -243,6 +243,25 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes_exactly
         assert "step_00000001" in r["none_usable"] and "common.pt is missing" in r["none_usable"]
 
 
+def test_manifests_checksum_with_crc32c_and_older_crc32_manifests_still_verify(tmp_path, monkeypatch):
+    import zlib
+
+    from spice_megatron.policy import checkpoint
+    from spice_megatron.policy.checkpoint import _file_entry, verify_checkpoint
+
+    (tmp_path / "a.distcp").write_bytes(b"x" * 100)
+    entry = _file_entry(str(tmp_path / "a.distcp"))
+    assert set(entry) == {"size", "crc32c"}  # google-crc32c is a dependency
+    old = {"size": 100, "crc32": zlib.crc32(b"x" * 100)}  # a manifest written before CRC-32C
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": {"a.distcp": old}}))
+    assert verify_checkpoint(str(tmp_path)) == ""
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": {"a.distcp": entry}}))
+    assert verify_checkpoint(str(tmp_path)) == ""
+    monkeypatch.setattr(checkpoint, "_crc32c_extend", lambda: None)  # an environment without it
+    assert "install google-crc32c to verify" in verify_checkpoint(str(tmp_path))
+    assert set(_file_entry(str(tmp_path / "a.distcp"))) == {"size", "crc32"}
+
+
 def test_verify_checkpoint_names_the_file_that_differs_from_the_manifest(tmp_path):
     from spice_megatron.policy.checkpoint import _file_entry, verify_checkpoint
 
