@@ -170,7 +170,7 @@ class RunLock:
         self.path = os.path.join(output_dir, LOCK_FILE)
         self.wait_s = wait_s
         self.me = this_holder()
-        self.on_lost = on_lost  # called once, from the heartbeat thread, with the one line
+        self.on_lost = on_lost  # called from the heartbeat thread with the one line, each beat once lost
         self.lost = ""
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -223,9 +223,9 @@ class RunLock:
             return
         try:  # link, unlike rename, never replaces a lock created meanwhile
             os.link(aside, self.path)
-        except FileExistsError:  # a third run created one: the moved lock's heartbeat finds it and stops
-            log.warning("run directory %s: a concurrent takeover's lock could not be put back",
-                        os.path.dirname(self.path))
+        except OSError as e:  # a third run created one (or no hard links here): the moved lock's heartbeat stops it
+            log.warning("run directory %s: a concurrent takeover's lock could not be put back (%s)",
+                        os.path.dirname(self.path), e)
         os.remove(aside)
 
     def _remove_if(self, holder: Holder) -> None:
@@ -249,14 +249,16 @@ class RunLock:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            lost = self._still_mine()
-            if lost:
-                self.lost = (f"run directory {os.path.dirname(self.path) or '.'}: {lost}; this run stops "
-                             "without writing more (lock file " + self.path + ")")
-                log.error("%s", self.lost)
+            if not self.lost:
+                lost = self._still_mine()
+                if lost:
+                    self.lost = (f"run directory {os.path.dirname(self.path) or '.'}: {lost}; this run stops "
+                                 "without writing more (lock file " + self.path + ")")
+                    log.error("%s", self.lost)
+            if self.lost:  # every beat until the run has stopped: a broad `except` may have caught one
                 if self.on_lost is not None:
                     self.on_lost(self.lost)
-                return
+                continue
             try:
                 os.utime(self.path)
             except OSError as e:  # the directory was removed under the run: nothing left to guard

@@ -147,7 +147,7 @@ def test_the_heartbeat_keeps_the_lock_fresh_and_a_taken_lock_stops_the_run(tmp_p
     deadline = time.monotonic() + 30
     while not lines and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert lines == [lock.lost] and "another run took it over: pid 1" in lock.lost and LOCK_FILE in lock.lost
+    assert set(lines) == {lock.lost} and "another run took it over: pid 1" in lock.lost and LOCK_FILE in lock.lost
     lock.release()
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "theirs"
 
@@ -162,7 +162,11 @@ def test_a_lost_lock_raises_in_the_main_thread_of_the_run(tmp_path, no_slurm, mo
         with run_lock.hold_run_dir(str(tmp_path / "run"), 0, True, None):
             other = replace(this_holder(), pid=1, token="theirs")
             (tmp_path / "run" / LOCK_FILE).write_text(json.dumps(asdict(other)))
-            time.sleep(60)  # a blocking call: the signal ends it
+            try:
+                time.sleep(60)  # a blocking call: the signal ends it
+            except Exception:  # noqa: BLE001 - a broad except (a sync's retry) swallows the first
+                pass
+            time.sleep(60)  # the next beat raises again
     assert signal.getsignal(run_lock.LOST_SIGNAL) == before
 
 
