@@ -23,7 +23,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from gpu_check_colocation import check_ipc_leg, check_long_prefix_row, check_optimizer_offload_round_trip  # noqa: E402
+from gpu_check_colocation import (check_colocation, check_ipc_leg, check_long_prefix_row,  # noqa: E402
+                                  check_optimizer_offload_round_trip)
 from gpu_tiny import TINY, TINY_MOE, batch, learner, make_tiny_qwen3  # noqa: E402
 
 
@@ -104,85 +105,6 @@ def check_vllm_routed_experts(moe_dir: str) -> tuple[bool | None, str]:
     del llm
     torch.cuda.empty_cache()
     return shapes_ok and agree > 0.99, f"shapes and uint8 {shapes_ok}; learner's top-2 equal vLLM's for {agree:.1%} of (token, layer)"
-
-
-def check_colocation(work: str) -> tuple[bool | None, str]:
-    """run.colocate on one GPU: a vLLM engine in sleep mode beside a bf16 learner. The device memory
-    freed by sleep level 1 and 2 and taken back by each wake; then vLLM's CUDA IPC weight transfer
-    (engine_weights._ipc_transfer: the learner's whole-model source, packed) into the engine woken
-    weights-first after a level-2 sleep, its KV cache woken after; vLLM's weight checksums and greedy
-    log-probs equal a fresh engine's on the learner's exported weights; seconds of sleep, wake and
-    the transfer per GB; the device memory the sync phase holds after the send, before and after
-    the learner empties its cache, beside the planner's sync-phase buffers. Needs vLLM (not in the lent machine's environment unless installed)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return None, "vLLM is not installed in this environment"
-    from spice_megatron.bridge.convert import save_hf_checkpoint
-    from spice_megatron.bridge.transfer import MegatronStageSource
-    from spice_megatron.engine_weights import _ipc_transfer
-    from spice_megatron.offline_assets import make_tiny_engine_model
-    from spice_megatron.rollout.fleet import RolloutFleet
-    from spice_megatron.rollout.local import start_engines
-    from spice_megatron.rollout.types import SamplingSpec
-
-    model_dir = make_tiny_engine_model(os.path.join(work, "tiny_engine_qwen3"), "qwen3", seed=4)  # with a tokenizer
-    lrn = learner(model_dir, "bf16", 1e-3)
-    lrn.train_on_batch(batch())  # weights that differ from the engine's
-    exported = os.path.join(work, "colocated_learner_hf")
-    save_hf_checkpoint(lrn, exported, model_dir)
-    token = "gpu-check"
-    args = ["--gpu-memory-utilization", "0.25", "--max-model-len", "256", "--enforce-eager",
-            "--weight-transfer", "ipc", "--enable-sleep-mode"]
-    os.environ["SPICE_ROLLOUT_TOKEN"] = token
-    (engine,) = start_engines(model_dir, token, os.path.join(work, "logs"), args, [{}], timeout=400)
-    fresh = None
-    try:
-        fleet = RolloutFleet([engine.url], token)
-        fleet.health()
-        free = lambda: torch.cuda.mem_get_info(0)[0] / 2**30  # noqa: E731 - device-wide, as nvidia-smi
-        figures, t = {}, time.perf_counter
-        for level in (1, 2):
-            f0, t0 = free(), t()
-            fleet.sleep(level)
-            figures[f"sleep{level}_s"], figures[f"freed{level}_gib"] = t() - t0, free() - f0
-            f0, t0 = free(), t()
-            fleet.wake_up(["weights"] if level == 2 else None)
-            figures[f"wake{level}_s"], figures[f"taken{level}_gib"] = t() - t0, f0 - free()
-            if level == 2:  # the weights were discarded: the transfer refills them before the KV cache wakes
-                client = fleet.sync_client()
-                client.version = "1"
-                source = MegatronStageSource(lrn)
-                control = torch.distributed.new_group(backend="gloo")  # the learner's control group
-                transfer = _ipc_transfer(client, source, 64 * 2**20, control)
-                f0, t0 = free(), t()
-                transfer.send_weights()
-                figures["ipc_s_per_gb"] = (t() - t0) / (source.nbytes / 1e9)
-                # what the sync phase still holds after the send (learner's staging buffer, the
-                # engine's chunk clone) against the planner's 2 x staging + largest tensor
-                staging = max(64 * 2**20, transfer.source.largest_tensor_bytes)
-                figures["sync_held_gib"] = f0 - free()
-                figures["sync_planned_gib"] = (2 * staging + transfer.source.largest_tensor_bytes) / 2**30
-                torch.cuda.empty_cache()  # as Colocation.after_sync
-                figures["after_sync_empty_cache_gib"] = f0 - free()
-                fleet.wake_up(["kv_cache"])
-        (fresh,) = start_engines(exported, token, os.path.join(work, "logs"),
-                                 [a for a in args if a != "--enable-sleep-mode"], [{}], timeout=400)
-        fresh_fleet = RolloutFleet([fresh.url], token)
-        same_sums = fleet.weight_checksums() == fresh_fleet.weight_checksums()
-        spec = SamplingSpec(n=1, temperature=0.0, max_tokens=8, logprobs=True)
-        prompts = [x.prompt_ids for x in batch()]
-        a = [c[0].logprobs for c in fleet.generate(prompts, spec)]
-        b = [c[0].logprobs for c in fresh_fleet.generate(prompts, spec)]
-        gap = max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p, q))
-    finally:
-        engine.stop()
-        if fresh is not None:
-            fresh.stop()
-    shown = ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
-    ok = (same_sums and gap < 1e-3 and figures["freed1_gib"] > 0 and figures["freed2_gib"] > 0
-          and figures["sync_held_gib"] <= figures["sync_planned_gib"])
-    return ok, f"{shown}; checksums equal a fresh engine's {same_sums}; greedy |dlogp| max {gap:.2e}"
 
 
 # ----------------------------------------------------------------------------- checks
