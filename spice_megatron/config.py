@@ -305,6 +305,11 @@ class PolicyTrainConfig:
     # auto: on wherever it is exact, i.e. unless moe_aux_loss_coeff > 0 (the load-balancing loss
     # counts tokens, and a shared prompt is counted once); on; off: one padded row per sequence
     shared_prefix: str = "auto"
+    # its core attention: sdpa (torch's scaled_dot_product_attention per segment, flash on GPU) or
+    # flex (FlexAttention: one compiled call per layer, its block mask built once per micro-batch;
+    # GPU only: torch has no FlexAttention backward on CPU). sdpa until a GPU measures the two
+    # (tools/gpu_check.sh: long_prefix_row_pad_to_128 prints both)
+    shared_prefix_kernel: str = "sdpa"
 
     @property
     def use_shared_prefix(self) -> bool:
@@ -341,6 +346,7 @@ class PolicyTrainConfig:
         _require(self.moe_aux_loss_coeff >= 0, f"{prefix}.moe_aux_loss_coeff", "must be >= 0 (0: off)")
         _require(self.routing_replay in ("auto", "on", "off"), f"{prefix}.routing_replay", "must be auto, on or off")
         _require(self.shared_prefix in ("auto", "on", "off"), f"{prefix}.shared_prefix", "must be auto, on or off")
+        _require(self.shared_prefix_kernel in ("sdpa", "flex"), f"{prefix}.shared_prefix_kernel", "must be sdpa or flex")
 
 
 @dataclass

@@ -95,13 +95,37 @@ def test_mini_batches_hold_whole_groups_dealt_round_robin():
     assert minibatch_split(seqs[:2], 2) == [[0], [1]]  # fewer groups than steps: seqs[j::k]
 
 
-def _attention(heads=2, groups=1, dim=4):
+def _attention(heads=2, groups=1, dim=4, kernel="sdpa"):
     from spice_megatron.policy.shared_prefix import SharedPrefixAttention
 
     config = SimpleNamespace(context_parallel_size=1, num_attention_heads=heads, num_query_groups=groups,
                              kv_channels=dim, apply_query_key_layer_scaling=False, attention_dropout=0.0)
     tp = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
-    return SharedPrefixAttention(config, layer_number=1, pg_collection=tp).eval()
+    return SharedPrefixAttention(config, layer_number=1, pg_collection=tp, kernel=kernel).eval()
+
+
+def test_the_flex_kernel_computes_what_the_sdpa_kernel_does():
+    """train.shared_prefix_kernel=flex: one FlexAttention call per layer over the row's block mask.
+    Forward only on CPU (torch has no FlexAttention backward there; the learner refuses flex
+    without a GPU); GQA, several groups and the pads of pad_to=8."""
+    from spice_megatron.policy.model import build_policy_model
+
+    seqs = groups_batch()
+    (units,) = plan_packed(seqs, list(range(len(seqs))), token_budget=1000)
+    mb = collate_packed(seqs, units, pad_to=8)
+    s = mb.tokens.shape[1]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, 1, n, 8, generator=g) for n in (4, 2, 2))
+    with torch.no_grad():
+        sdpa = _attention(4, 2, 8)(q, k, v, mb.attention_mask.clone())
+        flex = _attention(4, 2, 8, kernel="flex")(q, k, v, mb.attention_mask.clone())
+    real = int(mb.token_mask.sum())
+    assert (flex[:real] - sdpa[:real]).abs().max() < 1e-5
+    with pytest.raises(ConfigError, match="train.shared_prefix_kernel: flex needs a GPU"):
+        build_policy_model(None, None, PolicyTrainConfig(shared_prefix="on", shared_prefix_kernel="flex"), None,
+                           torch.float32, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="train.shared_prefix_kernel"):
+        PolicyTrainConfig(shared_prefix_kernel="flash").validate()
 
 
 def test_a_completion_sees_its_prefix_and_itself_and_never_another_completion():

@@ -246,9 +246,9 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False):
+def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: str = "sdpa"):
     """megatron's layer spec for the family (Transformer Engine's on GPU); `shared_prefix`: with
-    the core attention of shared-prefix packed rows (policy/shared_prefix.py)."""
+    the core attention of shared-prefix packed rows (policy/shared_prefix.py), through `kernel`."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec.moe is not None:  # per layer, experts or the dense MLP as tconfig.moe_layer_freq says
@@ -261,14 +261,15 @@ def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False):
     if shared_prefix:
         from spice_megatron.policy.shared_prefix import with_shared_prefix_attention
 
-        out = with_shared_prefix_attention(out)
+        out = with_shared_prefix_attention(out, kernel)
     return out
 
 
-def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool, shared_prefix: bool = False):
+def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool, shared_prefix: bool = False,
+                kernel: str = "sdpa"):
     from megatron.core.models.gpt import GPTModel
 
-    kwargs = dict(config=tconfig, transformer_layer_spec=layer_spec(spec, tconfig, shared_prefix),
+    kwargs = dict(config=tconfig, transformer_layer_spec=layer_spec(spec, tconfig, shared_prefix, kernel),
                   vocab_size=spec.vocab_size,
                   max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
                   post_process=post_process, share_embeddings_and_output_weights=spec.tied_embeddings,
@@ -287,12 +288,16 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
     from spice_megatron.policy import cpu_compat
     from spice_megatron.policy.activation_memory import activation_flags
 
+    if train.use_shared_prefix and train.shared_prefix_kernel == "flex" and not torch.cuda.is_available():
+        raise ConfigError("train.shared_prefix_kernel: flex needs a GPU (torch has no FlexAttention backward on "
+                          "CPU); use sdpa")
     flags = activation_flags(parallel, train, layout.tp, torch.cuda.is_available(), have_transformer_engine())
     tconfig = transformer_config(spec, layout.tp, layout.pp, dtype, ep=layout.ep, etp=layout.etp,
                                  aux_loss_coeff=train.moe_aux_loss_coeff, routing_replay=spec.moe is not None,
                                  **flags.megatron_kwargs(), **overrides)
     with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
-        model = build_model(spec, tconfig, layout.is_first_stage, layout.is_last_stage, train.use_shared_prefix)
+        model = build_model(spec, tconfig, layout.is_first_stage, layout.is_last_stage, train.use_shared_prefix,
+                            train.shared_prefix_kernel)
     # Uniformly in the training dtype, as megatron's Float16Module makes it: the local layer spec (no
     # Transformer Engine) builds its RMSNorms in fp32 next to bf16 linears, and the bf16 optimizer's
     # checkpoint mapping cannot handle the mix. (TE builds norms in bf16.)

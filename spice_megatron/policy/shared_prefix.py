@@ -67,7 +67,7 @@ class SharedPrefixAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa"):
         super().__init__(config=config)
         from megatron.core import parallel_state as ps
 
@@ -82,6 +82,9 @@ class SharedPrefixAttention(MegatronModule):
             scale /= max(1, layer_number)
         self.scale = scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.kernel = kernel  # train.shared_prefix_kernel
+        if kernel == "flex" and self.dropout:
+            raise ValueError("train.shared_prefix_kernel: flex has no attention dropout; use sdpa")
         # megatron recomputes this whole module (recompute_modules core_attn): nothing to save twice
         self.recomputed = (getattr(config, "recompute_granularity", None) == "selective"
                            and "core_attn" in (getattr(config, "recompute_modules", None) or []))
@@ -100,6 +103,10 @@ class SharedPrefixAttention(MegatronModule):
         else:
             if b != 1:
                 raise ValueError(f"a shared-prefix packed micro-batch is one row, got {b}")
+            if self.kernel == "flex":
+                out = _flex()(q, k, v, block_mask=_block_mask(attention_mask, q.device), scale=self.scale,
+                              enable_gqa=gqa)
+                return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
             segments = row_segments(attention_mask)
             # one split per tensor (its backward is one cat), not a slice per segment (a row-sized
             # gradient per slice); K/V stay at their KV heads, never expanded or copied per head
@@ -121,6 +128,39 @@ class SharedPrefixAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
 
+_FLEX = {}
+
+
+def _flex():
+    """torch's flex_attention, compiled on a GPU (its eager form is a reference implementation that
+    materialises the scores), as is on CPU (forward only there)."""
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
+    return _FLEX["fn"]
+
+
+def _block_mask(structure: torch.Tensor, device: torch.device):
+    """The row's FlexAttention block mask, built once per micro-batch and device: a query sees its
+    prefix whole if it is a completion's, and its own segment up to itself (a prefix, or the pads,
+    causally over itself). Fully masked blocks are skipped by the kernel."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    cache = structure.__dict__.setdefault("_spice_block_mask", {})
+    if str(device) not in cache:
+        prefix_start, prefix_end, own = structure.to(device=device, dtype=torch.int64)
+        completion = own != prefix_start
+
+        def visible(b, h, q, kv):
+            in_prefix = (kv >= prefix_start[q]) & (kv < prefix_end[q]) & completion[q]
+            return in_prefix | ((kv >= own[q]) & (kv <= q))
+
+        n = structure.shape[1]
+        cache[str(device)] = create_block_mask(visible, None, None, n, n, device=device)
+    return cache[str(device)]
+
+
 def _completion_attention(q, prefix_k, own_k, prefix_v, own_v, scale: float, dropout: float, gqa: bool):
     """A completion's queries over [prefix; own] keys: every prefix key, the own keys causally, i.e.
     causal aligned to the lower right of the [n, prefix + n] scores (torch dispatches it to its
@@ -131,14 +171,17 @@ def _completion_attention(q, prefix_k, own_k, prefix_v, own_v, scale: float, dro
                                           enable_gqa=gqa)
 
 
-def with_shared_prefix_attention(layer_spec):
+def with_shared_prefix_attention(layer_spec, kernel: str = "sdpa"):
     """A copy of a GPT layer spec (or a decoder block spec's layers) with this core attention."""
     import copy
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = copy.deepcopy(layer_spec)
     layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]
     for layer in layers:
-        layer.submodules.self_attention.submodules.core_attention = SharedPrefixAttention
+        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(module=SharedPrefixAttention,
+                                                                               params={"kernel": kernel})
     return spec
 
 
