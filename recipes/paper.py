@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from spice_megatron.config import (ClusterConfig, CorpusConfig, OptimConfig, ParallelConfig, PolicyTrainConfig,
+from spice_megatron.config import (GPU_PARTS, ClusterConfig, CorpusConfig, OptimConfig, ParallelConfig, PolicyTrainConfig,
                                    RolloutConfig, RunConfig, SelfPlayConfig, SourceConfig, SpiceConfig)
 
 # The paper's corpus (SPICE.md, corrected): raw documents, 50% Nemotron-CC-Math and 50% general
@@ -52,8 +52,7 @@ MAX_MODEL_LEN = 12288
 
 
 def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: int, pp: int, engine_tp: int,
-                 template: str, micro_batch_tokens: int = 8192, gpu_memory_gib: float = 80.0,
-                 ep: int = 1) -> SpiceConfig:
+                 template: str, micro_batch_tokens: int = 8192, gpu: str = "h100", ep: int = 1) -> SpiceConfig:
     """Algorithm 1 as published: the selection + JSON protocol, challenger groups of G=8 per document
     (invalid attempts trained, advantages centred per document), the family's prompt template, and
     updates of 128 trajectories (an iteration's ~2,048 in ~16 optimiser steps, PPO clip after the first)."""
@@ -77,7 +76,8 @@ def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: i
                                 trajectories_per_update=128, importance_sampling="on", tis_cap=2.0),
         rollout=RolloutConfig(max_model_len=MAX_MODEL_LEN, engine_tensor_parallel=engine_tp, request_timeout=3600.0,
                               chunk_size=256, bucket_mb=1024),
-        cluster=ClusterConfig(nodes=nodes, gpus_per_node=8, gpu_memory_gib=gpu_memory_gib, learner_nodes=learner_nodes),
+        cluster=ClusterConfig(nodes=nodes, gpus_per_node=8, gpu_memory_gib=GPU_PARTS[gpu][0], learner_nodes=learner_nodes,
+                              gpu=gpu),
     )
 
 
@@ -168,7 +168,7 @@ def qwen3_235b_a22b() -> SpiceConfig:
     attention recomputed (126.1 GiB of 126.9 planned; 129.2 without)."""
     return _recompute_core_attention(_engine_experts(paper_config(
         "qwen3_235b_a22b", "Qwen/Qwen3-235B-A22B", nodes=24, learner_nodes=16, tp=4, pp=2, ep=16, engine_tp=8,
-        template="qwen3", gpu_memory_gib=141.0)))
+        template="qwen3", gpu="h200")))
 
 
 # The paper's "Strong Challenger" baseline (and its figure 4a ablation): a fixed Qwen3-32B writes the

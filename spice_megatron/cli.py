@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import replace
 
+from spice_megatron.config import GPU_PARTS
 from spice_megatron.entry import ArgumentParser, UserError, call_entry_point, require_dir
 from spice_megatron.preflight import looks_like_local_path
 
@@ -59,12 +60,14 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Check a recipe's layout against a cluster (or choose one) and estimate its step time."""
     from recipes import resolve_recipe
-    from spice_megatron.planner import (Throughput, choose_plan, compare_placements, estimate_step_time, model_spec,
+    from spice_megatron.planner import (choose_plan, compare_placements, estimate_step_time, model_spec,
                                         plan_layout)
 
     cfg = resolve_recipe(args.recipe, args.overrides)
     if args.nodes is not None and args.learner_nodes is None:
         cfg.cluster.learner_nodes = 0  # another node count: split it in half
+    if args.gpu is not None:  # another part: its memory unless --gpu-memory-gib says otherwise
+        cfg.cluster.gpu, cfg.cluster.gpu_memory_gib = args.gpu, GPU_PARTS[args.gpu][0]
     for name in ("nodes", "gpus_per_node", "gpu_memory_gib", "learner_nodes"):
         if getattr(args, name) is not None:
             setattr(cfg.cluster, name, getattr(args, name))
@@ -82,8 +85,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if plan.colocated != cfg.run.colocate:  # --choose switched placement: plan the rest with it
         cfg = replace(cfg, run=replace(cfg.run, colocate=plan.colocated),
                       train=replace(cfg.train, max_staleness=0) if plan.colocated else cfg.train)
-    step = estimate_step_time(plan, spec, cfg, Throughput())
-    unshared = estimate_step_time(plan, spec, replace(cfg, train=replace(cfg.train, shared_prefix="off")), Throughput())
+    step = estimate_step_time(plan, spec, cfg)
+    unshared = estimate_step_time(plan, spec, replace(cfg, train=replace(cfg.train, shared_prefix="off")))
     if args.json:
         print(json.dumps({"plan": plan.as_dict(), "step_seconds": step, "step_seconds_unshared": unshared,
                           "placements": {k: v if isinstance(v, str) else {"plan": v[0].as_dict(), "step_seconds": v[1]}
@@ -187,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--model", help="HF directory whose config.json to plan for (default: the recipe's model)")
     sl.add_argument("--nodes", type=int)
     sl.add_argument("--gpus-per-node", type=int)
+    sl.add_argument("--gpu", choices=list(GPU_PARTS),
+                    help="the GPU part: its memory, FLOP/s and HBM bandwidth (cluster.gpu)")
     sl.add_argument("--gpu-memory-gib", type=float)
     sl.add_argument("--learner-nodes", type=int)
     sl.add_argument("--choose", action="store_true",

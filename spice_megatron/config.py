@@ -410,6 +410,16 @@ WEIGHT_TRANSFER_REFUSED = {
 }
 
 
+# The GPU parts the planner knows (NVIDIA's SXM datasheets): memory as the recipes plan it (GiB),
+# dense bf16 TFLOP/s, HBM TB/s. H100 SXM 80 GB: 989, 3.35; H200 SXM 141 GB: 989, 4.8; B200 (DGX
+# B200: 1,440 GB and 64 TB/s for 8 GPUs; 2.25 PFLOP/s dense FP16/BF16 each): 180, 2250, 8.0.
+GPU_PARTS: dict[str, tuple[float, float, float]] = {
+    "h100": (80.0, 989.0, 3.35),
+    "h200": (141.0, 989.0, 4.8),
+    "b200": (180.0, 2250.0, 8.0),
+}
+
+
 @dataclass
 class ClusterConfig:
     """Where a multi-node run goes: the launchers split the nodes into learner and rollout nodes,
@@ -419,11 +429,16 @@ class ClusterConfig:
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0  # H100 80 GB; H200: 141
     learner_nodes: int = 0  # 0: half of the nodes (rounded down, at least 1); the rest run rollout engines
+    gpu: str = "h100"  # the part (GPU_PARTS): the planner's FLOP/s and HBM bandwidth
 
     def validate(self, prefix: str = "cluster") -> None:
         _require(self.nodes >= 1, f"{prefix}.nodes", "must be >= 1")
         _require(self.gpus_per_node >= 1, f"{prefix}.gpus_per_node", "must be >= 1")
         _require(self.gpu_memory_gib > 0, f"{prefix}.gpu_memory_gib", "must be > 0")
+        _require(self.gpu in GPU_PARTS, f"{prefix}.gpu", f"{self.gpu!r}: one of {', '.join(GPU_PARTS)}")
+        _require(self.gpu_memory_gib <= GPU_PARTS[self.gpu][0], f"{prefix}.gpu_memory_gib",
+                 f"{self.gpu_memory_gib:g} GiB is more than an {self.gpu} holds ({GPU_PARTS[self.gpu][0]:g}); "
+                 f"set {prefix}.gpu to the part")
         _require(0 <= self.learner_nodes < self.nodes or (self.nodes == 1 and self.learner_nodes <= 1),
                  f"{prefix}.learner_nodes", f"must leave at least one rollout node (nodes={self.nodes})")
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 
 from spice_megatron.entry import UserError
-from spice_megatron.config import ClusterConfig, ConfigError, ParallelConfig, PolicyTrainConfig, SpiceConfig
+from spice_megatron.config import GPU_PARTS, ClusterConfig, ConfigError, ParallelConfig, PolicyTrainConfig, SpiceConfig
 from spice_megatron.policy.activation_memory import ActivationFlags, activation_flags, activation_terms
 from spice_megatron.policy.model import ModelSpec, check_parallel_layout, model_spec_from_hf
 
@@ -435,7 +435,7 @@ def check_challenger_engine(cfg: SpiceConfig) -> EngineMemory:
 
 @dataclass
 class Throughput:
-    """Assumptions behind `estimate_step_time` (H100 SXM numbers; change them for other parts)."""
+    """Assumptions behind `estimate_step_time` (H100 SXM numbers by default; `for_gpu` the cluster's part)."""
 
     peak_tflops: float = 989.0  # dense bf16
     train_mfu: float = 0.35  # Megatron-Core dense models at this size typically reach 35-45%
@@ -467,6 +467,12 @@ class Throughput:
     # trajectory has the selection prompt)
     paper_challenger_prompts: float = 3.0
 
+    @classmethod
+    def for_gpu(cls, gpu: str) -> "Throughput":
+        """These assumptions with the part's dense bf16 FLOP/s and HBM bandwidth (config.GPU_PARTS)."""
+        _, tflops, hbm = GPU_PARTS[gpu]
+        return cls(peak_tflops=tflops, hbm_tb_s=hbm)
+
 
 def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Throughput | None = None) -> dict[str, float]:
     """Seconds per SPICE iteration by phase. Decode is bandwidth-bound: a step reads the engine's
@@ -475,7 +481,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     old log-probs, then forward and backward), and 2 x the recomputed parameters more with
     train.recompute (full: every layer's; selective mlp: the dense MLPs'), per token the learner
     runs: with train.shared_prefix each group's prompt once."""
-    t = t or Throughput()
+    t = t or Throughput.for_gpu(cfg.cluster.gpu)
     sp = cfg.selfplay
     # decode reads every weight once per step (a batch of hundreds of tokens touches every expert);
     # FLOPs follow the parameters a token goes through (its top-k experts)

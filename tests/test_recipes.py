@@ -172,6 +172,21 @@ def test_a_fixed_layout_the_learner_would_refuse_is_refused_by_the_planner():
         plan_layout(cfg)
 
 
+def test_the_gpu_part_sets_the_planners_bandwidth_and_bounds_its_memory():
+    from spice_megatron.config import ClusterConfig
+
+    cfg = get_recipe("qwen3_235b_a22b")
+    assert cfg.cluster.gpu == "h200" and cfg.cluster.gpu_memory_gib == 141.0
+    plan, spec = plan_layout(cfg), model_spec(cfg.run.model)
+    h200 = estimate_step_time(plan, spec, cfg)
+    h100_figures = estimate_step_time(plan, spec, cfg, Throughput())  # the H100's 3.35 TB/s it once used
+    assert h200["reasoner_rollout"] < h100_figures["reasoner_rollout"]  # decode reads HBM: 4.8 TB/s
+    with pytest.raises(ConfigError, match="cluster.gpu_memory_gib: 141 GiB is more than an h100 holds"):
+        ClusterConfig(gpu_memory_gib=141.0).validate()
+    with pytest.raises(ConfigError, match="cluster.gpu"):
+        ClusterConfig(gpu="a100").validate()
+
+
 def test_step_time_estimate_shrinks_with_nodes():
     totals = []
     for nodes in (2, 4, 8):

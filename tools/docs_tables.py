@@ -30,14 +30,14 @@ BLOCK = re.compile(r"(<!-- generated: (\w+) \(tools/docs_tables\.py\) -->\n)(.*?
 
 def _plan(name: str, nodes: int | None = None):
     from recipes import get_recipe
-    from spice_megatron.planner import Throughput, estimate_step_time, model_spec, plan_layout
+    from spice_megatron.planner import estimate_step_time, model_spec, plan_layout
 
     cfg = get_recipe(name)
     if nodes is not None:
         cfg.cluster.nodes, cfg.cluster.learner_nodes = nodes, 0
     spec = model_spec(cfg.run.model)
     plan = plan_layout(cfg, spec)
-    return cfg, plan, estimate_step_time(plan, spec, cfg, Throughput())
+    return cfg, plan, estimate_step_time(plan, spec, cfg)
 
 
 def recipes_table() -> str:
