@@ -75,12 +75,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.model and looks_like_local_path(args.model):
         require_dir(args.model, "--model")
     spec = model_spec(args.model or cfg.run.model)
-    if not args.choose:  # the recipe's own layout: what the learner would refuse, named by its field
-        from spice_megatron.preflight import check_layout
-
-        p = cfg.parallel
-        check_layout(spec, p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, p.expert_tensor_parallel)
     placements = compare_placements(cfg, spec)  # both ways, each with its own chosen layout
+    # the recipe's own layout: plan_layout refuses what the learner would, named by its field
     plan = choose_plan(cfg, placements) if args.choose else plan_layout(cfg, spec)
     if plan.colocated != cfg.run.colocate:  # --choose switched placement: plan the rest with it
         cfg = replace(cfg, run=replace(cfg.run, colocate=plan.colocated),

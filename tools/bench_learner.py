@@ -143,15 +143,10 @@ def long_prefix_saved(dtype: torch.dtype) -> tuple[int, float, int]:
     s = mb.tokens.shape[1]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, 1, n, dim, generator=g, dtype=dtype).requires_grad_() for n in (heads, groups, groups))
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    kept = SavedActivations([])  # q, k and v are inputs here, not parameters: counted
+    with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
         out = _attention_module(heads, groups, dim).train()(q, k, v, mb.attention_mask)
-    saved = sum(storages.values()) + out.numel() * out.element_size()
+    saved = kept.peak + out.numel() * out.element_size()
     spec = SimpleNamespace(hidden_size=heads * dim, head_dim=dim, num_heads=heads, num_kv_heads=groups,
                            ffn_hidden_size=4 * heads * dim, family=SimpleNamespace(qk_norm=False))
     terms = activation_terms(spec, 1, ActivationFlags(False, True, "off", (), True, shared_prefix=True))
@@ -200,7 +195,7 @@ def main() -> int:
     if unknown:
         from spice_megatron.entry import UserError
 
-        raise UserError(f"--cases: unknown {unknown}; cases: {', '.join(CASES)}")
+        raise UserError(f"--cases: unknown {unknown}; cases: {', '.join([*CASES, 'attention'])}")
     from spice_megatron.launch import free_port
 
     learner_cases = [c for c in args.cases.split(",") if c in CASES]
