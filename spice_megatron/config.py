@@ -484,6 +484,11 @@ class RunConfig:
     # generate. On-policy only (train.max_staleness=0); on a GPU the weights go through vLLM's CUDA IPC
     # (rollout.weight_transfer=ipc).
     colocate: bool = False
+    # Each document's rollouts as soon as it can make them: its next challenger round when its last
+    # one gave no valid task, its reasoner request when its group is formed, rather than every
+    # document's round r before round r+1 and every challenger before any reasoner (false: phased).
+    # Same seeds, same outcome (rollout/schedule.py); only the engines' idle time differs.
+    streamed: bool = True
 
     def validate(self, prefix: str = "run") -> None:
         _require(bool(self.model), f"{prefix}.model", "the base model's HF directory is required")

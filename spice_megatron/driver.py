@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import logging
 import math
 import os
 import random
 import secrets
 import subprocess
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -137,6 +139,7 @@ class Driver:
         self.low_valid_streak = state.get("low_valid_streak", 0)
         self.low_reward_streak = state.get("low_reward_streak", 0)
         self._ids: dict[str, list[int]] = {}
+        self._ids_lock = threading.Lock()
         self._rollouts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spice-rollouts")  # staleness 1
         # checked before every generation call: a long iteration (many challenger rounds of a paper
         # recipe) must not outlast the job's grace period after the time-limit STOP
@@ -252,18 +255,21 @@ class Driver:
         return ""
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        if prompt not in self._ids:
-            self._ids[prompt] = prompt_token_ids(prompt, self.tokenizer)
-        return self._ids[prompt]
+        with self._ids_lock:  # a streamed iteration's documents ask from their own threads
+            if prompt not in self._ids:
+                self._ids[prompt] = prompt_token_ids(prompt, self.tokenizer)
+            return self._ids[prompt]
 
-    def generate(self, prompts, spec):
+    def generate(self, prompts, spec, one_engine: bool = False):
         if self.abandon_when is not None and self.abandon_when():
             raise IterationAbandoned("STOP requested during the rollouts")
         # Token ids go to the engines so that the learner trains on exactly the sampled sequence.
-        return self.fleet.generate([self.prompt_ids(p) for p in prompts], spec)
+        return self.fleet.generate([self.prompt_ids(p) for p in prompts], spec, one_engine)
 
-    def fixed_challenger_generate(self, prompts, spec):
-        return self.challenger_fleet.generate([prompt_token_ids(p, self.challenger_tokenizer) for p in prompts], spec)
+    def fixed_challenger_generate(self, prompts, spec, one_engine: bool = False):
+        with self._ids_lock:
+            ids = [prompt_token_ids(p, self.challenger_tokenizer) for p in prompts]
+        return self.challenger_fleet.generate(ids, spec, one_engine)
 
     def selfplay(self, iteration: int, version: int) -> "RolloutBatch":
         """Steps 1-4 of `iteration` on the engines, which hold weights `version`. When no engine is
@@ -290,10 +296,15 @@ class Driver:
             result = run_fixed_tasks(docs, self.generate, self.verifier, sp, self.tokenizer, weights_version=version,
                                      iteration=iteration, seed=seed)
         else:
-            fixed = self.fixed_challenger_generate if self.challenger_fleet else None
-            result = run_iteration(docs, self.generate, self.verifier, sp, self.rng, self.tokenizer,
+            # streamed: a document's request stays whole on one engine (its prompt in that engine's
+            # prefix cache); the other documents' requests feed the other engines
+            streamed = self.cfg.run.streamed
+            generate = functools.partial(self.generate, one_engine=streamed)
+            fixed = functools.partial(self.fixed_challenger_generate, one_engine=streamed) if self.challenger_fleet else None
+            result = run_iteration(docs, generate, self.verifier, sp, self.rng, self.tokenizer,
                                    weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed,
-                                   max_model_len=self.cfg.rollout.max_model_len, token_ids=self.prompt_ids)
+                                   max_model_len=self.cfg.rollout.max_model_len, token_ids=self.prompt_ids,
+                                   streamed=streamed)
         seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
                               s.completion.logprobs or None, s.role, s.completion.versions or None,
                               s.completion.routed_experts)

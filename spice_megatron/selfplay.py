@@ -3,7 +3,7 @@ task -> rewards -> role-specific advantages -> training samples.
 
 Per document, with selfplay.challenger_group = "document" (the paper's):
   - challenger attempts in rounds until one is a valid task, at most N (max_attempts);
-  - the challenger group: G of the attempts, keeping the valid:invalid ratio (`group_counts`);
+  - the challenger group: G of the attempts, keeping the valid:invalid ratio (doc_rollout.group_counts);
   - every valid task in the group gets G reasoner answers and the variance reward, every invalid
     attempt the penalty rho; challenger advantages are centred within the document's group;
   - one valid task of the group, drawn at random, is the reasoner group: its G answers (the same
@@ -13,7 +13,8 @@ With "single" (compact): one attempt per document (a valid one if any), one task
 challenger advantages centred over the batch.
 
 The generate function is the only link to a model: the trainer passes the rollout fleet's, tests
-pass a scripted one. Everything here is deterministic given the generator's outputs and `rng`.
+pass a scripted one. Everything here is deterministic given the generator's outputs and `rng`, and
+the same whichever schedule sent the requests (phased or streamed: rollout/schedule.py).
 """
 from __future__ import annotations
 
@@ -21,25 +22,25 @@ import logging
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from spice_megatron.config import SelfPlayConfig
 from spice_megatron.corpus import Document
+from spice_megatron.doc_rollout import Attempt, DocumentRollout, GenerateFn, reasoner_prompts
 from spice_megatron.loss import CHALLENGER, REASONER, role_advantages
-from spice_megatron.protocol import ChallengerPrompts, parse_generation, parse_selection
+from spice_megatron.protocol import ChallengerPrompts
 from spice_megatron.rewards import at_frontier, challenger_reward, reasoner_reward
+from spice_megatron.rollout.schedule import RolloutSteps, run_phased, run_streamed
 from spice_megatron.rollout.types import Completion, SamplingSpec
-from spice_megatron.tasks import ParseResult, Task, answer_in_question, extract_boxed, parse_challenger_output
+from spice_megatron.tasks import ParseResult, Task, answer_in_question, extract_boxed
 from spice_megatron.templates import reasoner_prompt
 from spice_megatron.verify import AnswerVerifier, answer_key
 
 log = logging.getLogger(__name__)
 
-# prompts, sampling -> for each prompt, sampling.n completions
-GenerateFn = Callable[[list[str], SamplingSpec], list[list[Completion]]]
 
 
 @dataclass
@@ -62,52 +63,6 @@ class IterationResult:
     records: list[dict]  # the audit trail: every challenger attempt and reasoner answer
 
 
-@dataclass
-class Attempt:
-    """One challenger attempt: the trajectory that would be trained and what it produced."""
-
-    prompt: str
-    completion: Completion
-    parsed: ParseResult
-    record: int  # index of its audit record
-    selection: Completion | None = None  # the paper protocol's selection output, when a generation followed
-
-
-@dataclass
-class Reservoir:
-    """A uniform random sample of up to k items of a stream, without storing the stream."""
-
-    k: int
-    items: list = field(default_factory=list)
-    seen: int = 0
-
-    def offer(self, item, rng: random.Random) -> None:
-        self.seen += 1
-        if len(self.items) < self.k:
-            self.items.append(item)
-        else:
-            j = rng.randrange(self.seen)
-            if j < self.k:
-                self.items[j] = item
-
-
-def group_counts(valid: int, invalid: int, g: int) -> tuple[int, int]:
-    """How many valid and invalid attempts form a document's challenger group of size g.
-
-    All attempts when there are at most g. Otherwise the valid share is round(g * valid / total),
-    halves rounded up, at least 1 when any attempt is valid (the reasoner needs a task), and never
-    more than exist of either kind."""
-    total = valid + invalid
-    if total <= g:
-        return valid, invalid
-    n_valid = int(g * valid / total + 0.5)
-    if valid:
-        n_valid = max(n_valid, 1)
-    n_valid = min(n_valid, valid)
-    n_invalid = min(g - n_valid, invalid)
-    return g - n_invalid, n_invalid
-
-
 def _round_seed(seed: int | None, attempt: int) -> int | None:
     """A distinct sampling seed per generation call, so that a resumed run samples the same."""
     return None if seed is None else (seed * 1_000_003 + (attempt + 2) * 65_536) % 2**31  # prompt i adds i
@@ -117,7 +72,7 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
                   cfg: SelfPlayConfig, rng: random.Random, tokenizer=None, weights_version: int = 0,
                   iteration: int = 0, seed: int | None = None,
                   challenger_generate: GenerateFn | None = None, max_model_len: int | None = None,
-                  token_ids: Callable[[str], list[int]] | None = None) -> IterationResult:
+                  token_ids: Callable[[str], list[int]] | None = None, streamed: bool = False) -> IterationResult:
     """One iteration's data. `seed` (None: unseeded sampling) makes the engine's sampling
     reproducible for exact resume. `challenger_generate`: a fixed challenger model's generate
     function (selfplay.challenger=model); its attempts are recorded, never trained.
@@ -125,7 +80,8 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     engines' context is skipped (counted, logged, recorded), and a task whose reasoner request would
     not fit is an invalid attempt, rather than a request vLLM truncates or rejects. `token_ids`: the
     caller's (cached) prompt tokenisation, so that a reasoner prompt measured here is not tokenised
-    again when it is sent."""
+    again when it is sent. `streamed`: each document's requests as soon as it can make them
+    (rollout_schedule.py); the same outcome as the phased schedule."""
     stats: dict[str, float] = {}
     # a fixed challenger may have a format of its own (selfplay.challenger_template)
     challenger_template = (cfg.challenger_template if challenger_generate else "") or cfg.template
@@ -142,91 +98,68 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     # (selfplay.grounding=none: drawn for the schedule, never shown; "shown" says so)
     records += [{"kind": "document", "iteration": iteration, "doc_id": d.doc_id, "doc_sha256": d.sha256,
                  "weights_version": weights_version, "text": d.text, "shown": grounded} for d in documents]
-    n_docs = len(documents)
-    per_doc = cfg.group_size if cfg.challenger_group == "document" else 1
+    # each document draws from a generator of its own, so that the order in which documents finish
+    # (streamed) does not change what they draw
+    docs = [DocumentRollout(i, d, random.Random(rng.getrandbits(64))) for i, d in enumerate(documents)]
+    check = (lambda a: _check_reasoner_request(a, cfg, tokenizer, context, token_ids)) if context else None
+    steps = RolloutSteps(challenger_generate or generate, generate, prompts, cfg, verifier, tokenizer, seed, check)
+    (run_streamed if streamed else run_phased)(docs, steps)
+    stats.update(steps.stats())
+    stats["rollout/streamed"] = float(streamed)
+    return _assemble(docs, records, steps.counters, stats, cfg, tokenizer, weights_version, iteration, grounded,
+                     train_challenger=challenger_generate is None)
 
-    # --- Challenger: attempts in rounds until each document has a valid task or N are spent.
-    t0 = time.perf_counter()
-    attempts = [0] * n_docs
-    valid = [Reservoir(per_doc) for _ in range(n_docs)]
-    invalid = [Reservoir(per_doc) for _ in range(n_docs)]
-    reasons: Counter = Counter()
-    counters = Counter()
-    pending = list(range(n_docs))
-    while pending:
-        # Documents in the same round get the same n, except those near their N budget.
-        by_n: dict[int, list[int]] = {}
-        for i in pending:
-            by_n.setdefault(min(cfg.attempts_per_round, cfg.max_attempts - attempts[i]), []).append(i)
-        for n, idx in by_n.items():
-            round_seed = _round_seed(seed, attempts[idx[0]])
-            for i, att in zip(idx, challenger_round([documents[i] for i in idx], n, challenger_generate or generate,
-                                                    prompts, cfg, round_seed, counters)):
-                for a in att:
-                    attempts[i] += 1
-                    if context and a.parsed.valid:
-                        _check_reasoner_request(a, cfg, tokenizer, context, token_ids)
-                    records.append(_challenger_record(documents[i], attempts[i], a, weights_version, iteration,
-                                                      grounded))
-                    a.record = len(records) - 1
-                    if a.parsed.valid:
-                        valid[i].offer(a, rng)
-                    else:
-                        reasons[a.parsed.reason] += 1
-                        invalid[i].offer(a, rng)
-        pending = [i for i in pending if not valid[i].seen and attempts[i] < cfg.max_attempts]
-    stats["time/challenger_rollout"] = time.perf_counter() - t0
 
-    # --- The challenger groups.
-    groups: list[list[Attempt]] = []
-    for i in range(n_docs):
-        if cfg.challenger_group == "document":
-            n_valid, n_invalid = group_counts(valid[i].seen, invalid[i].seen, cfg.group_size)
-            groups.append(rng.sample(valid[i].items, n_valid) + rng.sample(invalid[i].items, n_invalid))
-        else:  # one attempt: a valid task if the document gave one
-            groups.append(valid[i].items[:1] or invalid[i].items[:1])
-
-    # --- Reasoner: G answers for every valid task in a group, without the document.
-    task_of: list[tuple[int, Attempt]] = [(i, a) for i, group in enumerate(groups) for a in group if a.parsed.valid]
-    tasks: list[Task] = [a.parsed.task for _, a in task_of]
-    answered = answer_tasks(tasks, generate, verifier, cfg, tokenizer, seed, stats)
-    r_prompts, flat, correct, outcomes = answered.prompts, answered.flat, answered.correct, answered.outcomes
+def _assemble(docs: list[DocumentRollout], records: list[dict], counters: Counter, stats: dict[str, float],
+              cfg: SelfPlayConfig, tokenizer, weights_version: int, iteration: int, grounded: bool,
+              train_challenger: bool) -> IterationResult:
+    """Records, rewards, samples and advantages of the documents' rollouts, in document order."""
+    for d in docs:  # every challenger attempt, in the document's attempt order
+        for a in d.attempts:
+            records.append(_challenger_record(d.doc, a, weights_version, iteration, grounded))
+            a.record = len(records) - 1
+    reasons = Counter(a.parsed.reason for d in docs for a in d.attempts if not a.parsed.valid)
+    # the iteration's tasks, document after document: task k is the reasoner group k's question
+    task_of = [(d, a, j) for d in docs for j, a in enumerate(d.tasks)]
+    outcomes = [d.correct[j] for d, _, j in task_of]
+    keys = [[answer_key(p, a.parsed.task.answer_type) for p in d.extracted[j]] for d, a, j in task_of]
 
     # --- Rewards: the variance of each task's G outcomes (its challenger reward).
-    task_reward = [challenger_reward(o, True, cfg.challenger_reward, answers=a, invalid_penalty=cfg.invalid_penalty)
-                   for o, a in zip(outcomes, answered.keys)]
-    reward_of = {id(a): r for (_, a), r in zip(task_of, task_reward)}
+    task_reward = [challenger_reward(o, True, cfg.challenger_reward, answers=k, invalid_penalty=cfg.invalid_penalty)
+                   for o, k in zip(outcomes, keys)]
+    reward_of = {id(a): r for (_, a, _), r in zip(task_of, task_reward)}
 
     # --- The reasoner group of each document: one of its valid tasks, drawn at random (among those
     # at the reasoner's frontier first, under reasoner_task=frontier).
-    tasks_by_doc: dict[int, list[int]] = {}
-    for k, (i, _) in enumerate(task_of):
-        tasks_by_doc.setdefault(i, []).append(k)
-    trained_task: dict[int, int] = {}
-    for i, ks in sorted(tasks_by_doc.items()):
-        frontier = [k for k in ks if at_frontier(outcomes[k])]
-        trained_task[i] = rng.choice(frontier if cfg.reasoner_task == "frontier" and frontier else ks)
+    trained_keys: set[int] = set()
+    first = 0
+    for d in docs:
+        ks = list(range(first, first + len(d.tasks)))
+        first += len(d.tasks)
+        if ks:
+            frontier = [k for k in ks if at_frontier(outcomes[k])]
+            trained_keys.add(d.rng.choice(frontier if cfg.reasoner_task == "frontier" and frontier else ks))
 
     samples: list[Sample] = []
     sample_record: list[int] = []  # audit record index of each sample, to write its advantage back
     # A fixed challenger (selfplay.challenger=model) writes the tasks but is not trained.
-    train_challenger = challenger_generate is None
-    for i, group in enumerate(groups):
-        centre = i if cfg.challenger_group == "document" else -1
-        for a in group if train_challenger else ():
+    for d in docs:
+        centre = d.index if cfg.challenger_group == "document" else -1
+        for a in d.group if train_challenger else ():
             reward = reward_of[id(a)] if a.parsed.valid else cfg.invalid_penalty
-            samples.append(Sample(CHALLENGER, a.prompt, a.completion, reward, 0.0, centre, documents[i].doc_id))
+            samples.append(Sample(CHALLENGER, a.prompt, a.completion, reward, 0.0, centre, d.doc.doc_id))
             sample_record.append(a.record)
-    trained_keys = set(trained_task.values())
-    for (k, c, pred), ok in zip(flat, correct):
-        i = task_of[k][0]
-        records.append({"kind": "reasoner", "iteration": iteration, "doc_id": documents[i].doc_id,
-                        "task_index": k, "challenger_record": task_of[k][1].record,
-                        "weights_version": weights_version, "versions": c.versions, "text": c.text,
-                        "extracted": pred, "correct": ok, "reward": reasoner_reward(ok), "trained": False})
-        if k in trained_keys:
-            samples.append(Sample(REASONER, r_prompts[k], c, reasoner_reward(ok), 0.0, k, documents[i].doc_id))
-            sample_record.append(len(records) - 1)
+    r_prompts = reasoner_prompts([a.parsed.task for _, a, _ in task_of], cfg, tokenizer)
+    for k, (d, a, j) in enumerate(task_of):
+        for c, pred, ok in zip(d.answers[j], d.extracted[j], d.correct[j]):
+            records.append({"kind": "reasoner", "iteration": iteration, "doc_id": d.doc.doc_id,
+                            "task_index": k, "challenger_record": a.record,
+                            "weights_version": weights_version, "versions": c.versions, "text": c.text,
+                            "extracted": pred, "correct": ok, "reward": reasoner_reward(ok), "trained": False,
+                            "request_s": [round(t, 3) for t in d.answer_s]})
+            if k in trained_keys:
+                samples.append(Sample(REASONER, r_prompts[k], c, reasoner_reward(ok), 0.0, k, d.doc.doc_id))
+                sample_record.append(len(records) - 1)
 
     # --- Role-specific advantages (centred per group, no std normalisation).
     if samples:
@@ -235,16 +168,15 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
         for s, a, rec in zip(samples, adv.tolist(), sample_record):
             s.advantage = a
             records[rec].update(advantage=a, trained=True, reward=s.reward)
-    answer_versions: dict[int, set] = {}  # the weights that sampled the answers a task's reward came from
-    for k, c, _ in flat:
-        answer_versions.setdefault(k, set()).update(v for v, _, _ in c.versions)
-    for k, (i, a) in enumerate(task_of):
+    for k, (d, a, j) in enumerate(task_of):  # the weights that sampled the answers its reward came from
+        versions = {v for c in d.answers[j] for v, _, _ in c.versions}
         records[a.record].update(outcomes=outcomes[k], pass_rate=sum(outcomes[k]) / len(outcomes[k]),
                                  reasoner_group=k in trained_keys,
-                                 answer_versions=sorted(answer_versions.get(k, ()),
-                                                        key=lambda v: (isinstance(v, str), v)))
+                                 answer_versions=sorted(versions, key=lambda v: (isinstance(v, str), v)))
 
-    stats.update(_statistics(n_docs, attempts, groups, tasks, outcomes, task_reward, samples, reasons, counters, cfg))
+    tasks = [a.parsed.task for _, a, _ in task_of]
+    stats.update(_statistics(len(docs), [len(d.attempts) for d in docs], [d.group for d in docs], tasks, outcomes,
+                             task_reward, samples, reasons, counters, cfg))
     stats["challenger_mode"] = "self" if train_challenger else "model"
     for r in records:
         r["challenger_mode"] = stats["challenger_mode"]
@@ -346,52 +278,13 @@ def _check_reasoner_request(a: "Attempt", cfg: SelfPlayConfig, tokenizer, contex
         a.parsed = ParseResult(None, "question_over_context", {"tokens": need, "max_model_len": context})
 
 
-def challenger_round(docs: list[Document], n: int, generate: GenerateFn, prompts: ChallengerPrompts,
-                     cfg: SelfPlayConfig, seed: int | None, counters: Counter) -> list[list[Attempt]]:
-    """n attempts for each document (one generation call per protocol step)."""
-    spec = SamplingSpec(n=n, temperature=cfg.challenger_temperature, top_p=cfg.top_p,
-                        max_tokens=cfg.challenger_max_tokens, seed=seed, role=CHALLENGER)
-    if cfg.protocol == "compact":
-        texts = [prompts.compact_prompt(d.text) for d in docs]
-        # stop at the task's last tag: a model that goes on (a few-shot prompt's next example) would
-        # otherwise have its last tags read instead of the first
-        outs = generate(texts, replace(spec, stop=(prompts.compact_stop,)))
-        counters["tokens/challenger"] += sum(len(c.token_ids) for comps in outs for c in comps)
-        return [[Attempt(p, c, parse_challenger_output(c.text, cfg.leak_check), -1) for c in comps]
-                for p, comps in zip(texts, outs)]
-
-    # paper: selection (n per document), then one generation per valid selection
-    sel_prompts = [prompts.selection_prompt(d.text) for d in docs]
-    selections = generate(sel_prompts, replace(spec, max_tokens=cfg.selection_max_tokens))
-    counters["tokens/challenger_selection"] += sum(len(c.token_ids) for comps in selections for c in comps)
-    result: list[list[Attempt | None]] = [[None] * n for _ in docs]
-    gen_prompts, slots = [], []
-    for d, (doc_, comps) in enumerate(zip(docs, selections)):
-        for j, c in enumerate(comps):
-            sel = parse_selection(c.text)
-            counters["selections"] += 1
-            if sel.selection is None:  # the selection output itself is the trajectory, penalised
-                result[d][j] = Attempt(sel_prompts[d], c, ParseResult(None, sel.reason), -1)
-            else:
-                counters["selections_valid"] += 1
-                gen_prompts.append(prompts.generation_prompt(doc_.text, sel.selection))
-                slots.append((d, j, c, sel.selection))
-    if gen_prompts:
-        gen_seed = None if seed is None else (seed + 7919) % 2**31
-        outs = generate(gen_prompts, replace(spec, n=1, seed=gen_seed))
-        for p, (d, j, sel_completion, selection), (c,) in zip(gen_prompts, slots, outs):
-            counters["tokens/challenger"] += len(c.token_ids)
-            result[d][j] = Attempt(p, c, parse_generation(c.text, selection, cfg.leak_check), -1, sel_completion)
-    return result  # type: ignore[return-value]
-
-
-def _challenger_record(doc: Document, attempt: int, a: Attempt, weights_version: int, iteration: int,
-                       grounded: bool = True) -> dict:
+def _challenger_record(doc: Document, a: Attempt, weights_version: int, iteration: int, grounded: bool = True) -> dict:
     rec = {"kind": "challenger", "iteration": iteration, "doc_id": doc.doc_id, "doc_sha256": doc.sha256,
            "grounded": grounded,  # false: no document grounded the task (selfplay.grounding=none)
-           "attempt": attempt, "weights_version": weights_version, "versions": a.completion.versions,
+           "attempt": a.number, "weights_version": weights_version, "versions": a.completion.versions,
            "text": a.completion.text, "valid": a.parsed.valid,
-           "reason": a.parsed.reason, "task": asdict(a.parsed.task) if a.parsed.task else None, "trained": False}
+           "reason": a.parsed.reason, "task": asdict(a.parsed.task) if a.parsed.task else None, "trained": False,
+           "request_s": [round(t, 3) for t in a.request_s]}  # its request's submit and finish, into the iteration
     if a.selection is not None:
         rec["selection"] = a.selection.text
     return rec

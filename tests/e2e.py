@@ -44,9 +44,17 @@ def spice_train(model, corpus, out, *overrides, resume=False, wait=True):
     return proc.returncode, out_text
 
 
-def records(path):
+def untimed(rows: list[dict]) -> list[dict]:
+    """Audit records without when their request ran (`request_s`: the one field two runs of the
+    same seeds do not share)."""
+    return [{k: v for k, v in r.items() if k != "request_s"} for r in rows]
+
+
+def records(path, when=False):
+    """A JSONL file's records (audit records `untimed` unless `when`)."""
     with open(path) as f:
-        return [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f]
+    return rows if when else untimed(rows)
 
 
 def weights(out):

@@ -204,7 +204,7 @@ def run_paper(docs, **cfg):
     (2, 1, (2, 1)),  # fewer than G attempts (max_attempts < G): the group is all of them
 ])
 def test_challenger_group_keeps_the_valid_invalid_ratio(valid, invalid, expected):
-    from spice_megatron.selfplay import group_counts
+    from spice_megatron.doc_rollout import group_counts
 
     assert group_counts(valid, invalid, 8) == expected
 
@@ -528,3 +528,102 @@ def test_ungrounded_self_play_never_shows_the_document_and_says_so(protocol):
                              random.Random(0))
     assert any("ZX81" in p for role, p in seen[len(challenger_prompts):] if role == "challenger")
     assert all(r["grounded"] for r in grounded.records if r["kind"] == "challenger")
+
+
+# ----------------------------------------------------------------------------- phased and streamed schedules
+
+class SeededModel:
+    """A stand-in LLM whose every sample is a function of its prompt and its sampling seed only (as
+    vLLM's seeded sampling is), answering after a random delay so that streamed requests come back
+    in a shuffled order. A document `ODDS[p]` writes a valid task with probability p per sample."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay, self.requests = delay, []
+        self.jitter = random.Random(7)
+
+    def __call__(self, prompts, spec: SamplingSpec):
+        import time
+
+        self.requests.append((spec.role, len(prompts)))
+        if self.delay:
+            time.sleep(self.delay * self.jitter.random())
+        return [[self._one(p, spec, spec.prompt_seed(i) + k) for k in range(spec.n)] for i, p in enumerate(prompts)]
+
+    @staticmethod
+    def _one(prompt, spec, seed):
+        draw = random.Random(f"{prompt}|{seed}").random()
+        if spec.role == "challenger":
+            if "suitable_for_mcq" in prompt:  # the paper protocol's selection: valid most of the time
+                return Completion('{"suitable_for_mcq": false, "suitable_for_free_form": true, '
+                                  '"best_answer_type": "Integer"}' if draw < 0.8 else "no", [1, 2])
+            odds = float(re.search(r"ODDS\[([\d.]+)\]", prompt).group(1))
+            if draw >= odds:
+                return Completion("I cannot write a task.", [1, 2, 3])
+            q = f"How many things here? K={int(draw * 100) % 9} #{seed % 1000}"
+            if "```json" in prompt or "JSON" in prompt and "suitable" not in prompt:
+                body = json.dumps({"question": q, "answer": "42", "answer_type": "Integer"})
+                return Completion("```json\n" + body + "\n```", [7] * 4)
+            return Completion(task_text(q, "integer", "42"), [1, 2, 3, 4])
+        k = int(re.search(r"K=(\d)", prompt).group(1))
+        return Completion(f"so \\boxed{{{'42' if draw * 9 < k else '7'}}}", [5] * (3 + seed % 4))
+
+
+def _outcome(result):
+    """What an iteration produced, without when its requests ran."""
+    records = [{k: v for k, v in r.items() if k != "request_s"} for r in result.records]
+    samples = [(s.role, s.prompt, s.completion.text, s.reward, round(s.advantage, 12), s.group, s.doc_id)
+               for s in result.samples]
+    stats = {k: v for k, v in result.stats.items() if not k.startswith("time/") and k != "rollout/streamed"}
+    return records, samples, stats
+
+
+@pytest.mark.parametrize("protocol,group", [("compact", "single"), ("compact", "document"), ("paper", "document")])
+def test_the_streamed_schedule_gives_the_phased_outcome_whatever_the_order_requests_finish(protocol, group):
+    docs = [doc(i, f"ODDS[{p}]") for i, p in enumerate([0.9, 0.3, 0.1, 0.02, 0.6, 0.0])]
+    cfg = SelfPlayConfig(batch_docs=len(docs), group_size=4, attempts_per_round=2, max_attempts=8,
+                         protocol=protocol, challenger_group=group)
+    phased_model, streamed_model = SeededModel(), SeededModel(delay=0.02)
+    phased = run_iteration(docs, phased_model, _verifier(), cfg, random.Random(3), seed=11)
+    streamed = run_iteration(docs, streamed_model, _verifier(), cfg, random.Random(3), seed=11, streamed=True)
+    assert _outcome(streamed) == _outcome(phased)
+    assert streamed.stats["rollout/streamed"] == 1.0 and phased.stats["rollout/streamed"] == 0.0
+    # documents needed different numbers of rounds, and the streamed schedule asked per document
+    rounds = Counter(r["doc_id"] for r in phased.records if r["kind"] == "challenger")
+    assert len(set(rounds.values())) > 1
+    with_task = len({r["doc_id"] for r in phased.records if r["kind"] == "reasoner"})
+    assert len([1 for role, _ in streamed_model.requests if role == "reasoner"]) == with_task > 1
+    assert len([1 for role, _ in phased_model.requests if role == "reasoner"]) == 1
+    # every record says when its request ran: submitted before it finished, within the iteration
+    spans = [r["request_s"] for r in streamed.records if r["kind"] in ("challenger", "reasoner")]
+    assert spans and all(0 <= a <= b for a, b in spans)
+    # another seed samples otherwise
+    other = run_iteration(docs, SeededModel(), _verifier(), cfg, random.Random(3), seed=12)
+    assert _outcome(other)[1] != _outcome(phased)[1]
+
+
+def test_a_failed_streamed_request_is_raised_once_the_others_are_back():
+    from spice_megatron.rollout.fleet import NoEngineLeft
+
+    in_flight, most = [0], [0]
+    lock = __import__("threading").Lock()
+
+    def generate(prompts, spec):
+        import time
+
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            time.sleep(0.05)
+            if "ODDS[0.5]" in prompts[0]:
+                raise NoEngineLeft("no healthy rollout engine left")
+            return SeededModel()(prompts, spec)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    docs = [doc(i, f"ODDS[{p}]") for i, p in enumerate([0.9, 0.5, 0.1, 0.0])]
+    cfg = SelfPlayConfig(batch_docs=4, group_size=4, attempts_per_round=2, max_attempts=8, protocol="compact")
+    with pytest.raises(NoEngineLeft):
+        run_iteration(docs, generate, _verifier(), cfg, random.Random(0), seed=1, streamed=True)
+    assert in_flight[0] == 0 and most[0] > 1  # concurrent, and nothing left running

@@ -92,6 +92,29 @@ def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_that_resumes_exactly
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_phased_schedule_ends_where_the_streamed_one_does(setup, straight):
+    """run.streamed=false (every document's round before the next, every challenger before any
+    reasoner) against the uninterrupted run, which streams: the same audit trail, rewards, losses
+    and final weights; only when requests ran differs (at staleness 1: test_trainer_resilience.py;
+    colocated: test_trainer_colocate.py)."""
+    model, corpus, root = setup
+    out = str(root / "phased")
+    rc, text = spice_train(model, corpus, out, "run.iterations=4", "run.streamed=false")
+    assert rc == 0, text[-3000:]
+    assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
+    same = ("valid_task_rate", "attempts_per_doc", "challenger_reward_mean", "challenger/advantage_mean",
+            "reasoner_pass_rate", "train/loss", "train/grad_norm", "tokens/challenger")
+    phased, streamed = records(os.path.join(out, "metrics.jsonl")), records(os.path.join(straight, "metrics.jsonl"))
+    assert [{k: m[k] for k in same} for m in phased] == [{k: m[k] for k in same} for m in streamed]
+    assert {m["rollout/streamed"] for m in phased} == {0.0} and {m["rollout/streamed"] for m in streamed} == {1.0}
+    a, b = weights(straight), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # each challenger attempt and reasoner answer says when its request ran, into its iteration
+    timed = [r for r in records(os.path.join(straight, "audit.jsonl"), when=True) if r["kind"] in ("challenger",
+                                                                                                    "reasoner")]
+    assert timed and all(0 <= r["request_s"][0] <= r["request_s"][1] for r in timed)
+
+
 def test_a_damaged_checkpoint_is_passed_over_and_a_second_writer_refused(setup, straight):
     """The newest checkpoint truncated, the one before missing a file: the resume names both, takes
     the third and ends exactly as the uninterrupted run; meanwhile a second run on the same

@@ -54,6 +54,14 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
     a, b = weights(straight), weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    # the phased schedule (run.streamed=false) one step off: the same trail and weights
+    phased = str(root / "off_policy_phased")
+    rc, text = spice_train(model, corpus, phased, "run.iterations=4", "train.max_staleness=1", "run.streamed=false")
+    assert rc == 0, text[-3000:]
+    assert records(os.path.join(phased, "audit.jsonl")) == audit
+    c = weights(phased)
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
 
 def test_losing_the_only_engine_mid_rollouts_restarts_it_and_the_run_ends_as_if_nothing_happened(setup, straight):
     """kill -9 of the run's one engine during iteration 2: the fleet has no engine left, the driver

@@ -148,10 +148,12 @@ class VLLMEngine:
         params = []
         for prompts, spec in requests:  # invalid sampling fails here, in the caller's thread
             spec.validate()
+            if spec.seeds and len(spec.seeds) != len(prompts):
+                raise ValueError(f"sampling.seeds: {len(spec.seeds)} seeds for {len(prompts)} prompts")
             params.append([SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                                           max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
                                           include_stop_str_in_output=True,  # the tokens trained are the text parsed
-                                          seed=None if spec.seed is None else spec.seed + i,
+                                          seed=spec.prompt_seed(i),
                                           logprobs=0 if spec.logprobs else None,
                                           output_kind=RequestOutputKind.FINAL_ONLY)
                            for i in range(len(prompts))])

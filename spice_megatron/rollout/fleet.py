@@ -9,7 +9,9 @@ another engine; the first answer for a request is kept and any later one dropped
 is answered exactly once.
 Sampling seeds are per prompt (seed + global index; a split prompt's later samples seeds of their
 own), so results do not depend on which engine served a request; they do depend on how many
-engines were healthy when a prompt's samples had to be split.
+engines were healthy when a prompt's samples had to be split. With per-prompt seeds
+(SamplingSpec.seeds, what self-play uses) sample k of prompt i samples with seeds[i] + k however
+the samples are split or batched.
 """
 from __future__ import annotations
 
@@ -110,8 +112,9 @@ class RolloutFleet:
         self.token, self.request_timeout, self.max_attempts, self.chunk_size = token, request_timeout, max_attempts, chunk_size
         self.engines = [EngineStats(u.rstrip("/")) for u in urls]
         self._lock = threading.Lock()
-        # Many chunks in flight per engine: the engine merges those that wait into one submission.
-        self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * len(urls)), thread_name_prefix="spice-fleet")
+        # Many chunks in flight per engine: the engine merges those that wait into one submission. A
+        # streamed iteration has a request per document in flight (threads start only when used).
+        self._pool = ThreadPoolExecutor(max_workers=max(256, 8 * len(urls)), thread_name_prefix="spice-fleet")
 
     # ------------------------------------------------------------------------- health
 
@@ -199,11 +202,16 @@ class RolloutFleet:
         """A phase's requests: see `plan_requests`; a method so that a benchmark can compare policies."""
         return plan_requests(num_prompts, n, engines, self.chunk_size)
 
-    def generate(self, prompts: list[str | list[int]], spec: SamplingSpec) -> list[list[Completion]]:
-        """For each prompt, spec.n completions, in prompt order."""
+    def generate(self, prompts: list[str | list[int]], spec: SamplingSpec,
+                 one_engine: bool = False) -> list[list[Completion]]:
+        """For each prompt, spec.n completions, in prompt order. `one_engine`: the request is not
+        spread over the engines (a streamed document's request: its prompt stays in one engine's
+        prefix cache; the other engines are fed by the other documents' requests)."""
         if not prompts:
             return []
-        healthy = sum(e.healthy for e in self.engines) or len(self.engines)
+        if spec.seeds and len(spec.seeds) != len(prompts):
+            raise ValueError(f"sampling.seeds: {len(spec.seeds)} seeds for {len(prompts)} prompts")
+        healthy = 1 if one_engine else sum(e.healthy for e in self.engines) or len(self.engines)
         plan = self.plan(len(prompts), spec.n, healthy)
         results: dict[int, list[list[Completion]]] = {}
         attempts = [0] * len(plan)
@@ -224,8 +232,12 @@ class RolloutFleet:
                 unit_engine.setdefault(req.unit, engine)
             attempts[k] += 1
             tried[k].add(engine.url)
-            seed = None if spec.seed is None else spec.seed + req.seed_offset(len(prompts))
-            request_spec = replace(spec, n=req.n, seed=seed)
+            if spec.seeds:  # sample k of prompt i: seeds[i] + k, however the prompt's samples are split
+                request_spec = replace(spec, n=req.n, seed=None,
+                                       seeds=tuple(s + req.offset for s in spec.seeds[req.first:req.first + req.count]))
+            else:
+                seed = None if spec.seed is None else spec.seed + req.seed_offset(len(prompts))
+                request_spec = replace(spec, n=req.n, seed=seed)
             chunk = prompts[req.first:req.first + req.count]
             running[self._pool.submit(self._post_generate, engine, chunk, request_spec)] = (k, engine)
 

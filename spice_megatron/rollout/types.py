@@ -36,6 +36,9 @@ class SamplingSpec:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None  # prompt i of a request samples with seed + i: independent of batching
+    # one seed per prompt (overrides `seed`): sample k of prompt i samples with seeds[i] + k (vLLM's
+    # rule for n > 1), so a caller's seeds give the same completions however prompts are batched
+    seeds: tuple[int, ...] = ()
     logprobs: bool = True  # return the sampled tokens' log-probs
     role: str = ""  # which SPICE role asked (for per-role metrics); engines ignore it
 
@@ -48,10 +51,19 @@ class SamplingSpec:
             raise ValueError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens: must be >= 1, got {self.max_tokens}")
+        if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**63 for s in self.seeds):
+            raise ValueError(f"sampling.seeds: expected non-negative integers, got {list(self.seeds)[:4]}...")
+
+    def prompt_seed(self, i: int) -> int | None:
+        """The seed of prompt i of this request (its sample k: that + k)."""
+        if self.seeds:
+            return self.seeds[i]
+        return None if self.seed is None else self.seed + i
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["stop"] = list(self.stop)
+        d["seeds"] = list(self.seeds)
         return d
 
     @classmethod
@@ -61,8 +73,11 @@ class SamplingSpec:
         if unknown:
             raise ValueError(f"sampling: unknown field(s) {sorted(unknown)}")
         d = dict(d)
-        if "stop" in d:
-            d["stop"] = tuple(d["stop"])
+        for name in ("stop", "seeds"):
+            if name in d:
+                if not isinstance(d[name], (list, tuple)):
+                    raise ValueError(f"sampling.{name}: expected a list, got {type(d[name]).__name__}")
+                d[name] = tuple(d[name])
         spec = cls(**d)
         spec.validate()
         return spec
