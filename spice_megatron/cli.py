@@ -91,9 +91,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(plan.describe())
     print(f"estimated seconds per iteration (B={cfg.selfplay.batch_docs}, G={cfg.selfplay.group_size}; "
           f"assumptions in spice_megatron/planner.py:Throughput):")
+    schedule = "streamed" if cfg.run.streamed else "phased"
     for k, v in step.items():
-        if k not in ("train_tokens", "learner_tokens", "tokens_per_s_per_gpu", "tokens_per_s_per_gpu_one_step_off"):
-            print(f"  {k:20s} {v:8.1f}")
+        if k in ("challenger_rollout", "reasoner_rollout", "rollout_phased", "rollout_streamed"):
+            break  # the phased phases and both schedules: below
+        print(f"  {k:20s} {v:8.1f}" + (f"   (run.streamed={str(cfg.run.streamed).lower()})" if k == "rollout" else ""))
+    print(f"  rollouts phased {step['rollout_phased']:.1f} s (challenger {step['challenger_rollout']:.1f}, reasoner "
+          f"{step['reasoner_rollout']:.1f}: each phase waits for the batch's longest sequence), streamed "
+          f"{step['rollout_streamed']:.1f} s (each document's requests as soon as it can make them): "
+          f"{step['rollout_phased'] / step['rollout_streamed']:.2f}x; this run: {schedule}")
     print(f"  {cfg.run.iterations} iterations: {step['total'] * cfg.run.iterations / 3600:.1f} h")
     from spice_megatron.planner import NEMO_RL_TOKENS_PER_S_PER_GPU as nemo
 

@@ -66,6 +66,7 @@ class DocumentRollout:
     extracted: list[list[str | None]] = field(default_factory=list)  # their \boxed{} contents
     correct: list[list[bool]] = field(default_factory=list)
     answer_s: tuple[float, float] = (0.0, 0.0)  # the reasoner request's submit and finish
+    reasoner_task: int | None = None  # which of `tasks` is the reasoner group (its answers trained)
 
     @property
     def tasks(self) -> list[Attempt]:
@@ -97,6 +98,16 @@ class DocumentRollout:
             self.group = self.rng.sample(valid, n_valid) + self.rng.sample(invalid, n_invalid)
         else:
             self.group = [self.rng.choice(valid or invalid)] if self.attempts else []
+
+    def choose_reasoner_task(self, cfg: SelfPlayConfig) -> None:
+        """The reasoner group: one of the valid tasks, drawn at random (among those at the reasoner's
+        frontier first, under selfplay.reasoner_task=frontier). Once its answers are verified, the
+        document is complete: every sequence it trains is known."""
+        from spice_megatron.rewards import at_frontier
+
+        ks = list(range(len(self.correct)))
+        frontier = [k for k in ks if at_frontier(self.correct[k])]
+        self.reasoner_task = self.rng.choice(frontier if cfg.reasoner_task == "frontier" and frontier else ks)
 
     def answer_seeds(self, seed: int | None, g: int) -> list[int] | None:
         """The seed of each task's first answer (its k-th: that + k)."""

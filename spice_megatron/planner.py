@@ -476,8 +476,9 @@ class Throughput:
 
 def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Throughput | None = None) -> dict[str, float]:
     """Seconds per SPICE iteration by phase. Decode is bandwidth-bound: a step reads the engine's
-    weights and the live KV cache once; a phase lasts at least as long as its longest sequence
-    takes at that step time. Training costs 8 x params FLOPs per token (a forward pass for the
+    weights and the live KV cache once; a phased iteration's phase lasts at least as long as its
+    longest sequence takes at that step time, a streamed one's rollouts as long as the engines'
+    work or the slowest document's chain of requests (its rounds' and answers' longest outputs). Training costs 8 x params FLOPs per token (a forward pass for the
     old log-probs, then forward and backward), and 2 x the recomputed parameters more with
     train.recompute (full: every layer's; selective mlp: the dense MLPs'), per token the learner
     runs: with train.shared_prefix each group's prompt once."""
@@ -488,28 +489,43 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     p, active = spec.num_parameters, spec.active_parameters
     bw = t.hbm_tb_s * 1e12 * t.decode_bandwidth_efficiency
 
-    def generate(prompts: float, prompt_tokens: int, gen_tokens: int, max_gen: int) -> float:
+    full_step = [0.0]  # a decode step of an engine running its most sequences (the streamed path's)
+
+    def generate(prompts: float, prompt_tokens: int, gen_tokens: int, max_gen: int) -> tuple[float, float]:
+        """A phase's seconds when it waits for its longest sequence (phased), and the engines' busy
+        seconds for its sequences alone (what a streamed iteration spends on them)."""
         per_engine = prompts / plan.engines
         concurrency = max(1.0, min(per_engine, plan.engine.max_sequences * cfg.rollout.max_model_len
                                    / (prompt_tokens + gen_tokens)))
         kv_read = concurrency * (prompt_tokens + gen_tokens / 2) * plan.engine.kv_bytes_per_token
         step = (2 * p / plan.engine_tp + kv_read) / bw
+        full_step[0] = max(full_step[0], step)
         waves = math.ceil(per_engine / concurrency)
-        decode = max(waves * gen_tokens, max_gen) * step
         prefill = 2 * active * per_engine * prompt_tokens / (plan.engine_tp * t.peak_tflops * 1e12 * t.prefill_mfu)
-        return decode + prefill
+        return max(waves * gen_tokens, max_gen) * step + prefill, per_engine / concurrency * gen_tokens * step + prefill
 
     docs = sp.batch_docs
-    challenger, pending = 0.0, float(docs)
+    challenger, pending, work = 0.0, float(docs), 0.0
+    path_tokens = 0.0  # the slowest document's way: its rounds' and its answers' longest outputs, one after another
     for _ in range(t.challenger_rounds):
         attempts = pending * sp.attempts_per_round
         if sp.protocol == "paper":
-            challenger += generate(attempts, t.doc_tokens, t.selection_gen_tokens, sp.selection_max_tokens)
+            phased, busy = generate(attempts, t.doc_tokens, t.selection_gen_tokens, sp.selection_max_tokens)
+            challenger, work = challenger + phased, work + busy
+            path_tokens += expected_longest(t.selection_gen_tokens, sp.selection_max_tokens, sp.attempts_per_round)
             attempts *= t.selection_valid_rate
-        challenger += generate(attempts, t.doc_tokens, t.challenger_gen_tokens, sp.challenger_max_tokens)
+        phased, busy = generate(attempts, t.doc_tokens, t.challenger_gen_tokens, sp.challenger_max_tokens)
+        challenger, work = challenger + phased, work + busy
+        path_tokens += expected_longest(t.challenger_gen_tokens, sp.challenger_max_tokens,
+                                        1 if sp.protocol == "paper" else sp.attempts_per_round)
         pending = max(1.0, pending * t.pending_after_round)
     answers = docs * sp.group_size  # the G answers of one task per document
-    reasoner = generate(answers, t.question_tokens, t.reasoner_gen_tokens, sp.reasoner_max_tokens)
+    reasoner, busy = generate(answers, t.question_tokens, t.reasoner_gen_tokens, sp.reasoner_max_tokens)
+    work += busy
+    path_tokens += expected_longest(t.reasoner_gen_tokens, sp.reasoner_max_tokens, sp.group_size)
+    # streamed (run.streamed): no phase waits for the batch's longest sequence; the rollouts last as
+    # long as the engines' work or the slowest document's own chain of requests, whichever is longer
+    streamed = max(work, path_tokens * full_step[0])
     challenger_trained = docs * (sp.group_size if sp.challenger_group == "document" else 1)
     train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
                     + answers * (t.question_tokens + t.reasoner_gen_tokens))
@@ -534,7 +550,8 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
         steps = math.ceil((challenger_trained + answers) / per_update) if per_update else cfg.train.steps_per_batch
         offloaded = plan.optimizer_offload * p / plan.learner_gpus  # parameters per GPU updated on the host
         train += steps * offloaded / t.cpu_adam_params_per_s
-    out = {"challenger_rollout": challenger, "reasoner_rollout": reasoner, "train": train}
+    rollout = streamed if cfg.run.streamed else challenger + reasoner
+    out = {"rollout": rollout, "train": train}
     if plan.colocated:
         out["weight_sync"] = 2 * p / (t.ipc_gb_s * 1e9) + 1.0
         # engines' weights to the host and back (sleep level 1; level 2 drops them: the sync refills),
@@ -544,6 +561,9 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     else:
         out["weight_sync"] = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
     out["total"] = sum(out.values())
+    # the phases as a phased iteration has them (run.streamed=false), and both schedules' rollouts
+    out.update(challenger_rollout=challenger, reasoner_rollout=reasoner, rollout_phased=challenger + reasoner,
+               rollout_streamed=streamed)
     out["train_tokens"] = float(train_tokens)
     out["learner_tokens"] = float(learner_tokens)
     # NeMo-RL's throughput unit: tokens (prompt + generated) through the loop per second per GPU of
@@ -551,8 +571,15 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     # engines sleep while the learner steps)
     out["tokens_per_s_per_gpu"] = train_tokens / out["total"] / plan.gpus
     out["tokens_per_s_per_gpu_one_step_off"] = 0.0 if plan.colocated else \
-        train_tokens / max(challenger + reasoner, train + out["weight_sync"]) / plan.gpus
+        train_tokens / max(rollout, train + out["weight_sync"]) / plan.gpus
     return out
+
+
+def expected_longest(mean: float, cap: int, n: int) -> float:
+    """The expected longest of n outputs: lengths taken as exponential with `mean` (RL outputs have a
+    long tail) and cut at the max tokens, so the longest of n is about mean x H(n), at most `cap`.
+    A round of a whole batch (hundreds of outputs) reaches the cap; one document's 8 often do not."""
+    return min(float(cap), mean * sum(1.0 / k for k in range(1, max(1, int(n)) + 1)))
 
 
 def compare_placements(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None

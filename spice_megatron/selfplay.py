@@ -129,16 +129,8 @@ def _assemble(docs: list[DocumentRollout], records: list[dict], counters: Counte
                    for o, k in zip(outcomes, keys)]
     reward_of = {id(a): r for (_, a, _), r in zip(task_of, task_reward)}
 
-    # --- The reasoner group of each document: one of its valid tasks, drawn at random (among those
-    # at the reasoner's frontier first, under reasoner_task=frontier).
-    trained_keys: set[int] = set()
-    first = 0
-    for d in docs:
-        ks = list(range(first, first + len(d.tasks)))
-        first += len(d.tasks)
-        if ks:
-            frontier = [k for k in ks if at_frontier(outcomes[k])]
-            trained_keys.add(d.rng.choice(frontier if cfg.reasoner_task == "frontier" and frontier else ks))
+    # --- The reasoner group of each document (DocumentRollout.choose_reasoner_task).
+    trained_keys = {k for k, (d, _, j) in enumerate(task_of) if j == d.reasoner_task}
 
     samples: list[Sample] = []
     sample_record: list[int] = []  # audit record index of each sample, to write its advantage back

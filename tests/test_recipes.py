@@ -194,10 +194,35 @@ def test_step_time_estimate_shrinks_with_nodes():
         cfg.cluster.nodes, cfg.cluster.learner_nodes = nodes, 0
         plan = plan_layout(cfg)
         est = estimate_step_time(plan, model_spec(cfg.run.model), cfg, Throughput())
-        phases = ("challenger_rollout", "reasoner_rollout", "train", "weight_sync")
-        assert est["total"] == pytest.approx(sum(est[k] for k in phases))
+        assert est["total"] == pytest.approx(sum(est[k] for k in ("rollout", "train", "weight_sync")))
+        assert est["rollout"] == est["rollout_streamed"]  # run.streamed's default
         totals.append(est["total"])
     assert totals[0] > totals[1] > totals[2] > 0
+
+
+def test_the_streamed_iteration_is_planned_on_the_slowest_documents_chain_not_the_sum_of_phase_maxima():
+    from spice_megatron.planner import expected_longest
+
+    cfg = get_recipe("qwen3_8b")
+    cfg.cluster.nodes, cfg.cluster.learner_nodes = 2, 0
+    plan, spec = plan_layout(cfg), model_spec(cfg.run.model)
+    streamed = estimate_step_time(plan, spec, cfg)
+    cfg.run.streamed = False
+    phased = estimate_step_time(plan, spec, cfg)
+    assert phased["rollout"] == pytest.approx(phased["challenger_rollout"] + phased["reasoner_rollout"])
+    assert phased["rollout_streamed"] == streamed["rollout_streamed"] < phased["rollout"]
+    assert streamed["total"] == pytest.approx(phased["total"] - phased["rollout"] + streamed["rollout_streamed"])
+    # the longest of a whole batch's outputs reaches the max tokens; one document's 8 do not
+    assert expected_longest(600, 4096, 1024) == 4096 and expected_longest(600, 4096, 8) == pytest.approx(600 * 2.7179,
+                                                                                                         rel=1e-3)
+    assert expected_longest(1000, 8192, 1) == 1000
+    # a batch whose sequences all reach their max tokens gains nothing from streaming but its work
+    cfg.run.streamed = True
+    t = Throughput(challenger_gen_tokens=cfg.selfplay.challenger_max_tokens,
+                   selection_gen_tokens=cfg.selfplay.selection_max_tokens,
+                   reasoner_gen_tokens=cfg.selfplay.reasoner_max_tokens)
+    full = estimate_step_time(plan, spec, cfg, t)
+    assert full["rollout_streamed"] == pytest.approx(full["rollout_phased"], rel=0.35)
 
 
 def test_spice_plan_command(capsys):

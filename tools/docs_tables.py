@@ -80,14 +80,16 @@ def placements_table() -> str:
 
 def step_time_table() -> str:
     """qwen3_8b's estimated seconds per iteration at 2, 4 and 8 nodes (`spice plan --nodes N`)."""
-    rows = ["| nodes (8 x H100) | learner | rollout | challenger | reasoner | train | sync | s/iteration "
-            "| 640 iterations | tokens/s/GPU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| nodes (8 x H100) | learner | rollout | challenger (phased) | reasoner (phased) | rollouts phased "
+            "| rollouts streamed | train | sync | s/iteration (streamed) | 640 iterations | tokens/s/GPU |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for nodes in (2, 4, 8):
         cfg, plan, s = _plan("qwen3_8b", nodes)
         rows.append(f"| {nodes} | {plan.learner_gpus} GPUs, TP={plan.tp} DP={plan.dp} | {plan.engines} engines "
-                    f"| {s['challenger_rollout']:.0f} s | {s['reasoner_rollout']:.0f} s | {s['train']:.0f} s "
-                    f"| {s['weight_sync']:.0f} s | {s['total']:.0f} | {s['total'] * cfg.run.iterations / 3600:.0f} h "
-                    f"| {s['tokens_per_s_per_gpu']:,.0f} |")
+                    f"| {s['challenger_rollout']:.0f} s | {s['reasoner_rollout']:.0f} s | {s['rollout_phased']:.0f} s "
+                    f"| {s['rollout_streamed']:.0f} s ({s['rollout_phased'] / s['rollout_streamed']:.2f}x) "
+                    f"| {s['train']:.0f} s | {s['weight_sync']:.0f} s | {s['total']:.0f} "
+                    f"| {s['total'] * cfg.run.iterations / 3600:.0f} h | {s['tokens_per_s_per_gpu']:,.0f} |")
     return "\n".join(rows)
 
 

@@ -89,6 +89,8 @@ class RolloutSteps:
             d.correct.append(correct[k:k + len(comps)])
             d.answer_s = span
             k += len(comps)
+        for d in docs:
+            d.choose_reasoner_task(self.cfg)
 
     def stats(self) -> dict[str, float]:
         reasoner = self.reasoner_span[1] - self.reasoner_span[0] if self.reasoner_span else 0.0
