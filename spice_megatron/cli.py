@@ -100,6 +100,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"{step['reasoner_rollout']:.1f}: each phase waits for the batch's longest sequence), streamed "
           f"{step['rollout_streamed']:.1f} s (each document's requests as soon as it can make them): "
           f"{step['rollout_phased'] / step['rollout_streamed']:.2f}x; this run: {schedule}")
+    if step["old_logprobs_during_rollouts"]:
+        print(f"  the learner's old-log-prob forward runs during the streamed rollouts: "
+              f"{step['old_logprobs_during_rollouts']:.1f} s of its step hidden (train above is what remains)")
     print(f"  {cfg.run.iterations} iterations: {step['total'] * cfg.run.iterations / 3600:.1f} h")
     from spice_megatron.planner import NEMO_RL_TOKENS_PER_S_PER_GPU as nemo
 

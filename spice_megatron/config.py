@@ -513,6 +513,14 @@ class SpiceConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
+    @property
+    def old_logprobs_during_rollouts(self) -> bool:
+        """Whether the learner runs its old log-probs during the rollouts (streamed_forward.py): on
+        policy, disaggregated, streamed, several optimizer steps per batch, a challenger to stream."""
+        t = self.train
+        return (self.run.streamed and not self.run.colocate and t.max_staleness == 0 and t.old_logprobs == "forward"
+                and (t.trajectories_per_update > 0 or t.steps_per_batch > 1) and self.selfplay.challenger != "tasks")
+
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)

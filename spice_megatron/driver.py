@@ -10,6 +10,7 @@ import functools
 import logging
 import math
 import os
+import queue
 import random
 import secrets
 import subprocess
@@ -271,20 +272,37 @@ class Driver:
             ids = [prompt_token_ids(p, self.challenger_tokenizer) for p in prompts]
         return self.challenger_fleet.generate(ids, spec, one_engine)
 
-    def selfplay(self, iteration: int, version: int) -> "RolloutBatch":
+    def start_streamed(self, iteration: int, version: int,
+                       on_sequences: Callable[[list[TrainSequence]], None] | None = None) -> tuple[Future, queue.Queue]:
+        """The rollouts of `iteration` in the background, streamed, and a queue of each complete
+        document's training sequences (advantages not yet known) as it completes, then None: the
+        learner's old log-probs run on them meanwhile (streamed_forward.py). `on_sequences`
+        replaces the queue (the driver process sends them through its pipe)."""
+        chunks: queue.Queue = queue.Queue()
+        future = self._rollouts.submit(self.selfplay, iteration, version, on_sequences or chunks.put)
+        future.add_done_callback(lambda _: chunks.put(None))
+        return future, chunks
+
+    def selfplay(self, iteration: int, version: int,
+                 on_sequences: Callable[[list[TrainSequence]], None] | None = None) -> "RolloutBatch":
         """Steps 1-4 of `iteration` on the engines, which hold weights `version`. When no engine is
         left (NoEngineLeft) or a STOP arrives (IterationAbandoned), the sampler and RNG are put back
         as they were: the iteration is done again, or a checkpoint holds the state from before it."""
         before = self.rollout_state()
         try:
-            return self._selfplay(iteration, version)
+            return self._selfplay(iteration, version, on_sequences)
         except (NoEngineLeft, IterationAbandoned):
             # the rollouts will be done again, from the same documents and RNG state (exact resume)
             self.sampler.load_state_dict(before["sampler"])
             self.rng.setstate(before["rng"])
             raise
 
-    def _selfplay(self, iteration: int, version: int) -> "RolloutBatch":
+    def _train_sequence(self, role: str, prompt: str, completion, advantage: float) -> TrainSequence:
+        return TrainSequence(self.prompt_ids(prompt), completion.token_ids, advantage, completion.logprobs or None,
+                             role, completion.versions or None, completion.routed_experts)
+
+    def _selfplay(self, iteration: int, version: int,
+                  on_sequences: Callable[[list[TrainSequence]], None] | None = None) -> "RolloutBatch":
         from spice_megatron.selfplay import run_fixed_tasks, run_iteration
 
         t0 = time.perf_counter()
@@ -304,10 +322,10 @@ class Driver:
             result = run_iteration(docs, generate, self.verifier, sp, self.rng, self.tokenizer,
                                    weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed,
                                    max_model_len=self.cfg.rollout.max_model_len, token_ids=self.prompt_ids,
-                                   streamed=streamed)
-        seqs = [TrainSequence(self.prompt_ids(s.prompt), s.completion.token_ids, s.advantage,
-                              s.completion.logprobs or None, s.role, s.completion.versions or None,
-                              s.completion.routed_experts)
+                                   streamed=streamed, on_document=None if on_sequences is None else (
+                                       lambda done: on_sequences([self._train_sequence(role, prompt, c, 0.0)
+                                                                  for role, prompt, c in done if c.token_ids])))
+        seqs = [self._train_sequence(s.role, s.prompt, s.completion, s.advantage)
                 for s in result.samples if s.completion.token_ids]
         stats = {**result.stats, "time/rollouts": time.perf_counter() - t0}  # self-play wall time, all phases
         return RolloutBatch(iteration, version, stats, result.records, seqs)

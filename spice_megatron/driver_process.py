@@ -9,7 +9,8 @@ weight sync's control plane and the evaluation hook stay on rank 0, through a fl
 
 Calls are answered in order, except `start_selfplay` (one step off): its sampler/RNG snapshot comes
 back at once and its batch when the rollouts finish, so that rank 0 can log, checkpoint and sync
-while they run. The driver process keeps each batch's records until rank 0 logs that batch, so they
+while they run; and `start_streamed`, whose complete documents' sequences come back one answer each
+(marked partial) before its batch. The driver process keeps each batch's records until rank 0 logs that batch, so they
 cross the pipe once (rank 0 holds them too: a checkpoint taken one step off saves the batch waiting
 to be trained, records included). A checkpoint's driver state, the audit trail and the metrics are the driver's, as
 in a thread, so kill -9 resume and engine restarts are exactly those of the in-thread driver. If the
@@ -23,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 from concurrent.futures import Future
@@ -48,6 +50,7 @@ class DriverProcess:
         self._send_lock = threading.Lock()
         self._ids = itertools.count(_HELLO + 1)
         self._waiting: dict[int, Future] = {_HELLO: Future()}
+        self._partials: dict[int, queue.Queue] = {}  # a streamed batch's call id -> its documents' sequences
         # records of batches the driver process made, which it still holds: id(records) -> (records, iteration)
         self._held: dict[int, tuple[list, int]] = {}
         self.process = ctx.Process(target=_serve, name="spice-driver",
@@ -80,6 +83,23 @@ class DriverProcess:
                                 else held.set_result(self._hold(f.result())))
         snapshot = self._call("start_selfplay", iteration, version, call_id)
         return held, snapshot
+
+    def start_streamed(self, iteration: int, version: int) -> tuple[Future, queue.Queue]:
+        """Driver.start_streamed: each complete document's sequences cross the pipe as they come
+        (answers to the batch's call id that do not end it), then the batch; None after it."""
+        call_id, batch = self._future()
+        chunks: queue.Queue = queue.Queue()
+        self._partials[call_id] = chunks
+        held: Future = Future()
+
+        def done(f: Future) -> None:
+            self._partials.pop(call_id, None)
+            held.set_exception(f.exception()) if f.exception() else held.set_result(self._hold(f.result()))
+            chunks.put(None)
+
+        batch.add_done_callback(done)
+        self._call("start_streamed", iteration, version, call_id)
+        return held, chunks
 
     def _hold(self, batch: RolloutBatch) -> RolloutBatch:
         self._held[id(batch.records)] = (batch.records, batch.iteration)
@@ -158,6 +178,11 @@ class DriverProcess:
                 call_id, ok, value = self._conn.recv()
             except (EOFError, OSError):
                 break
+            if ok is None:  # part of a streamed batch (PARTIAL), before the batch itself
+                chunks = self._partials.get(call_id)
+                if chunks is not None:
+                    chunks.put(value)
+                continue
             future = self._waiting.pop(call_id, None)
             if future is not None:
                 future.set_result(value) if ok else future.set_exception(value)
@@ -231,6 +256,12 @@ def _serve(conn, cfg: SpiceConfig, resume_state: dict | None, stop_file: str, lo
                     future, snapshot = driver.start_selfplay(iteration, version)
                     future.add_done_callback(lambda f, i=batch_id: finished(i, f))
                     answer(call_id, True, snapshot)
+                elif name == "start_streamed":  # each complete document's sequences, then the batch
+                    iteration, version, batch_id = args
+                    future, _ = driver.start_streamed(iteration, version,
+                                                      lambda seqs, i=batch_id: answer(i, None, seqs))
+                    future.add_done_callback(lambda f, i=batch_id: finished(i, f))
+                    answer(call_id, True, None)
                 elif name == "log_held":
                     iteration, stats, batch_iteration = args
                     records = held.pop(batch_iteration)

@@ -551,6 +551,13 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
         offloaded = plan.optimizer_offload * p / plan.learner_gpus  # parameters per GPU updated on the host
         train += steps * offloaded / t.cpu_adam_params_per_s
     rollout = streamed if cfg.run.streamed else challenger + reasoner
+    hidden = 0.0
+    if cfg.old_logprobs_during_rollouts and not plan.colocated:
+        # the old-log-prob forward (2 of the 8 x params FLOPs per token) runs while documents still
+        # roll out: hidden but for the last documents' share (taken as one in B)
+        forward = 2 * active * learner_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
+        hidden = min(forward * (1 - 1 / docs), rollout)
+        train -= hidden
     out = {"rollout": rollout, "train": train}
     if plan.colocated:
         out["weight_sync"] = 2 * p / (t.ipc_gb_s * 1e9) + 1.0
@@ -563,7 +570,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     out["total"] = sum(out.values())
     # the phases as a phased iteration has them (run.streamed=false), and both schedules' rollouts
     out.update(challenger_rollout=challenger, reasoner_rollout=reasoner, rollout_phased=challenger + reasoner,
-               rollout_streamed=streamed)
+               rollout_streamed=streamed, old_logprobs_during_rollouts=hidden)
     out["train_tokens"] = float(train_tokens)
     out["learner_tokens"] = float(learner_tokens)
     # NeMo-RL's throughput unit: tokens (prompt + generated) through the loop per second per GPU of

@@ -72,7 +72,8 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
                   cfg: SelfPlayConfig, rng: random.Random, tokenizer=None, weights_version: int = 0,
                   iteration: int = 0, seed: int | None = None,
                   challenger_generate: GenerateFn | None = None, max_model_len: int | None = None,
-                  token_ids: Callable[[str], list[int]] | None = None, streamed: bool = False) -> IterationResult:
+                  token_ids: Callable[[str], list[int]] | None = None, streamed: bool = False,
+                  on_document: Callable[[list[tuple[str, str, Completion]]], None] | None = None) -> IterationResult:
     """One iteration's data. `seed` (None: unseeded sampling) makes the engine's sampling
     reproducible for exact resume. `challenger_generate`: a fixed challenger model's generate
     function (selfplay.challenger=model); its attempts are recorded, never trained.
@@ -81,7 +82,9 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     not fit is an invalid attempt, rather than a request vLLM truncates or rejects. `token_ids`: the
     caller's (cached) prompt tokenisation, so that a reasoner prompt measured here is not tokenised
     again when it is sent. `streamed`: each document's requests as soon as it can make them
-    (rollout_schedule.py); the same outcome as the phased schedule."""
+    (rollout/schedule.py); the same outcome as the phased schedule. `on_document` (streamed): called
+    with each document's trained (role, prompt, completion) as soon as it is complete, so that the
+    learner can run their old log-probs while the other documents roll out."""
     stats: dict[str, float] = {}
     # a fixed challenger may have a format of its own (selfplay.challenger_template)
     challenger_template = (cfg.challenger_template if challenger_generate else "") or cfg.template
@@ -103,11 +106,28 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     docs = [DocumentRollout(i, d, random.Random(rng.getrandbits(64))) for i, d in enumerate(documents)]
     check = (lambda a: _check_reasoner_request(a, cfg, tokenizer, context, token_ids)) if context else None
     steps = RolloutSteps(challenger_generate or generate, generate, prompts, cfg, verifier, tokenizer, seed, check)
-    (run_streamed if streamed else run_phased)(docs, steps)
+    train_challenger = challenger_generate is None
+    if streamed:
+        done = None if on_document is None else (
+            lambda d: on_document(document_sequences(d, cfg, train_challenger, tokenizer)))
+        run_streamed(docs, steps, done)
+    else:
+        run_phased(docs, steps)
     stats.update(steps.stats())
     stats["rollout/streamed"] = float(streamed)
     return _assemble(docs, records, steps.counters, stats, cfg, tokenizer, weights_version, iteration, grounded,
-                     train_challenger=challenger_generate is None)
+                     train_challenger)
+
+
+def document_sequences(d: DocumentRollout, cfg: SelfPlayConfig, train_challenger: bool,
+                       tokenizer) -> list[tuple[str, str, Completion]]:
+    """The (role, prompt, completion) a complete document trains: its challenger group (unless a
+    fixed challenger wrote it) and its reasoner group's G answers, as `_assemble` makes them samples."""
+    out = [(CHALLENGER, a.prompt, a.completion) for a in (d.group if train_challenger else ())]
+    if d.reasoner_task is not None:
+        prompt = reasoner_prompts([d.tasks[d.reasoner_task].parsed.task], cfg, tokenizer)[0]
+        out += [(REASONER, prompt, c) for c in d.answers[d.reasoner_task]]
+    return out
 
 
 def _assemble(docs: list[DocumentRollout], records: list[dict], counters: Counter, stats: dict[str, float],

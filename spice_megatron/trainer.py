@@ -20,6 +20,10 @@ One iteration:
 With run.colocate the engines and the learner share the GPUs and take turns (colocation.py): the
 engines sleep during step 5 and wake for step 6.
 
+Streamed (run.streamed), steps 2-4 run per document, not per phase (rollout/schedule.py); with
+several optimizer steps per batch the learner runs the old log-probs of step 5 for the documents
+already complete while the others roll out (streamed_forward.py).
+
 With train.max_staleness=1 (one step off policy) steps 1-4 of iteration t+1 run on the engines,
 in the background on the driver, while the learner takes step 5 of iteration t; the engines get
 the new weights once both are done, and iteration t+1 trains on a batch one version old.
@@ -42,6 +46,7 @@ from spice_megatron.policy.parallel import broadcast_from_driver as _broadcast
 from spice_megatron.rollout.fleet import NoEngineLeft
 from spice_megatron.run_control import KILL_SWITCH_FILE, STOP_FILE, STOPPED_FILE, StopRequest, write_marker
 from spice_megatron.run_lock import hold_run_dir
+from spice_megatron.streamed_forward import overlaps, rollouts_with_old_logprobs
 
 log = logging.getLogger("spice.trainer")
 
@@ -151,6 +156,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     # iteration t+1 during 5 of t): `ready` is a finished batch waiting for the learner, `pending`
     # the rollouts in flight and `snapshot` the driver's sampler/RNG from before they started.
     off_policy = cfg.train.max_staleness > 0
+    overlapped = overlaps(cfg)  # on-policy, disaggregated, streamed, several steps per batch
     ready = RolloutBatch.from_json(state["ready"]) if driver and state.get("ready") else None
     pending: Future | None = None
     snapshot: dict = {}
@@ -205,8 +211,11 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
             t_iter = time.perf_counter()
             # 1-4. documents -> tasks -> answers -> rewards -> advantages (driver only). One step off:
             # the batch finished during the last step, and the next one starts now, on these weights.
-            batch, lost, abandoned = None, "", False
-            if driver:
+            batch, lost, abandoned, old_logprobs, overlap = None, "", False, None, {}
+            if overlapped:  # every rank: the old log-probs of the documents done while the others roll out
+                batch, lost, abandoned, old_logprobs, overlap = rollouts_with_old_logprobs(
+                    driver, learner, deliver, control, iteration, version)
+            elif driver:
                 try:
                     batch = ready if off_policy and ready else driver.selfplay(iteration, version)
                 except NoEngineLeft as e:
@@ -228,7 +237,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
             # 5. DrGRPO on the learner (refusing samples older than train.max_staleness); colocated,
             # the engines sleep meanwhile
             colocation.before_step(iteration + 1)
-            steps = learner.train_on_batch(seqs, version=version) if seqs else []
+            steps = learner.train_on_batch(seqs, version=version, old_logprobs=old_logprobs) if seqs else []
             colocation.after_step()
             version += 1
             t_wait = time.perf_counter()
@@ -256,7 +265,8 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
             # 7. logs, kill switch, checkpoint
             stop = ""
             if driver:
-                stats = {**_iteration_stats(batch, steps, sync, version - 1), **routing_volume, **colocation.stats()}
+                stats = {**_iteration_stats(batch, steps, sync, version - 1), **routing_volume, **colocation.stats(),
+                         **overlap}
                 stats["time/wait_for_rollouts"] = t_wait
                 stats["time/iteration"] = time.perf_counter() - t_iter
                 stats["time/elapsed"] = time.perf_counter() - t_start  # since this process started training

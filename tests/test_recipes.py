@@ -211,7 +211,12 @@ def test_the_streamed_iteration_is_planned_on_the_slowest_documents_chain_not_th
     phased = estimate_step_time(plan, spec, cfg)
     assert phased["rollout"] == pytest.approx(phased["challenger_rollout"] + phased["reasoner_rollout"])
     assert phased["rollout_streamed"] == streamed["rollout_streamed"] < phased["rollout"]
-    assert streamed["total"] == pytest.approx(phased["total"] - phased["rollout"] + streamed["rollout_streamed"])
+    # streamed, the learner's old-log-prob forward (2 of its 8 x params FLOPs) runs during the rollouts
+    assert phased["old_logprobs_during_rollouts"] == 0 < streamed["old_logprobs_during_rollouts"]
+    assert streamed["train"] + streamed["old_logprobs_during_rollouts"] == pytest.approx(phased["train"])
+    assert streamed["old_logprobs_during_rollouts"] == pytest.approx(phased["train"] / 4 * (1 - 1 / 128))
+    assert streamed["total"] == pytest.approx(phased["total"] - phased["rollout"] + streamed["rollout_streamed"]
+                                              - streamed["old_logprobs_during_rollouts"])
     # the longest of a whole batch's outputs reaches the max tokens; one document's 8 do not
     assert expected_longest(600, 4096, 1024) == 4096 and expected_longest(600, 4096, 8) == pytest.approx(600 * 2.7179,
                                                                                                          rel=1e-3)

@@ -103,3 +103,29 @@ def test_a_stop_during_the_rollouts_abandons_the_iteration_and_keeps_the_ones_be
     assert records(os.path.join(out, "audit.jsonl")) == records(os.path.join(straight, "audit.jsonl"))
     a, b = weights(straight), weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_old_logprobs_run_during_the_streamed_rollouts_and_change_nothing(setup):
+    """Several optimizer steps per batch (the paper's trajectories_per_update): streamed and
+    disaggregated, the learner runs the old log-probs of each complete document while the others
+    roll out (the driver in a process of its own: the sequences cross its pipe as they come); the
+    phased run computes them after the rollouts. Same trail, losses and weights."""
+    model, corpus, root = setup
+    common = ("run.iterations=3", "train.trajectories_per_update=2")
+    runs = {}
+    for name, extra in (("overlapped", ("run.streamed=true", "run.driver=process")),
+                        ("after", ("run.streamed=false",))):
+        out = str(root / f"old_logprobs_{name}")
+        rc, text = spice_train(model, corpus, out, *common, *extra)
+        assert rc == 0, text[-3000:]
+        runs[name] = out
+    metrics = {k: records(os.path.join(v, "metrics.jsonl")) for k, v in runs.items()}
+    assert all(m["train/old_logprobs_precomputed"] > 0 and m["train/old_logprobs_forwards_during_rollouts"] >= 1
+               for m in metrics["overlapped"])
+    assert all("train/old_logprobs_precomputed" not in m for m in metrics["after"])
+    assert all("train/loss_1" in m for m in metrics["after"])  # several steps per batch: the old log-probs are used
+    losses = [[m[k] for k in sorted(m) if k.startswith("train/loss")] for m in metrics["after"]]
+    assert [[m[k] for k in sorted(m) if k.startswith("train/loss")] for m in metrics["overlapped"]] == losses
+    assert records(os.path.join(runs["overlapped"], "audit.jsonl")) == records(os.path.join(runs["after"], "audit.jsonl"))
+    a, b = weights(runs["overlapped"]), weights(runs["after"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

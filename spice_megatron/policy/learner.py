@@ -352,10 +352,13 @@ class Learner:
                     dest[idx[m]].add(rank)
         return dest
 
-    def train_on_batch(self, seqs: list[TrainSequence], version: int | None = None) -> list[StepMetrics]:
+    def train_on_batch(self, seqs: list[TrainSequence], version: int | None = None,
+                       old_logprobs: dict[tuple, list[float]] | None = None) -> list[StepMetrics]:
         """Several optimiser steps on one rollout batch (k = steps_for(n) mini-batches, minibatch_split);
         from the second on, the PPO ratio is clipped against the log-probs before the first.
-        `version`: the learner's weights version, checked against the sequences' (check_staleness)."""
+        `version`: the learner's weights version, checked against the sequences' (check_staleness).
+        `old_logprobs`: those already run under these weights, by (prompt ids, completion ids) (the
+        streamed iteration's, streamed_forward.py); the others are run here."""
         if version is not None:
             self.check_staleness(seqs, version)
         k = self.steps_for(len(seqs))
@@ -364,7 +367,12 @@ class Learner:
         if k > 1 or self.train_cfg.old_logprobs == "rollout":
             kept = [i for i, t in enumerate(trains) if t]
             if self.train_cfg.old_logprobs == "forward":
-                old_all = dict(zip(kept, self.compute_logprobs([seqs[i] for i in kept])))
+                known = old_logprobs or {}
+                keys = {i: (tuple(seqs[i].prompt_ids), tuple(seqs[i].completion_ids)) for i in kept}
+                missing = [i for i in kept if keys[i] not in known]  # the same on every rank: one batch, one dict
+                old_all = {i: known[keys[i]] for i in kept if keys[i] in known}
+                if missing:
+                    old_all.update(zip(missing, self.compute_logprobs([seqs[i] for i in missing])))
             else:
                 missing = [i for i in kept if seqs[i].rollout_logprobs is None]
                 if missing:

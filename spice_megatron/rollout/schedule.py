@@ -116,10 +116,12 @@ def run_phased(docs: list[DocumentRollout], steps: RolloutSteps) -> None:
         steps.add_answers(with_tasks, steps.answer(with_tasks))
 
 
-def run_streamed(docs: list[DocumentRollout], steps: RolloutSteps) -> None:
-    """Each document's requests as soon as the last one it depends on is back. A request that fails
-    (no engine left, a STOP) stops new submissions; those in flight are waited for (no request may
-    outlive the iteration: a weight sync or a sleep follows) and the first error is raised."""
+def run_streamed(docs: list[DocumentRollout], steps: RolloutSteps,
+                 on_complete: Callable[[DocumentRollout], None] | None = None) -> None:
+    """Each document's requests as soon as the last one it depends on is back; `on_complete(d)` once
+    a document has all it trains. A request that fails (no engine left, a STOP) stops new
+    submissions; those in flight are waited for (no request may outlive the iteration: a weight sync
+    or a sleep follows) and the first error is raised."""
     cfg = steps.cfg
     running: dict[Future, tuple[str, DocumentRollout]] = {}
     error: BaseException | None = None
@@ -132,6 +134,8 @@ def run_streamed(docs: list[DocumentRollout], steps: RolloutSteps) -> None:
             d.form_group(cfg)
             if d.tasks:
                 running[pool.submit(steps.answer, [d])] = ("reasoner", d)
+            elif on_complete is not None:
+                on_complete(d)
 
         for d in docs:
             next_request(d)
@@ -151,5 +155,7 @@ def run_streamed(docs: list[DocumentRollout], steps: RolloutSteps) -> None:
                     next_request(d)
                 else:
                     steps.add_answers([d], result)
+                    if on_complete is not None:
+                        on_complete(d)
     if error is not None:
         raise error
