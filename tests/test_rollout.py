@@ -105,6 +105,28 @@ def test_seeded_sampling_is_reproducible_and_batching_independent(services):
     assert all(lp <= 0 for comps in a for x in comps for lp in x.logprobs)
 
 
+def test_many_requests_in_flight_never_keep_status_and_control_routes_waiting(services):
+    """A streamed iteration keeps a request per document in flight. /generate waits on the engine
+    without a thread of the server's pool (40), so /status and the control routes still answer with
+    more requests than that waiting on a paused engine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = services["qwen3_2"].url
+    assert signed("POST", url, "/pause").status_code == 200
+    body = {"prompts": [[11, 22, 33]], "sampling": SamplingSpec(n=1, temperature=0.0, max_tokens=3).to_json()}
+    pool = ThreadPoolExecutor(max_workers=48)
+    try:
+        pending = [pool.submit(signed_request, "POST", url, "/generate", TOKEN, body, 300) for _ in range(48)]
+        time.sleep(2.0)
+        st = signed_request("GET", url, "/status", TOKEN, None, 30).json()  # would wait behind 40 blocked threads
+        assert st["paused"] and not any(f.done() for f in pending)
+        assert signed_request("POST", url, "/resume", TOKEN, None, 30).status_code == 200
+        assert all(f.result(timeout=300).status_code == 200 for f in pending)
+    finally:
+        signed("POST", url, "/resume")
+        pool.shutdown(wait=True)
+
+
 def test_auth_and_malformed_requests(services):
     """Every route but /health and /attest needs a request signed with the job's token (the raw
     token is refused as a credential); vLLM's and our own validation answer 4xx, the engine serves on."""

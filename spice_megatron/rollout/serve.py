@@ -16,6 +16,7 @@ are plain JSON (no pickle crosses the wire), their size and `n` and prompt count
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from spice_megatron.rollout.auth import AuthError, RequestVerifier, attest_proof, read_token
@@ -135,8 +137,11 @@ def build_app(engine, token: str, limits: RequestLimits = RequestLimits()) -> Fa
     def weight_info():
         return {"weight_version": engine.version}
 
+    # async: a request waits on the engine's future without holding a thread of the server's pool
+    # (40 threads), so that many requests in flight (a streamed iteration's, one per document) never
+    # keep /status and the control routes waiting behind them
     @app.post("/generate")
-    def generate(body: GenerateBody, request: Request):
+    async def generate(body: GenerateBody, request: Request):
         try:
             spec = SamplingSpec.from_json(body.sampling)
         except (TypeError, ValueError) as e:
@@ -146,16 +151,17 @@ def build_app(engine, token: str, limits: RequestLimits = RequestLimits()) -> Fa
                                 f"at most {limits.max_prompts} prompts and n <= {limits.max_n} per request")
         t0 = time.perf_counter()
         try:
-            (out,) = engine.submit([(body.prompts, spec)]).result()
+            (out,) = await asyncio.wrap_future(engine.submit([(body.prompts, spec)]))
         except VALIDATION_ERRORS as e:  # vLLM's own checks (e.g. n > 1 with greedy sampling)
             raise HTTPException(status_code=400, detail=f"{type(e).__name__}: {e}") from e
         state["requests"] += 1
         state["tokens"] += sum(len(c.token_ids) for comps in out for c in comps)
         state["busy_seconds"] += time.perf_counter() - t0
-        if body.packed:  # encoded here, not by FastAPI's jsonable_encoder walking every number
-            payload = {"version": version_label(engine.version), **pack_completions(out)}
-            return Response(json.dumps(payload), media_type="application/json")
-        return {"version": version_label(engine.version), "completions": [[c.to_json() for c in comps] for comps in out]}
+        version = version_label(engine.version)
+        if body.packed:  # encoded here (off the event loop), not by FastAPI's jsonable_encoder walking every number
+            text = await run_in_threadpool(lambda: json.dumps({"version": version, **pack_completions(out)}))
+            return Response(text, media_type="application/json")
+        return {"version": version, "completions": [[c.to_json() for c in comps] for comps in out]}
 
     # vLLM's RL control plane, under its own route names and bodies
     @app.post("/init_weight_transfer_engine")
