@@ -1,4 +1,6 @@
 """The reasoner's prompt per model family; training and evaluation share it."""
+import threading
+
 import pytest
 
 from spice_megatron.tasks import Task
@@ -87,7 +89,7 @@ def test_engines_receive_the_same_ids_in_training_evaluation_coevolution_and_fix
     sent: dict[str, list] = {}
 
     def recorder(path):
-        def generate(prompts, spec):
+        def generate(prompts, spec, one_engine=False):
             sent[path] = prompts[0]
             return [[Completion("\\boxed{5}", [1], [0.0], "stop")] * spec.n for _ in prompts]
         return generate
@@ -95,7 +97,7 @@ def test_engines_receive_the_same_ids_in_training_evaluation_coevolution_and_fix
     cfg = SelfPlayConfig(template="octothinker", protocol="compact")
     task = Task("What is 2 plus 3?", "5", "integer")
     reasoner = reasoner_prompt(task, cfg.template, bos_tokenizer)
-    training = SimpleNamespace(_ids={}, tokenizer=bos_tokenizer)
+    training = SimpleNamespace(_ids={}, _ids_lock=threading.Lock(), tokenizer=bos_tokenizer)
     sent["training"] = Driver.prompt_ids(training, reasoner)
     evaluate_benchmark(LoadedBenchmark(BENCHMARKS["gsm8k"], [EvalItem("1", task.question, "5", "integer")], "s"),
                        recorder("evaluation"), _NoVerifier(), bos_tokenizer, EvalSettings(template=cfg.template))
@@ -106,7 +108,7 @@ def test_engines_receive_the_same_ids_in_training_evaluation_coevolution_and_fix
     doc = Document("d", "Gus had 5 cards and got 8 more. Now Gus has 13 cards.", "s", 0, 0, "sha", 20)
     challenger = ChallengerPrompts(cfg.template, bos_tokenizer, "").compact_prompt(doc.text)
     fixed = SimpleNamespace(challenger_fleet=SimpleNamespace(generate=recorder("fixed")),
-                            challenger_tokenizer=bos_tokenizer)
+                            challenger_tokenizer=bos_tokenizer, _ids_lock=threading.Lock())
     Driver.fixed_challenger_generate(fixed, [challenger], SamplingSpec(n=1))
     analysis._challenger_tasks(SimpleNamespace(generate=recorder("coevolution_challenger")), [doc], bos_tokenizer,
                                cfg, 1, attempts=1)
