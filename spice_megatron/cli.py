@@ -74,6 +74,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     cfg.cluster.validate()
     if args.model and looks_like_local_path(args.model):
         require_dir(args.model, "--model")
+    cfg.run.model = args.model or cfg.run.model
+    if cfg.run.model:  # a bad override is one line, as `spice train` says it (tiny_cpu names no model)
+        cfg.validate()
     spec = model_spec(args.model or cfg.run.model)
     placements = compare_placements(cfg, spec)  # both ways, each with its own chosen layout
     # the recipe's own layout: plan_layout refuses what the learner would, named by its field

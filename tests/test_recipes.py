@@ -238,6 +238,9 @@ def test_spice_plan_command(capsys):
     assert "learner: 16 GPUs, TP=2 PP=1 DP=8" in out and "640 iterations" in out
     assert main(["plan", "--recipe", "qwen3_32b", "--nodes", "2"]) == 2
     assert "does not fit 8 learner GPUs" in capsys.readouterr().err
+    # a bad override is refused with its field named, as `spice train` refuses it
+    assert main(["plan", "--recipe", "qwen3_8b", "train.max_staleness=7"]) == 2
+    assert "train.max_staleness" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", PAPER_RECIPES + ("qwen3_30b_a3b", "qwen3_8b_1node", "qwen3_30b_a3b_1node"))
