@@ -42,7 +42,6 @@ from spice_megatron.verify import AnswerVerifier, answer_key
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class Sample:
     """One training sequence with its role-specific advantage."""
