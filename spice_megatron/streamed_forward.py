@@ -29,10 +29,6 @@ def overlaps(cfg: SpiceConfig) -> bool:
     return cfg.old_logprobs_during_rollouts
 
 
-def sequence_key(x: TrainSequence) -> tuple:
-    return tuple(x.prompt_ids), tuple(x.completion_ids)
-
-
 def _next_chunk(chunks: queue.Queue) -> list[TrainSequence] | None:
     """What is complete: waits for one document's sequences, takes every one finished meanwhile;
     None once the rollouts have ended."""
@@ -63,7 +59,7 @@ def rollouts_with_old_logprobs(driver, learner, deliver, control, iteration: int
             break
         seqs, _ = deliver(chunk)
         t0 = time.perf_counter()
-        old.update(zip(map(sequence_key, seqs), learner.compute_logprobs(seqs)))
+        old.update(zip((x.key() for x in seqs), learner.compute_logprobs(seqs)))
         seconds, forwards = seconds + time.perf_counter() - t0, forwards + 1
     batch, lost, abandoned = None, "", False
     if driver:

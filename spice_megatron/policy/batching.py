@@ -29,6 +29,10 @@ class TrainSequence:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
+    def key(self) -> tuple:
+        """What identifies the sequence's log-probs under given weights: its prompt and completion ids."""
+        return tuple(self.prompt_ids), tuple(self.completion_ids)
+
 
 @dataclass
 class MicroBatch:

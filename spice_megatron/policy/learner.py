@@ -368,7 +368,7 @@ class Learner:
             kept = [i for i, t in enumerate(trains) if t]
             if self.train_cfg.old_logprobs == "forward":
                 known = old_logprobs or {}
-                keys = {i: (tuple(seqs[i].prompt_ids), tuple(seqs[i].completion_ids)) for i in kept}
+                keys = {i: seqs[i].key() for i in kept}
                 missing = [i for i in kept if keys[i] not in known]  # the same on every rank: one batch, one dict
                 old_all = {i: known[keys[i]] for i in kept if keys[i] in known}
                 if missing:

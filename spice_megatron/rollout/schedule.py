@@ -72,9 +72,8 @@ class RolloutSteps:
     def add_answers(self, docs: list[DocumentRollout], result: tuple) -> None:
         """Verified: each document's tasks get their answers, extracted and checked."""
         answers, span = result
-        if not self.reasoner_span:
-            self.reasoner_span = [span[0], span[1]]
-        self.reasoner_span = [min(self.reasoner_span[0], span[0]), max(self.reasoner_span[1], span[1])]
+        first, last = self.reasoner_span or span
+        self.reasoner_span = [min(first, span[0]), max(last, span[1])]
         t0 = time.perf_counter()
         tasks = [(d, a.parsed.task) for d in docs for a in d.tasks]
         extracted = [[extract_boxed(c.text) for c in comps] for comps in answers]
