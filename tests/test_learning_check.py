@@ -163,6 +163,18 @@ def test_the_ablation_pairs_arms_with_spice_on_the_same_items_and_words_its_verd
     write("worse_1", 4, [True] * 10 + [False] * 90)  # 10%: every item spice missed it missed too
     iteration, items = ab.last_items(str(tmp_path / "spice_1"), bench)
     assert iteration == 4 and sum(r["correct"] for r in items) == 30
+    # what a .done.json keeps: the comparisons and the challenger's scoring read no run directory
+    (tmp_path / "spice_1" / "challenger_eval").mkdir()
+    for it in (2, 4):
+        (tmp_path / "spice_1" / "challenger_eval" / f"iteration_{it:04d}.json").write_text(
+            json.dumps({"iteration": it, "documents": [{"doc_id": "d", "tasks": [f"task {it}"]}]}))
+    kept = ab.kept_evaluation(str(tmp_path / "spice_1"), bench)
+    assert kept["iteration"] == 4 and [r["correct"] for r in kept["items"]] == spice
+    assert kept["challenger_tasks"]["iteration"] == 4
+    import shutil
+    shutil.rmtree(tmp_path / "spice_1" / "challenger_eval")
+    assert learning_check._written_tasks(str(tmp_path), "spice_1", {"kept": kept}, last_only=True) == [
+        kept["challenger_tasks"]]
     _, worse = ab.last_items(str(tmp_path / "worse_1"), bench)
     d, lo, hi = ab.paired_points(worse, items, seed=1)
     assert d == pytest.approx(-20.0) and lo < d < hi < 0

@@ -2,7 +2,9 @@
 
 Arms, each on the same seeds, story documents, iterations and held-out sets as the self-play check
 (`--selfplay`), one run per arm and seed (kept as <out>/<arm>_<seed>.done.json, so an interrupted
-invocation resumes):
+invocation resumes; the file holds what the comparisons read, the last evaluation's per-item records
+and held-out challenger tasks, so the .done.json files alone, copied into another --out, resume the
+ablation on another machine or checkout):
   spice             SPICE: the policy writes tasks from documents and answers them; both roles train
   fixed_challenger  the base model, frozen, writes the tasks on the same documents; only the reasoner
                     trains (the paper's strong-challenger baseline, at the same model size here)
@@ -51,6 +53,18 @@ def last_items(run_dir: str, benchmark: str) -> tuple[int, list[dict]]:
     with open(paths[-1]) as f:
         items = [json.loads(line) for line in f]
     return int(os.path.basename(os.path.dirname(paths[-1])).split("_")[1]), items
+
+
+def kept_evaluation(run_dir: str, benchmark: str) -> dict:
+    """What the comparisons need of a finished run: its last evaluation's items (id, correct) and,
+    where it wrote them, its last held-out challenger tasks."""
+    iteration, items = last_items(run_dir, benchmark)
+    kept: dict = {"iteration": iteration, "items": [{"id": r["id"], "correct": bool(r["correct"])} for r in items]}
+    written = sorted(glob.glob(os.path.join(run_dir, "challenger_eval", "iteration_*.json")))
+    if written:
+        with open(written[-1]) as f:
+            kept["challenger_tasks"] = json.load(f)
+    return kept
 
 
 def aligned(arm: list[dict], spice: list[dict]) -> tuple[list[float], list[float]]:
@@ -147,6 +161,7 @@ def run_ablation(args, settings: dict, train_file: str, heldout: str, fixed_docs
                 finally:
                     args.extra = base_extra
                 run.pop("metrics")
+                run["kept"] = kept_evaluation(os.path.join(args.out, name), benchmark)
                 lc._keep(args.out, name, arm_settings, run)
             runs[name] = {**run, "arm": arm}
             print(f"{name}: done ({run['seconds'] / 60:.1f} min)", flush=True)
@@ -162,9 +177,7 @@ def run_ablation(args, settings: dict, train_file: str, heldout: str, fixed_docs
         per_seed = {}
         for seed in args.seeds:
             name, ref = f"{arm}_{seed}", f"spice_{seed}"
-            _, items = last_items(os.path.join(args.out, name), benchmark)
-            _, spice_items = last_items(os.path.join(args.out, ref), benchmark)
-            fig = seed_figures(runs[name], items, spice_items, seed)
+            fig = seed_figures(runs[name], runs[name]["kept"]["items"], runs[ref]["kept"]["items"], seed)
             if scores.get(name):
                 last = max(scores[name])
                 fig["challenger"] = _challenger_figures(scores[name][last], scores.get(ref, {}).get(last), last, seed)
@@ -174,6 +187,8 @@ def run_ablation(args, settings: dict, train_file: str, heldout: str, fixed_docs
             fig.pop("item_correct"), fig.pop("spice_item_correct")
         summary["arms"][arm] = {**pooled, "seeds": list(per_seed.values())}
     summary["run_minutes"] = sum(r["seconds"] for r in runs.values()) / 60
+    for r in runs.values():
+        r.pop("kept")
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     for arm, a in summary["arms"].items():

@@ -384,8 +384,6 @@ def challenger_scores(args, runs: dict, gold: dict[str, str],
     """Each run's held-out challenger tasks (its evaluations; iteration 0: the base model's, written
     here with the run's seed), answered by the base model, the fixed reasoner, in one engine:
     {run: {iteration: per-document scores}}. `last_only`: each run's last evaluation alone."""
-    import glob
-
     from transformers import AutoTokenizer
 
     from recipes import get_recipe
@@ -419,14 +417,26 @@ def challenger_scores(args, runs: dict, gold: dict[str, str],
                                          for seed in sorted({r["seed"] for r in runs.values()})}
             for name, run in runs.items():
                 out[name] = {} if last_only else {0: base[run["seed"]]}
-                paths = sorted(glob.glob(os.path.join(args.out, name, "challenger_eval", "iteration_*.json")))
-                for path in paths[-1:] if last_only else paths:
-                    with open(path) as f:
-                        written = json.load(f)
+                for written in _written_tasks(args.out, name, run, last_only):
                     out[name][written["iteration"]] = score(written["documents"])
     finally:
         verifier.close()
     return out
+
+
+def _written_tasks(out: str, name: str, run: dict, last_only: bool) -> list[dict]:
+    """A run's held-out challenger tasks per evaluation: from its directory, or (an ablation run kept
+    in its .done.json alone) the last one it kept."""
+    import glob
+
+    if last_only and "challenger_tasks" in run.get("kept", {}):
+        return [run["kept"]["challenger_tasks"]]
+    paths = sorted(glob.glob(os.path.join(out, name, "challenger_eval", "iteration_*.json")))
+    written = []
+    for path in paths[-1:] if last_only else paths:
+        with open(path) as f:
+            written.append(json.load(f))
+    return written
 
 
 def challenger_verdict(runs: dict, scores: dict) -> dict:
