@@ -120,6 +120,15 @@ def llama3_70b() -> SpiceConfig:
                         engine_tp=4, micro_batch_tokens=8192, template="chat")
 
 
+# Base models beyond the paper's, as reasoning-RL work starts from them (same algorithm and settings).
+def qwen2_5_7b() -> SpiceConfig:
+    """Qwen2.5-7B base (the architecture of Qwen2.5-Math and DeepSeek-R1-Distill-Qwen too), laid out
+    like qwen3_8b: one learner node at TP=2 (4 KV heads: TP 1, 2 or 4), one node of TP=1 engines.
+    Its tokenizer's ChatML template frames the prompts."""
+    return paper_config("qwen2_5_7b", "Qwen/Qwen2.5-7B", nodes=2, learner_nodes=1, tp=2, pp=1, engine_tp=1,
+                        template="chat")
+
+
 # Mixture-of-experts (beyond the paper, which trains dense models): the same algorithm with expert
 # parallelism and routing replay (train.routing_replay "auto": on for MoE). The SPICE authors'
 # follow-up trains Qwen3-30B-A3B with EP=8. Experts hold ~96% of the parameters: split over EP they

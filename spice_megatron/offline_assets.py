@@ -39,17 +39,20 @@ def tiny_hf_config(family: str = "qwen3", tied: bool = False, vocab_size: int = 
                 "moe_intermediate_size": moe_intermediate_size,
                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": list(mlp_only_layers),
                 "router_aux_loss_coef": 0.001}
+    if family == "qwen2":  # Qwen2.5's: q/k/v biases, no q/k norms
+        return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1000000.0,
+                "use_sliding_window": False}
     if family == "llama":
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
                 "max_position_embeddings": 16384,
                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    raise ValueError(f"family: unknown {family!r} (qwen3, qwen3_moe, llama)")
+    raise ValueError(f"family: unknown {family!r} (qwen3, qwen3_moe, qwen2, llama)")
 
 
 def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norms: bool = True) -> str:
-    """Save a random-weight HF model (safetensors) for `config`; norms are randomised too so that
-    a wrong mapping of them cannot go unnoticed."""
+    """Save a random-weight HF model (safetensors) for `config`; norms and biases are randomised too
+    so that a wrong mapping of them cannot go unnoticed."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -62,6 +65,8 @@ def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norm
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
+                elif name.endswith(".bias"):  # transformers starts biases at 0: a misplaced one would not show
+                    p.normal_(0.0, 0.2)
                 elif name.endswith("mlp.gate.weight"):
                     # routers far from uniform: no near-ties in the top-k for rounding to flip,
                     # so two implementations that agree to 1e-6 pick the same experts

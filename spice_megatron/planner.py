@@ -48,6 +48,9 @@ KNOWN_MODELS: dict[str, dict] = {
                                                    **_LLAMA3_ROPE),
     "meta-llama/Llama-3.3-70B-Instruct": _cfg("LlamaForCausalLM", 8192, 80, 64, 8, 28672, 128256, False, 5e5,
                                               **_LLAMA3_ROPE),
+    # Qwen2.5: q/k/v biases; 28 query heads over 4 KV groups (TP divides 4)
+    "Qwen/Qwen2.5-7B": _cfg("Qwen2ForCausalLM", 3584, 28, 28, 4, 18944, 152064, False, 1e6,
+                            max_position_embeddings=131072, use_sliding_window=False),
     # mixture-of-experts: 128 experts, 8 per token, no shared expert, every layer sparse
     "Qwen/Qwen3-30B-A3B-Base": _cfg("Qwen3MoeForCausalLM", 2048, 48, 32, 4, 6144, 151936, False, 1e6,
                                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from dist_utils import free_port, run_ranks
 from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 
-MODELS = {"qwen3_untied": ("qwen3", False), "qwen3_tied": ("qwen3", True), "llama_untied": ("llama", False)}
+MODELS = {"qwen3_untied": ("qwen3", False), "qwen3_tied": ("qwen3", True), "llama_untied": ("llama", False),
+          "qwen2_tied": ("qwen2", True)}  # Qwen2.5 up to 3B ties its embeddings; qwen2 also has q/k/v biases
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +298,7 @@ def _reader(hf: dict):
     return lambda name, dim, start, stop: hf[name] if dim is None else hf[name].narrow(dim, start, stop - start)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
 def test_tp4_shards_placed_back_rebuild_every_hf_tensor(family):
     """Export's placement is the exact inverse of import's slicing, at a TP wider than the
     multi-process tests use (4 KV groups over 4 ranks, 2 query heads per group)."""
@@ -311,6 +312,8 @@ def test_tp4_shards_placed_back_rebuild_every_hf_tensor(family):
                  "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     if spec.family.qk_norm:
         per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    if spec.family.qkv_bias:
+        per_layer += ["self_attention.linear_qkv.bias"]
     names += [f"decoder.layers.{i}.{rest}" for i in range(spec.num_layers) for rest in per_layer]
     rebuilt = {}
     for name in names:

@@ -307,7 +307,7 @@ def test_distributed_optimizer_is_refused_on_the_torch_fallback():
 def test_model_spec_errors_name_the_problem():
     from spice_megatron.policy.model import UnsupportedModelError, check_parallel_layout, model_spec_from_hf
 
-    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         model_spec_from_hf({**tiny_hf_config(), "architectures": ["GPT2LMHeadModel"]})
     spec = model_spec_from_hf(tiny_hf_config("llama"))
     assert spec.rope_scaling_factor == 8.0 and spec.rope_theta == 500000.0 and spec.family.name == "llama"
@@ -315,6 +315,11 @@ def test_model_spec_errors_name_the_problem():
         check_parallel_layout(spec, tp=4, pp=1)
     with pytest.raises(ConfigError, match="parallel.pipeline_parallel.*num_hidden_layers"):
         check_parallel_layout(spec, tp=1, pp=4)
+    qwen2 = model_spec_from_hf(tiny_hf_config("qwen2"))
+    assert qwen2.family.qkv_bias and not qwen2.family.qk_norm
+    assert qwen2.num_parameters == model_spec_from_hf(tiny_hf_config("llama")).num_parameters + 2 * 16 * (4 + 2 * 2)
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window=true"):
+        model_spec_from_hf({**tiny_hf_config("qwen2"), "use_sliding_window": True})
 
 
 def _ppo_rank(model_dir):

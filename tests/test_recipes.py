@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES, get_recipe,
+from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES, get_recipe,
                      recipe_names)
 from spice_megatron.config import ConfigError, apply_overrides
 from spice_megatron.planner import PlanError, Throughput, estimate_step_time, learner_memory, model_spec, plan_layout
@@ -34,7 +34,7 @@ def test_paper_recipes_carry_the_paper_settings(name):
     cfg.validate()
 
 
-@pytest.mark.parametrize("name", PAPER_RECIPES + LARGE_RECIPES + MOE_RECIPES)
+@pytest.mark.parametrize("name", PAPER_RECIPES + LARGE_RECIPES + MOE_RECIPES + FAMILY_RECIPES)
 def test_cluster_recipes_fit_their_cluster(name):
     cfg = get_recipe(name)
     plan = plan_layout(cfg)
@@ -46,7 +46,8 @@ def test_cluster_recipes_fit_their_cluster(name):
 def test_large_recipes_use_tensor_and_pipeline_parallelism():
     layouts = {n: (get_recipe(n).parallel.tensor_parallel, get_recipe(n).parallel.pipeline_parallel) for n in LARGE_RECIPES}
     assert all(tp > 1 for tp, _ in layouts.values()) and any(pp > 1 for _, pp in layouts.values())
-    assert set(PAPER_RECIPES + LARGE_RECIPES + BASELINE_RECIPES + MOE_RECIPES + COLOCATED_RECIPES + ("tiny_cpu",)) == \
+    assert set(PAPER_RECIPES + LARGE_RECIPES + BASELINE_RECIPES + MOE_RECIPES + COLOCATED_RECIPES + FAMILY_RECIPES
+               + ("tiny_cpu",)) == \
         set(recipe_names())
 
 

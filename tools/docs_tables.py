@@ -42,10 +42,12 @@ def _plan(name: str, nodes: int | None = None):
 
 def recipes_table() -> str:
     """Every GPU recipe: model, nodes, the learner's layout and planned GiB per GPU, the engines."""
-    from recipes import BASELINE_RECIPES, COLOCATED_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES
+    from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES,
+                         PAPER_RECIPES)
 
     rows = ["| recipe | model | nodes x GPUs | learner | planned per GPU | engines |", "|---|---|---|---|---|---|"]
-    for name in (*PAPER_RECIPES, *BASELINE_RECIPES, *LARGE_RECIPES, *MOE_RECIPES, *COLOCATED_RECIPES):
+    for name in (*PAPER_RECIPES, *BASELINE_RECIPES, *LARGE_RECIPES, *MOE_RECIPES, *COLOCATED_RECIPES,
+                 *FAMILY_RECIPES):
         cfg, plan, _ = _plan(name)
         layout = f"{plan.learner_gpus} GPUs: TP={plan.tp} PP={plan.pp} DP={plan.dp}" + (
             f" EP={plan.ep}" if plan.ep > 1 else "")
@@ -137,6 +139,17 @@ def bad_inputs_table() -> str:
     return "\n".join(rows)
 
 
+def families_table() -> str:
+    """The architectures the loader accepts (policy/model.py's family table)."""
+    from spice_megatron.policy.model import FAMILIES
+
+    rows = ["| HF architecture | family | q/k norm | q/k/v bias | experts | checkpoints |", "|---|---|---|---|---|---|"]
+    for arch, f in FAMILIES.items():
+        rows.append(f"| `{arch}` | {f.name} | {'yes' if f.qk_norm else '-'} | {'yes' if f.qkv_bias else '-'} | "
+                    f"{'yes' if f.name.endswith('_moe') else '-'} | {f.examples} |")
+    return "\n".join(rows)
+
+
 ABLATION_SUMMARY = os.path.join(ROOT, "docs", "data", "ablation_summary.json")
 
 
@@ -157,7 +170,8 @@ def ablation_table() -> str:
 TABLES: dict[str, Callable[[], str]] = {"recipes": recipes_table, "step_time": step_time_table,
                                         "placements": placements_table,
                                         "run_defaults": run_defaults, "train_defaults": train_defaults,
-                                        "bad_inputs": bad_inputs_table, "ablation": ablation_table}
+                                        "bad_inputs": bad_inputs_table, "ablation": ablation_table,
+                                        "families": families_table}
 
 
 def doc_files() -> list[str]:

@@ -1,7 +1,8 @@
-"""Hugging Face <-> Megatron-Core names and tensor-parallel layouts (Qwen3, Qwen3-MoE, Llama).
+"""Hugging Face <-> Megatron-Core names and tensor-parallel layouts (Qwen3, Qwen3-MoE, Qwen2, Llama).
 
 Megatron fuses q/k/v into `linear_qkv` with rows interleaved per KV group
-([q heads of group 0, k_0, v_0, q heads of group 1, ...]) and gate/up into `linear_fc1`
+([q heads of group 0, k_0, v_0, q heads of group 1, ...]; Qwen2's q/k/v biases the same way, into
+`linear_qkv.bias`) and gate/up into `linear_fc1`
 ([gate; up]). A tensor-parallel rank holds whole KV groups of `linear_qkv` and
 [gate_r; up_r] of `linear_fc1`, so each rank can be built from row/column slices of the HF
 tensors without materialising the full model anywhere.

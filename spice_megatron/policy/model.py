@@ -1,4 +1,4 @@
-"""A megatron-core GPTModel from a Hugging Face config.json (Qwen3, Qwen3-MoE and Llama 3 families)."""
+"""A megatron-core GPTModel from a Hugging Face config.json (Qwen3, Qwen3-MoE, Qwen2/2.5 and Llama 3 families)."""
 from __future__ import annotations
 
 import os
@@ -17,15 +17,22 @@ class Family:
     name: str
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     qkv_bias: bool  # biases on q/k/v projections (Qwen2)
+    examples: str = ""  # checkpoints of the architecture (docs/checkpoints.md's table)
 
 
-# HF architecture name -> family. Adding Qwen2 is one line here plus its mapping test.
+# HF architecture name -> family (docs/checkpoints.md's supported-families table is generated from it).
 FAMILIES: dict[str, Family] = {
-    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, qkv_bias=False),
-    "LlamaForCausalLM": Family("llama", qk_norm=False, qkv_bias=False),
-    "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, qkv_bias=False),
+    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, qkv_bias=False, examples="Qwen3-4B/8B/14B-Base, Qwen3-32B"),
+    "LlamaForCausalLM": Family("llama", qk_norm=False, qkv_bias=False,
+                               examples="Llama 3.x, OctoThinker, SmolLM2 (llama3 rope scaling or none)"),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, qkv_bias=False,
+                                  examples="Qwen3-30B-A3B-Base, Qwen3-235B-A22B (no shared experts)"),
+    # biases on q/k/v (not on o_proj)
+    "Qwen2ForCausalLM": Family("qwen2", qk_norm=False, qkv_bias=True,
+                               examples="Qwen2, Qwen2.5, Qwen2.5-Math, DeepSeek-R1-Distill-Qwen (no sliding window)"),
 }
-MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,8 @@ class ModelSpec:
     moe: MoESpec | None = None
 
     def _count(self, experts_per_layer: int) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) \
+            + (self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.family.qkv_bias else 0)
         emb = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
         norms = 2 * self.hidden_size + (2 * self.head_dim if self.family.qk_norm else 0)
         dense_mlp = 3 * self.hidden_size * self.ffn_hidden_size
@@ -154,6 +162,9 @@ def _spec(config: dict) -> ModelSpec:
         raise UnsupportedModelError(f"{arch} with attention_bias=true is not supported")
     if config.get("mlp_bias", False):
         raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")
+    if config.get("use_sliding_window", False):  # Qwen2's configs carry the switch, off in every published one
+        raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported (full attention only: "
+                                    "set it to false, as Qwen2.5's published configs do)")
     heads = config["num_attention_heads"]
     theta, scaling = _rope(config)
     return ModelSpec(
