@@ -42,12 +42,21 @@ def tiny_hf_config(family: str = "qwen3", tied: bool = False, vocab_size: int = 
     if family == "qwen2":  # Qwen2.5's: q/k/v biases, no q/k norms
         return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1000000.0,
                 "use_sliding_window": False}
+    if family == "deepseek_v3":  # latent attention, 1 dense layer then sigmoid-routed experts + a shared one
+        return {**common, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                "num_key_value_heads": num_heads, "head_dim": 8, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": num_experts, "num_experts_per_tok": top_k,
+                "moe_intermediate_size": moe_intermediate_size, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                "rope_interleave": True, "num_nextn_predict_layers": 0,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
     if family == "llama":
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
                 "max_position_embeddings": 16384,
                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    raise ValueError(f"family: unknown {family!r} (qwen3, qwen3_moe, qwen2, llama)")
+    raise ValueError(f"family: unknown {family!r} (qwen3, qwen3_moe, qwen2, deepseek_v3, llama)")
 
 
 def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norms: bool = True) -> str:
@@ -71,6 +80,9 @@ def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norm
                     # routers far from uniform: no near-ties in the top-k for rounding to flip,
                     # so two implementations that agree to 1e-6 pick the same experts
                     p.normal_(0.0, 0.5)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # the correction bias must count in the choice
+                    b.normal_(0.0, 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

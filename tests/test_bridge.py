@@ -11,7 +11,8 @@ from dist_utils import free_port, run_ranks
 from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 
 MODELS = {"qwen3_untied": ("qwen3", False), "qwen3_tied": ("qwen3", True), "llama_untied": ("llama", False),
-          "qwen2_tied": ("qwen2", True)}  # Qwen2.5 up to 3B ties its embeddings; qwen2 also has q/k/v biases
+          "qwen2_tied": ("qwen2", True),  # Qwen2.5 up to 3B ties its embeddings; qwen2 also has q/k/v biases
+          "deepseek_v3": ("deepseek_v3", False)}  # latent attention; layer 0 dense, layer 1 experts + shared
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from spice_megatron.bridge.mapping import (LAYER, full_shape, gather_layout, hf_outputs, is_expert, place_shard,
-                                           renumber_expert, shard_destination)
+from spice_megatron.bridge.mapping import (LAYER, full_shape, gather_layout, hf_outputs, hf_tensors, is_expert,
+                                           place_shard, renumber_expert, shard_destination)
 
 
 def global_param_name(name: str, offset: int) -> str:
@@ -31,7 +31,7 @@ def stage_hf_outputs(learner) -> Iterator[tuple[str, torch.Tensor, list[tuple[st
 
     offset, lay, spec = layer_offset(learner.model), learner.layout, learner.spec
     per_rank = spec.moe.num_experts // lay.ep if spec.moe is not None else 0
-    for name, param in learner.model.named_parameters():
+    for name, param in hf_tensors(learner.model):
         global_name = global_param_name(name, offset)
         if is_expert(name):
             shape = full_shape(name, tuple(param.shape), lay.etp)

@@ -9,7 +9,7 @@ from typing import Mapping
 import torch
 
 from spice_megatron.entry import UserError
-from spice_megatron.bridge.mapping import MappingError, ShardRanks, expected_hf_shapes, megatron_shard
+from spice_megatron.bridge.mapping import MappingError, ShardRanks, expected_hf_shapes, hf_tensors, megatron_shard
 from spice_megatron.policy.model import ModelSpec
 
 
@@ -116,7 +116,7 @@ def load_hf_weights(model, spec: ModelSpec, reader, layout) -> int:
             raise CheckpointError(f"tensor {name!r}: shape {reader.shape(name)}, config.json implies {shape}")
     offset, ranks = layer_offset(model), ShardRanks.of(layout)
     loaded = 0
-    for name, param in model.named_parameters():
+    for name, param in hf_tensors(model):
         src = megatron_shard(name, spec, ranks, offset, reader.read)
         if tuple(src.shape) != tuple(param.shape):
             raise CheckpointError(f"megatron parameter {name!r}: HF tensors give shape {tuple(src.shape)}, "

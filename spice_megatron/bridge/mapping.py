@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-Core names and tensor-parallel layouts (Qwen3, Qwen3-MoE, Qwen2, Llama).
+"""Hugging Face <-> Megatron-Core names and tensor-parallel layouts (Qwen3, Qwen3-MoE, Qwen2, Llama,
+DeepSeek-V3).
 
 Megatron fuses q/k/v into `linear_qkv` with rows interleaved per KV group
 ([q heads of group 0, k_0, v_0, q heads of group 1, ...]; Qwen2's q/k/v biases the same way, into
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -48,7 +49,59 @@ _NORMS = {
 _ROW_PARALLEL = {  # split along the input dimension (dim 1)
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
 }
+# Multi-head latent attention (DeepSeek-V3). The up-projections (and q_proj without a q latent) are
+# column-parallel by whole heads; the down-projections are split by rows without Transformer Engine
+# (megatron gathers their output before the latent norms) and whole on every rank with it.
+_MLA_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",  # local spec
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",  # TE spec (fused)
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+}
+_MLA_HEADS = {  # column-parallel by heads
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+}
+_MLA_DOWN = {
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+}
+# the router's correction bias (a buffer in megatron, fixed during RL: policy/model.py moe_kwargs)
+_EXPERT_BIAS = ("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias")
+
+
+def hf_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters, and the buffers an HF checkpoint holds too (the routers' correction
+    biases): what import fills, export writes and the weight sync sends."""
+    yield from model.named_parameters()
+    for name, buf in model.named_buffers():
+        if name.endswith(_EXPERT_BIAS[0]):
+            yield name, buf
+
+
+def mla_down_split() -> bool:
+    """Whether megatron splits the latent down-projections over TP ranks (its local spec does)."""
+    from spice_megatron.policy.model import have_transformer_engine
+
+    return not have_transformer_engine()
+
+
+def _one_to_one(rest: str, spec: ModelSpec) -> str | None:
+    """The HF suffix of a per-layer tensor every rank holds whole."""
+    if spec.mla is not None and rest in _MLA_NORMS:
+        return _MLA_NORMS[rest]
+    if rest in _NORMS:
+        return _NORMS[rest]
+    if rest == "mlp.router.weight":
+        return "mlp.gate.weight"
+    if rest == _EXPERT_BIAS[0]:
+        return _EXPERT_BIAS[1]
+    if rest in _MLA_DOWN and not mla_down_split():
+        return _MLA_DOWN[rest]
+    return None
 
 
 @dataclass(frozen=True)
@@ -113,10 +166,19 @@ def megatron_shard(name: str, spec: ModelSpec, ranks: ShardRanks, layer_offset: 
         raise MappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
     layer, rest = int(m.group(1)) + layer_offset, m.group(2)
     h = f"model.layers.{layer}."
-    if rest in _NORMS:
-        return read(h + _NORMS[rest], None, None, None)
-    if rest == "mlp.router.weight":
-        return read(h + "mlp.gate.weight", None, None, None)
+    whole = _one_to_one(rest, spec)
+    if whole is not None:
+        return read(h + whole, None, None, None)
+    if rest in _MLA_DOWN:
+        rows = spec.mla.q_lora_rank if "q_down" in rest else spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+        return read(h + _MLA_DOWN[rest], 0, *_chunk(rows, tp, tp_rank))
+    if rest in _MLA_HEADS:
+        m_ = spec.mla
+        per_head = m_.qk_nope_head_dim + (m_.v_head_dim if "kv_up" in rest else m_.qk_rope_head_dim)
+        return read(h + _MLA_HEADS[rest], 0, *_chunk(spec.num_heads * per_head, tp, tp_rank))
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        part, e = _chunk(spec.moe.shared_expert_ffn_hidden_size, tp, tp_rank), h + "mlp.shared_experts."
+        return torch.cat([read(e + "gate_proj.weight", 0, *part), read(e + "up_proj.weight", 0, *part)], dim=0)
     expert = expert_param(rest)
     if expert is not None:
         i, fc = expert
@@ -126,7 +188,10 @@ def megatron_shard(name: str, spec: ModelSpec, ranks: ShardRanks, layer_offset: 
             return read(e + "down_proj.weight", 1, *part)
         return torch.cat([read(e + "gate_proj.weight", 0, *part), read(e + "up_proj.weight", 0, *part)], dim=0)
     if rest in _ROW_PARALLEL:
-        cols = spec.num_heads * spec.head_dim if rest.startswith("self_attention") else spec.ffn_hidden_size
+        if rest.startswith("self_attention"):
+            cols = spec.num_heads * (spec.mla.v_head_dim if spec.mla else spec.head_dim)
+        else:
+            cols = spec.moe.shared_expert_ffn_hidden_size if "shared_experts" in rest else spec.ffn_hidden_size
         return read(h + _ROW_PARALLEL[rest], 1, *_chunk(cols, tp, tp_rank))
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         suffix = rest.rsplit(".", 1)[1]
@@ -163,10 +228,16 @@ def hf_outputs(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple
     if not m:
         raise MappingError(f"megatron parameter {name!r} has no Hugging Face counterpart")
     h, rest = f"model.layers.{m.group(1)}.", m.group(2)
-    if rest in _NORMS:
-        return [(h + _NORMS[rest], shape)]
-    if rest == "mlp.router.weight":
-        return [(h + "mlp.gate.weight", shape)]
+    whole = _one_to_one(rest, spec)
+    if whole is not None:
+        return [(h + whole, shape)]
+    if rest in _MLA_DOWN:
+        return [(h + _MLA_DOWN[rest], shape)]
+    if rest in _MLA_HEADS:
+        return [(h + _MLA_HEADS[rest], shape)]
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        half = (shape[0] // 2, *shape[1:])
+        return [(h + "mlp.shared_experts.gate_proj.weight", half), (h + "mlp.shared_experts.up_proj.weight", half)]
     expert = expert_param(rest)
     if expert is not None:  # global expert numbering (renumber_expert)
         e = f"{h}mlp.experts.{expert[0]}."
@@ -251,7 +322,9 @@ def gather_layout(name: str) -> tuple[int | None, bool]:
         return 1, False
     if rest.startswith("self_attention.linear_qkv.") and not rest.endswith("layer_norm_weight"):
         return 0, False
-    if rest == "mlp.linear_fc1.weight":
+    if rest in _MLA_HEADS or (rest in _MLA_DOWN and mla_down_split()):
+        return 0, False
+    if rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
         return 0, True
     return None, False
 
@@ -264,14 +337,23 @@ def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (v, h)
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (spec.num_heads * hd, h), p + "self_attn.k_proj.weight": (spec.num_kv_heads * hd, h),
-            p + "self_attn.v_proj.weight": (spec.num_kv_heads * hd, h), p + "self_attn.o_proj.weight": (h, spec.num_heads * hd),
-        })
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if spec.mla is None:
+            shapes.update({
+                p + "self_attn.q_proj.weight": (spec.num_heads * hd, h), p + "self_attn.k_proj.weight": (spec.num_kv_heads * hd, h),
+                p + "self_attn.v_proj.weight": (spec.num_kv_heads * hd, h), p + "self_attn.o_proj.weight": (h, spec.num_heads * hd),
+            })
+        else:
+            shapes.update(_mla_shapes(spec, p))
         if spec.moe is not None and spec.moe.moe_layers[layer]:
             e_ffn = spec.moe.expert_ffn_hidden_size
             shapes[p + "mlp.gate.weight"] = (spec.moe.num_experts, h)
+            if spec.moe.expert_bias:
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (spec.moe.num_experts,)
+            if spec.moe.shared_expert_ffn_hidden_size:
+                s_ffn, q = spec.moe.shared_expert_ffn_hidden_size, p + "mlp.shared_experts."
+                shapes.update({q + "gate_proj.weight": (s_ffn, h), q + "up_proj.weight": (s_ffn, h),
+                               q + "down_proj.weight": (h, s_ffn)})
             for e in range(spec.moe.num_experts):
                 q = f"{p}mlp.experts.{e}."
                 shapes.update({q + "gate_proj.weight": (e_ffn, h), q + "up_proj.weight": (e_ffn, h),
@@ -285,4 +367,20 @@ def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.family.qkv_bias:
             for x, n in (("q", spec.num_heads), ("k", spec.num_kv_heads), ("v", spec.num_kv_heads)):
                 shapes[p + f"self_attn.{x}_proj.bias"] = (n * hd,)
+    return shapes
+
+
+def _mla_shapes(spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
+    m, h, n = spec.mla, spec.hidden_size, spec.num_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    a = p + "self_attn."
+    shapes = {a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+              a + "kv_a_layernorm.weight": (m.kv_lora_rank,),
+              a + "kv_b_proj.weight": (n * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+              a + "o_proj.weight": (h, n * m.v_head_dim)}
+    if m.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (n * qk, h)
+    else:
+        shapes.update({a + "q_a_proj.weight": (m.q_lora_rank, h), a + "q_a_layernorm.weight": (m.q_lora_rank,),
+                       a + "q_b_proj.weight": (n * qk, m.q_lora_rank)})
     return shapes

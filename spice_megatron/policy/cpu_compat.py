@@ -122,6 +122,10 @@ def _without_transformer_engine() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # the router then takes its torch.mm branch
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):  # without TE its import yields a stand-in that isinstance refuses
+        mla.HAVE_TE = False
 
 
 def _cpu_device(d):

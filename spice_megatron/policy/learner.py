@@ -20,7 +20,7 @@ from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, Poli
 from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
-from spice_megatron.policy.model import ModelSpec, build_policy_model, model_spec_from_hf
+from spice_megatron.policy.model import ModelSpec, build_policy_model, model_spec_from_hf, resolve_shared_prefix
 from spice_megatron.policy.packing import minibatch_split, packed_microbatches, split_units_data_parallel
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
@@ -87,6 +87,7 @@ class Learner:
             raise ConfigError(f"train.recompute: full with pipeline parallelism ({parallel.pipeline_parallel}) "
                               "re-routes a mixture-of-experts micro-batch with another's routing in the backward "
                               "pass; use selective (the attention or dense MLPs) or pipeline_parallel 1")
+        train = resolve_shared_prefix(spec, train)
         self.spec, self.parallel, self.optim_cfg, self.train_cfg, self.pad_id = spec, parallel, optim, train, pad_id
         if not dist.is_initialized() or not self._layout_matches(parallel):
             init_distributed(parallel, seed=train.seed)

@@ -18,6 +18,8 @@ class Family:
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     qkv_bias: bool  # biases on q/k/v projections (Qwen2)
     examples: str = ""  # checkpoints of the architecture (docs/checkpoints.md's table)
+    experts: bool = False  # mixture-of-experts layers
+    mla: bool = False  # multi-head latent attention (DeepSeek-V2/V3)
 
 
 # HF architecture name -> family (docs/checkpoints.md's supported-families table is generated from it).
@@ -25,14 +27,18 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, qkv_bias=False, examples="Qwen3-4B/8B/14B-Base, Qwen3-32B"),
     "LlamaForCausalLM": Family("llama", qk_norm=False, qkv_bias=False,
                                examples="Llama 3.x, OctoThinker, SmolLM2 (llama3 rope scaling or none)"),
-    "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, qkv_bias=False,
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, qkv_bias=False, experts=True,
                                   examples="Qwen3-30B-A3B-Base, Qwen3-235B-A22B (no shared experts)"),
+    # latent attention, sigmoid routing with a correction bias over expert groups, shared experts
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", qk_norm=False, qkv_bias=False, experts=True, mla=True,
+                                    examples="DeepSeek-V3(-Base), DeepSeek-R1, Kimi-K2, Moonlight (bf16 or FP8 "
+                                             "block-scaled; multi-token-prediction layers skipped)"),
     # biases on q/k/v (not on o_proj)
     "Qwen2ForCausalLM": Family("qwen2", qk_norm=False, qkv_bias=True,
                                examples="Qwen2, Qwen2.5, Qwen2.5-Math, DeepSeek-R1-Distill-Qwen (no sliding window)"),
 }
 MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "qwen2": "Qwen2ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,42 @@ class MoESpec:
     # False: they keep their share of the softmax over all experts
     norm_topk_prob: bool
     moe_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+    score_function: str = "softmax"  # DeepSeek-V3: "sigmoid"
+    expert_bias: bool = False  # DeepSeek-V3's e_score_correction_bias: added to the scores that choose experts
+    num_groups: int | None = None  # n_group: experts in groups, tokens routed within topk_group of them
+    group_topk: int | None = None
+    scaling_factor: float | None = None  # routed_scaling_factor
+    shared_expert_ffn_hidden_size: int = 0  # n_shared_experts x moe_intermediate_size
 
     @property
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
+
+
+def _deepseek_moe_spec(config: dict, num_layers: int) -> MoESpec:
+    """DeepSeek-V3's router: sigmoid scores, plus a correction bias where experts are chosen, the
+    chosen scores normalised and scaled by routed_scaling_factor; group-limited top-k. megatron
+    scores a group by its top num_experts_per_tok / topk_group experts, DeepSeek-V3 by its top 2:
+    the same for every published config, and checked."""
+    top_k, groups, group_topk = int(config["num_experts_per_tok"]), int(config.get("n_group") or 1), \
+        int(config.get("topk_group") or 1)
+    if config.get("scoring_func", "sigmoid") != "sigmoid":
+        raise UnsupportedModelError(f"scoring_func={config['scoring_func']!r} is not supported (sigmoid)")
+    if config.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise UnsupportedModelError(f"topk_method={config['topk_method']!r} is not supported (noaux_tc)")
+    if not config.get("norm_topk_prob", True):
+        raise UnsupportedModelError("norm_topk_prob=false is not supported with sigmoid routing (megatron normalises)")
+    if groups > 1 and top_k // group_topk != 2:
+        raise UnsupportedModelError(f"num_experts_per_tok={top_k} over topk_group={group_topk}: megatron scores a "
+                                    f"group by its top {top_k // group_topk} experts, DeepSeek-V3 by its top 2")
+    first_dense, freq = int(config.get("first_k_dense_replace", 0)), int(config.get("moe_layer_freq", 1) or 1)
+    ffn = int(config["moe_intermediate_size"])
+    return MoESpec(num_experts=int(config["n_routed_experts"]), top_k=top_k, expert_ffn_hidden_size=ffn,
+                   norm_topk_prob=True, moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(num_layers)),
+                   score_function="sigmoid", expert_bias=True, num_groups=groups if groups > 1 else None,
+                   group_topk=group_topk if groups > 1 else None,
+                   scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+                   shared_expert_ffn_hidden_size=int(config.get("n_shared_experts") or 0) * ffn)
 
 
 def _moe_spec(config: dict, num_layers: int) -> MoESpec:
@@ -72,6 +110,31 @@ class UnsupportedModelError(UserError, ValueError):
 
 
 @dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V3): q and k/v through low-rank latents; each head's
+    query and key are a no-position part and a rotary part, its value v_head_dim wide."""
+
+    q_lora_rank: int | None  # None: one q_proj (DeepSeek-V2-Lite, Moonlight)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+
+
+@dataclass(frozen=True)
+class YarnSpec:
+    """YaRN rope scaling (DeepSeek-V3's rope_scaling)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The architecture facts the learner and the bridge need, read from an HF config."""
 
@@ -91,18 +154,32 @@ class ModelSpec:
     max_position_embeddings: int
     hf_config: dict
     moe: MoESpec | None = None
+    mla: MLASpec | None = None
+    yarn: YarnSpec | None = None
+
+    def _attention_count(self) -> int:
+        h = self.hidden_size
+        if self.mla is None:
+            return h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) \
+                + (self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.family.qkv_bias else 0) \
+                + (2 * self.head_dim if self.family.qk_norm else 0)
+        m, n = self.mla, self.num_heads
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = h * n * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * qk
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
+            + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + n * m.v_head_dim * h
 
     def _count(self, experts_per_layer: int) -> int:
-        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) \
-            + (self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.family.qkv_bias else 0)
+        attn = self._attention_count()
         emb = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        norms = 2 * self.hidden_size + (2 * self.head_dim if self.family.qk_norm else 0)
+        norms = 2 * self.hidden_size
         dense_mlp = 3 * self.hidden_size * self.ffn_hidden_size
         total = self.num_layers * (attn + norms) + emb + self.hidden_size
         if self.moe is None:
             return total + self.num_layers * dense_mlp
-        moe_mlp = experts_per_layer * 3 * self.hidden_size * self.moe.expert_ffn_hidden_size \
-            + self.moe.num_experts * self.hidden_size  # + the router
+        moe_mlp = (experts_per_layer * self.moe.expert_ffn_hidden_size + self.moe.shared_expert_ffn_hidden_size) \
+            * 3 * self.hidden_size + self.moe.num_experts * self.hidden_size  # + the router
         return total + self.moe.num_moe_layers * moe_mlp + (self.num_layers - self.moe.num_moe_layers) * dense_mlp
 
     @property
@@ -115,21 +192,28 @@ class ModelSpec:
         return self._count(self.moe.top_k if self.moe else 0)
 
 
-def _rope(cfg: dict) -> tuple[float, float | None]:
+def _rope(cfg: dict, yarn_ok: bool = False) -> tuple[float, float | None, YarnSpec | None]:
     params = cfg.get("rope_parameters") or {}  # transformers >= 5
     scaling = cfg.get("rope_scaling") or params
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type in (None, "default"):
-        return float(theta), None
+        return float(theta), None, None
+    if rope_type == "yarn" and yarn_ok:  # megatron has YaRN in its latent attention only
+        return float(theta), None, YarnSpec(
+            factor=float(scaling["factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),
+            mscale=float(scaling.get("mscale", 1.0)), mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)))
     if rope_type != "llama3":
-        raise UnsupportedModelError(f"rope_scaling.rope_type={rope_type!r} is not supported (default, llama3)")
+        supported = "default, llama3" + (", yarn" if yarn_ok else "")
+        raise UnsupportedModelError(f"rope_scaling.rope_type={rope_type!r} is not supported ({supported})")
     # megatron-core implements llama3 scaling with these constants only.
     expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     for key, value in expected.items():
         if float(scaling.get(key, value)) != value:
             raise UnsupportedModelError(f"rope_scaling.{key}={scaling[key]} differs from megatron-core's fixed {value}")
-    return float(theta), float(scaling["factor"])
+    return float(theta), float(scaling["factor"]), None
 
 
 def model_spec_from_hf(config: dict | str) -> ModelSpec:
@@ -165,17 +249,30 @@ def _spec(config: dict) -> ModelSpec:
     if config.get("use_sliding_window", False):  # Qwen2's configs carry the switch, off in every published one
         raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported (full attention only: "
                                     "set it to false, as Qwen2.5's published configs do)")
-    heads = config["num_attention_heads"]
-    theta, scaling = _rope(config)
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    theta, scaling, yarn = _rope(config, yarn_ok=family.mla)
+    mla = None
+    if family.mla:
+        mla = MLASpec(q_lora_rank=config.get("q_lora_rank") or None, kv_lora_rank=int(config["kv_lora_rank"]),
+                      qk_nope_head_dim=int(config["qk_nope_head_dim"]),
+                      qk_rope_head_dim=int(config["qk_rope_head_dim"]),
+                      v_head_dim=int(config["v_head_dim"]), rope_interleave=bool(config.get("rope_interleave", True)))
+        if not mla.rope_interleave:  # megatron's latent attention de-interleaves the rotary dims, as HF's V3 does
+            raise UnsupportedModelError(f"{arch} with rope_interleave=false is not supported")
+    moe = None
+    if family.experts:
+        moe = _deepseek_moe_spec(config, layers) if family.mla else _moe_spec(config, layers)
     return ModelSpec(
-        architecture=arch, family=family, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
-        num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        architecture=arch, family=family, num_layers=layers, hidden_size=config["hidden_size"],
+        # latent attention expands its keys and values to every head
+        num_heads=heads, num_kv_heads=heads if mla else config.get("num_key_value_heads") or heads,
+        head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else
+        config.get("head_dim") or config["hidden_size"] // heads,
         ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), rms_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling_factor=scaling,
         max_position_embeddings=config.get("max_position_embeddings", 4096), hf_config=config,
-        moe=_moe_spec(config, config["num_hidden_layers"]) if family.name == "qwen3_moe" else None)
+        moe=moe, mla=mla, yarn=yarn)
 
 
 def check_parallel_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
@@ -199,6 +296,14 @@ def check_parallel_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: i
         raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide vocab_size={spec.vocab_size}")
     if spec.num_layers % pp:
         raise ConfigError(f"parallel.pipeline_parallel: {pp} does not divide num_hidden_layers={spec.num_layers}")
+    if spec.moe is not None and spec.moe.shared_expert_ffn_hidden_size % tp:
+        raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide the shared experts' "
+                          f"{spec.moe.shared_expert_ffn_hidden_size} (n_shared_experts x moe_intermediate_size)")
+    if spec.mla is not None:  # without Transformer Engine megatron splits the latent down-projections over TP
+        for field, n in (("q_lora_rank", spec.mla.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim",
+                                                                 spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim)):
+            if n and n % tp:
+                raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide {field}={n}")
 
 
 def have_transformer_engine() -> bool:
@@ -217,9 +322,19 @@ def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
     as top-k on the logits then a softmax over the k (moe_router_pre_softmax=False), and as
     softmax-then-top-k without renormalising when pre_softmax is True."""
     moe = spec.moe
+    deepseek = dict(
+        # the correction bias is the checkpoint's and stays fixed: megatron's auxiliary-loss-free balancing
+        # would move it after every step by the batch's expert loads (rate 0: it never does)
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk,
+        moe_router_topk_scaling_factor=moe.scaling_factor,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
+    ) if moe.score_function == "sigmoid" else {}
     return dict(
+        **deepseek,
         num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
-        moe_router_score_function="softmax", moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function=moe.score_function,
+        moe_router_pre_softmax=moe.score_function == "softmax" and not moe.norm_topk_prob,
         moe_router_dtype="fp32", moe_layer_freq=[int(x) for x in moe.moe_layers],
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none", moe_aux_loss_coeff=aux_loss_coeff,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
@@ -254,7 +369,21 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
     if spec.moe is not None:
         kwargs.update(moe_kwargs(spec, ep, etp, aux_loss_coeff, routing_replay))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    if spec.mla is None:
+        return TransformerConfig(**kwargs)
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    m, y = spec.mla, spec.yarn
+    kwargs.update(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                  qk_head_dim=m.qk_nope_head_dim, qk_pos_emb_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                  qk_layernorm=True,  # the latents' RMSNorms (q_a_layernorm, kv_a_layernorm)
+                  kv_channels=None, num_query_groups=None, rotary_base=spec.rope_theta,
+                  rope_type="yarn" if y else "rope")
+    if y:
+        kwargs.update(rotary_scaling_factor=y.factor,
+                      original_max_position_embeddings=y.original_max_position_embeddings,
+                      beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim)
+    return MLATransformerConfig(**kwargs)
 
 
 def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: str = "sdpa"):
@@ -269,7 +398,9 @@ def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: st
         out = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.family.qk_norm)
     else:
         out = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.family.qk_norm, normalization="RMSNorm")
-    if shared_prefix:
+    # megatron's local core attention cannot take latent attention's keys wider than its values: the
+    # shared-prefix module (plain causal SDPA on unpacked rows) stands in for it without TE
+    if shared_prefix or (spec.mla is not None and not have_transformer_engine()):
         from spice_megatron.policy.shared_prefix import with_shared_prefix_attention
 
         out = with_shared_prefix_attention(out, kernel)
@@ -290,6 +421,16 @@ def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool,
     return GPTModel(**kwargs)
 
 
+def resolve_shared_prefix(spec: ModelSpec, train):
+    """`train` with shared_prefix "auto" decided for this model: off for latent attention (its
+    per-layer rotary embedding cannot position packed rows yet), as the config says otherwise."""
+    import dataclasses
+
+    if spec.mla is not None and train.shared_prefix == "auto":
+        return dataclasses.replace(train, shared_prefix="off")
+    return train
+
+
 def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dtype, device: torch.device,
                        **overrides: Any):
     """The learner's model on this rank, as the Learner trains it: megatron's config for the layout
@@ -299,6 +440,9 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
     from spice_megatron.policy import cpu_compat
     from spice_megatron.policy.activation_memory import activation_flags
 
+    if train.use_shared_prefix and spec.mla is not None:
+        raise ConfigError(f"train.use_shared_prefix: {spec.architecture}'s latent attention keeps its own rotary "
+                          "embedding, which shared-prefix rows cannot position yet; set train.use_shared_prefix=false")
     if train.use_shared_prefix and train.shared_prefix_kernel == "flex" and not torch.cuda.is_available():
         raise ConfigError("train.shared_prefix_kernel: flex needs a GPU (torch has no FlexAttention backward on "
                           "CPU); use sdpa")
@@ -312,4 +456,8 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
     # Uniformly in the training dtype, as megatron's Float16Module makes it: the local layer spec (no
     # Transformer Engine) builds its RMSNorms in fp32 next to bf16 linears, and the bf16 optimizer's
     # checkpoint mapping cannot handle the mix. (TE builds norms in bf16.)
-    return model.to(device=device, dtype=dtype), tconfig, flags
+    model = model.to(device=device, dtype=dtype)
+    for name, buf in model.named_buffers():  # DeepSeek-V3's correction biases choose experts: fp32, as HF keeps them
+        if name.endswith("mlp.router.expert_bias"):
+            buf.data = buf.data.float()
+    return model, tconfig, flags

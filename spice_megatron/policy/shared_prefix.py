@@ -67,7 +67,8 @@ class SharedPrefixAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa"):
+                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa",
+                 k_channels: int | None = None, v_channels: int | None = None):
         super().__init__(config=config)
         from megatron.core import parallel_state as ps
 
@@ -76,7 +77,9 @@ class SharedPrefixAttention(MegatronModule):
         tp = pg_collection.tp.size() if pg_collection is not None else ps.get_tensor_model_parallel_world_size()
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        # multi-latent attention's keys (nope + rope dims) are wider than its values
+        self.head_dim = k_channels or config.kv_channels
+        self.v_dim = v_channels or config.kv_channels
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         if config.apply_query_key_layer_scaling:
             scale /= max(1, layer_number)
@@ -106,7 +109,7 @@ class SharedPrefixAttention(MegatronModule):
             if self.kernel == "flex":
                 out = _flex()(q, k, v, block_mask=_block_mask(attention_mask, q.device), scale=self.scale,
                               enable_gqa=gqa)
-                return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+                return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim)
             segments = row_segments(attention_mask)
             # one split per tensor (its backward is one cat), not a slice per segment (a row-sized
             # gradient per slice); K/V stay at their KV heads, never expanded or copied per head
@@ -125,7 +128,7 @@ class SharedPrefixAttention(MegatronModule):
                 else:
                     pieces.append(_completion_attention(*args))
             out = torch.cat(pieces, dim=2)
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim)
 
 
 _FLEX = {}
