@@ -53,3 +53,76 @@ def test_deepseek_logits_match_transformers_and_round_trip_at_ep2_etp2_pp2(deeps
              for k, v in r.items()}
     # every tensor, the routers' correction biases included, comes back bit for bit
     assert trips.keys() == set(layouts[1:]) and all(v == ([], []) for v in trips.values()), trips
+
+
+def _fp8_copy(src: str, dst: str, block: int = 16) -> dict:
+    """DeepSeek-V3's published format from a tiny model: the layers' linear weights in e4m3 with one
+    fp32 scale per block x block (weight_scale_inv), a multi-token-prediction layer beyond
+    num_hidden_layers; returns what the import must produce (bf16 dequantized weights)."""
+    import json
+    import os
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    out, expected = {}, {}
+    for name, w in weights.items():
+        if w.dim() == 2 and name.startswith("model.layers.") and not name.endswith("gate.weight"):
+            rows, cols = w.shape  # a last partial block, as V3's 576-row kv_a_proj_with_mqa has
+            r, c = -(-rows // block), -(-cols // block)
+            padded = torch.zeros(r * block, c * block)
+            padded[:rows, :cols] = w
+            blocks = padded.view(r, block, c, block)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+            full_scale = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+            w8 = (w / full_scale).to(torch.float8_e4m3fn)
+            out[name], out[name + "_scale_inv"] = w8, scale.float()
+            expected[name] = (w8.float() * full_scale).to(torch.bfloat16)
+        else:
+            out[name] = expected[name] = w
+    layers = json.load(open(os.path.join(src, "config.json")))["num_hidden_layers"]
+    out[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128)  # multi-token prediction: skipped
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    config = json.load(open(os.path.join(dst, "config.json")))
+    config.update(quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                       "weight_block_size": [block, block]}, num_nextn_predict_layers=1)
+    json.dump(config, open(os.path.join(dst, "config.json"), "w"))
+    return expected
+
+
+def _convert_fp8_rank(hf_dir, ckpt, out):
+    from spice_megatron.bridge.convert import convert_from_hf, convert_to_hf
+
+    convert_from_hf(hf_dir, ckpt, 2, 1)  # TP=2: each rank dequantizes its own rows and columns of the blocks
+    convert_to_hf(ckpt, out, 2, 1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_an_fp8_block_scaled_checkpoint_converts_dequantized_without_its_mtp_layers(deepseek_dir, tmp_path):
+    import json
+
+    import torch
+    from test_bridge import hf_weights
+
+    fp8 = str(tmp_path / "fp8")
+    expected = _fp8_copy(deepseek_dir, fp8)
+    out = str(tmp_path / "hf")
+    run_ranks(_convert_fp8_rank, 2, fp8, str(tmp_path / "ckpt"), out, tmp_path=tmp_path)
+    exported = hf_weights(out)
+    assert exported.keys() == expected.keys()  # no scales, no multi-token-prediction layer
+    wrong = [k for k in expected if not torch.equal(exported[k], expected[k].to(exported[k].dtype))]
+    assert not wrong, wrong
+    assert any(v.dtype == torch.bfloat16 for v in expected.values())
+    config = json.load(open(f"{out}/config.json"))
+    assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 0
+
+
+def test_another_quantization_is_refused_before_any_rank_starts():
+    from spice_megatron.policy.model import UnsupportedModelError, model_spec_from_hf
+
+    with pytest.raises(UnsupportedModelError, match="quant_method='awq'.*not supported \\(fp8 e4m3 with block scales"):
+        model_spec_from_hf({**tiny_hf_config("deepseek_v3"), "quantization_config": {"quant_method": "awq"}})

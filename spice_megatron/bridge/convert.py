@@ -101,6 +101,10 @@ def save_hf_checkpoint(learner, out_dir: str, metadata_dir: str, bucket_bytes: i
         with open(os.path.join(out_dir, "config.json")) as f:
             config = json.load(f)
         config["torch_dtype"] = str(dtype or learner.dtype).replace("torch.", "")
+        # an FP8 checkpoint was dequantized on import, and its multi-token-prediction layers skipped
+        config.pop("quantization_config", None)
+        if config.get("num_nextn_predict_layers"):
+            config["num_nextn_predict_layers"] = 0
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
     dist.barrier()

@@ -3,6 +3,7 @@ megatron model of any TP x PP layout (each rank reads only its own slices)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Mapping
 
@@ -11,6 +12,9 @@ import torch
 from spice_megatron.entry import UserError
 from spice_megatron.bridge.mapping import MappingError, ShardRanks, expected_hf_shapes, hf_tensors, megatron_shard
 from spice_megatron.policy.model import ModelSpec
+
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -51,6 +55,14 @@ class HFCheckpointReader:
             raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
         self._files: dict[str, object] = {}
         self._safe_open = safe_open
+        self._scales: dict[str, torch.Tensor] = {}  # FP8 checkpoints: each weight's block scales, read once
+        config = os.path.join(model_dir, "config.json")
+        self.fp8_block = None
+        if os.path.exists(config):
+            from spice_megatron.policy.model import fp8_block_size
+
+            with open(config) as f:
+                self.fp8_block = fp8_block_size(json.load(f))
 
     def _file(self, fname: str):
         if fname not in self._files:
@@ -71,12 +83,29 @@ class HFCheckpointReader:
             raise MappingError(f"tensor {name!r} is missing from {self.model_dir}")
         sl = self._file(self.weight_map[name]).get_slice(name)
         if dim is None:
-            return sl[:]
-        shape = sl.get_shape()
-        if stop > shape[dim]:
-            raise CheckpointError(f"tensor {name!r}: shape {shape} is too small for rows/cols [{start}:{stop}] "
-                                  f"on dim {dim}")
-        return sl[start:stop] if dim == 0 else sl[:, start:stop]
+            out, first = sl[:], (0, 0)
+        else:
+            shape = sl.get_shape()
+            if stop > shape[dim]:
+                raise CheckpointError(f"tensor {name!r}: shape {shape} is too small for rows/cols [{start}:{stop}] "
+                                      f"on dim {dim}")
+            out, first = (sl[start:stop], (start, 0)) if dim == 0 else (sl[:, start:stop], (0, start))
+        if out.dtype == torch.float8_e4m3fn:
+            return self._dequantize(name, out, first)
+        return out
+
+    def _dequantize(self, name: str, w: torch.Tensor, first: tuple[int, int]) -> torch.Tensor:
+        """An FP8 slice times its blocks' scales (the slice starts at row/column `first`), in bf16."""
+        scale_name = name + "_scale_inv"
+        if self.fp8_block is None or scale_name not in self.weight_map:
+            raise CheckpointError(f"tensor {name!r} is float8_e4m3fn but {scale_name!r} is missing or config.json "
+                                  "has no fp8 quantization_config")
+        if scale_name not in self._scales:
+            self._scales[scale_name] = self._file(self.weight_map[scale_name]).get_slice(scale_name)[:].float()
+        scale = self._scales[scale_name]
+        rows = torch.arange(first[0], first[0] + w.shape[0]) // self.fp8_block[0]
+        cols = torch.arange(first[1], first[1] + w.shape[1]) // self.fp8_block[1]
+        return (w.float() * scale[rows][:, cols]).to(torch.bfloat16)
 
 
 class StateDictReader:
@@ -114,6 +143,11 @@ def load_hf_weights(model, spec: ModelSpec, reader, layout) -> int:
             raise MappingError(f"tensor {name!r} is missing from the checkpoint")
         if reader.shape(name) != shape:
             raise CheckpointError(f"tensor {name!r}: shape {reader.shape(name)}, config.json implies {shape}")
+    beyond = sorted({n.split(".")[2] for n in present if n.startswith("model.layers.")
+                     and int(n.split(".")[2]) >= spec.num_layers})
+    if beyond:  # DeepSeek-V3's multi-token-prediction layers: not trained, not exported
+        log.info("skipping the tensors of layers %s (index >= num_hidden_layers=%d: multi-token prediction)",
+                 ", ".join(beyond), spec.num_layers)
     offset, ranks = layer_offset(model), ShardRanks.of(layout)
     loaded = 0
     for name, param in hf_tensors(model):

@@ -242,6 +242,7 @@ def _spec(config: dict) -> ModelSpec:
         raise UnsupportedModelError(f"architecture {arch or config.get('model_type')!r} is not supported; "
                                     f"supported: {', '.join(sorted(FAMILIES))}")
     family = FAMILIES[arch]
+    fp8_block_size(config)  # refuses what the import cannot dequantize
     if config.get("attention_bias", False) and not family.qkv_bias:
         raise UnsupportedModelError(f"{arch} with attention_bias=true is not supported")
     if config.get("mlp_bias", False):
@@ -273,6 +274,21 @@ def _spec(config: dict) -> ModelSpec:
         rope_theta=theta, rope_scaling_factor=scaling,
         max_position_embeddings=config.get("max_position_embeddings", 4096), hf_config=config,
         moe=moe, mla=mla, yarn=yarn)
+
+
+def fp8_block_size(config: dict) -> tuple[int, int] | None:
+    """The block of an FP8 block-scaled checkpoint's weight_scale_inv (DeepSeek-V3's published
+    format: e4m3 weights, one fp32 scale per 128x128 block), None when unquantized; any other
+    quantization is refused."""
+    q = config.get("quantization_config")
+    if not q:
+        return None
+    method, block = q.get("quant_method"), q.get("weight_block_size")
+    if method != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not (isinstance(block, list) and len(block) == 2):
+        raise UnsupportedModelError(f"quantization_config: quant_method={method!r}, fmt={q.get('fmt')!r}, "
+                                    f"weight_block_size={block!r} is not supported (fp8 e4m3 with block scales, "
+                                    "dequantized to bf16 on import; or an unquantized checkpoint)")
+    return int(block[0]), int(block[1])
 
 
 def check_parallel_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
