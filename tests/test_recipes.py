@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES, get_recipe,
+from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, CPU_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES,
+                     PAPER_RECIPES, get_recipe,
                      recipe_names)
 from spice_megatron.config import ConfigError, apply_overrides
 from spice_megatron.planner import PlanError, Throughput, estimate_step_time, learner_memory, model_spec, plan_layout
@@ -47,7 +48,7 @@ def test_large_recipes_use_tensor_and_pipeline_parallelism():
     layouts = {n: (get_recipe(n).parallel.tensor_parallel, get_recipe(n).parallel.pipeline_parallel) for n in LARGE_RECIPES}
     assert all(tp > 1 for tp, _ in layouts.values()) and any(pp > 1 for _, pp in layouts.values())
     assert set(PAPER_RECIPES + LARGE_RECIPES + BASELINE_RECIPES + MOE_RECIPES + COLOCATED_RECIPES + FAMILY_RECIPES
-               + ("tiny_cpu",)) == \
+               + CPU_RECIPES) == \
         set(recipe_names())
 
 

@@ -34,3 +34,32 @@ def test_a_qwen2_run_syncs_its_qkv_biases_into_the_engine(tmp_path):
     # sent one whole copy of the model, biases included (fp32 learner)
     assert torch.equal(exported["model.layers.1.self_attn.q_proj.bias"], original["model.layers.1.self_attn.q_proj.bias"])
     assert all(m["weight_sync/bytes"] == 4 * sum(t.numel() for t in original.values()) for m in metrics)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_tiny_deepseek_recipe_replays_routing_and_syncs_latent_attention_and_experts(tmp_path, monkeypatch):
+    """`spice train --recipe tiny_cpu_deepseek`, its model built offline (here into a fresh cache),
+    with the main job's small-run overrides: two iterations, the engine's routing replayed, the
+    synced weights giving the learner's log-probs, an export with every DeepSeek-V3 tensor."""
+    import subprocess
+    import sys
+
+    from e2e import TINY_RUN
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the model is built once into ~/.cache
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    out = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu_deepseek",
+                        "--output-dir", out, "--corpus", str(corpus), *TINY_RUN], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    metrics = records(os.path.join(out, "metrics.jsonl"))
+    assert [m["iteration"] for m in metrics] == [1, 2]  # the recipe's two iterations
+    assert all(m["train/routing_differs"] == 0.0 for m in metrics)  # the engine's experts, replayed
+    assert metrics[1]["rollout_version"] == 1 and metrics[1]["train/logprob_gap"] < 1e-5
+    exported = weights(out)
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in exported
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in exported
+    assert "model.layers.1.mlp.shared_experts.down_proj.weight" in exported

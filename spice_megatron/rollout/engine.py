@@ -122,7 +122,8 @@ class VLLMEngine:
             from spice_megatron.rollout.routing_capture import RoutingCapture
 
             self.capture = RoutingCapture(self._inproc_core().model_executor.driver_worker.worker.model_runner,
-                                          self.moe.top_k, self.moe.num_layers)
+                                          self.moe.top_k, self.moe.num_layers, self.moe.num_groups,
+                                          self.moe.group_topk)
         self.start_seconds = time.perf_counter() - t0
         self._inbox: queue.Queue = queue.Queue()
         self._ids = itertools.count()
@@ -424,6 +425,8 @@ class MoEShape:
     num_layers: int  # decoder layers: vLLM's routing has a row for each, dense ones too
     top_k: int
     num_experts: int
+    num_groups: int = 0  # DeepSeek-V3's group-limited routing (n_group, topk_group)
+    group_topk: int = 0
 
     @property
     def dtype(self) -> np.dtype:
@@ -443,10 +446,12 @@ def _text_config(model_dir: str) -> dict:
 def _moe_shape(model_dir: str, config: dict | None = None) -> MoEShape | None:
     """The routing shape of a mixture-of-experts model directory, None for a dense one."""
     config = config or _text_config(model_dir)
-    experts = config.get("num_experts", config.get("num_local_experts"))
+    # Qwen3-MoE: num_experts (num_local_experts in transformers 5); DeepSeek-V3: n_routed_experts
+    experts = config.get("num_experts", config.get("num_local_experts", config.get("n_routed_experts")))
     if not experts or "num_experts_per_tok" not in config:
         return None
-    return MoEShape(int(config["num_hidden_layers"]), int(config["num_experts_per_tok"]), int(experts))
+    return MoEShape(int(config["num_hidden_layers"]), int(config["num_experts_per_tok"]), int(experts),
+                    int(config.get("n_group") or 0), int(config.get("topk_group") or 0))
 
 
 def routing_store_bytes(model_dir: str, tensor_parallel: int, gpu_bytes: int, utilization: float) -> int:

@@ -22,9 +22,26 @@ import torch
 _GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 
 
+def chosen_experts(logits: torch.Tensor, top_k: int, correction_bias: torch.Tensor | None = None,
+                   num_groups: int = 0, group_topk: int = 0) -> torch.Tensor:
+    """The experts a router picks from its logits: the top-k of the logits (softmax routing), or
+    DeepSeek-V3's choice: sigmoid scores plus the correction bias, within the topk_group groups whose
+    two best such scores sum highest."""
+    if correction_bias is None:
+        return logits.topk(top_k, dim=-1).indices
+    scores = logits.sigmoid() + correction_bias.float()
+    if num_groups > 1:
+        grouped = scores.view(scores.shape[0], num_groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(group_topk, dim=-1).indices
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+        scores = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
+    return scores.topk(top_k, dim=-1).indices
+
+
 class RoutingCapture:
-    def __init__(self, runner, top_k: int, num_layers: int):
+    def __init__(self, runner, top_k: int, num_layers: int, num_groups: int = 0, group_topk: int = 0):
         self.runner, self.top_k, self.num_layers = runner, top_k, num_layers
+        self.num_groups, self.group_topk = num_groups, group_topk
         gates = [(int(m.group(1)), module) for name, module in runner.model.named_modules() if (m := _GATE.search(name))]
         if not gates:
             raise ValueError("routing capture: the engine's model has no MoE gate (layers.N.mlp.gate) modules")
@@ -35,9 +52,11 @@ class RoutingCapture:
             gate.register_forward_hook(self._hook(layer))
 
     def _hook(self, layer: int):
-        def hook(_module, _inputs, output):
+        def hook(module, _inputs, output):
             logits = output[0] if isinstance(output, tuple) else output
-            top = logits.detach().float().topk(self.top_k, dim=-1).indices.to(torch.int16).cpu().numpy()
+            bias = getattr(module, "e_score_correction_bias", None)  # vLLM's DeepSeek-V3 gate carries it
+            top = chosen_experts(logits.detach().float(), self.top_k, bias, self.num_groups, self.group_topk)
+            top = top.to(torch.int16).cpu().numpy()
             batch = self.runner.input_batch
             n = batch.num_reqs
             starts = self.runner.query_start_loc.np[:n + 1]
