@@ -51,12 +51,18 @@ def tiny_hf_config(family: str = "qwen3", tied: bool = False, vocab_size: int = 
                 "rope_interleave": True, "num_nextn_predict_layers": 0, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
                                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    if family == "glm4_moe":  # GLM-4.5's: q/k/v biases, q/k norms, half of each head rotates; DeepSeek-V3's routing
+        return {**common, "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "rope_theta": 1000000.0,
+                "attention_bias": True, "use_qk_norm": True, "partial_rotary_factor": 0.5,
+                "n_routed_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_intermediate_size,
+                "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                "routed_scaling_factor": 1.0, "norm_topk_prob": True, "num_nextn_predict_layers": 0}
     if family == "llama":
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
                 "max_position_embeddings": 16384,
                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    raise ValueError(f"family: unknown {family!r} (qwen3, qwen3_moe, qwen2, deepseek_v3, llama)")
+    raise ValueError(f"family: unknown {family!r} (qwen3, qwen3_moe, qwen2, deepseek_v3, glm4_moe, llama)")
 
 
 def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norms: bool = True) -> str:

@@ -12,7 +12,8 @@ from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 
 MODELS = {"qwen3_untied": ("qwen3", False), "qwen3_tied": ("qwen3", True), "llama_untied": ("llama", False),
           "qwen2_tied": ("qwen2", True),  # Qwen2.5 up to 3B ties its embeddings; qwen2 also has q/k/v biases
-          "deepseek_v3": ("deepseek_v3", False)}  # latent attention; layer 0 dense, layer 1 experts + shared
+          "deepseek_v3": ("deepseek_v3", False),  # latent attention; layer 0 dense, layer 1 experts + shared
+          "glm4_moe": ("glm4_moe", False)}  # biases, q/k norms, partial rotary; DeepSeek-V3's routing
 
 
 @pytest.fixture(scope="module")
@@ -311,9 +312,9 @@ def test_tp4_shards_placed_back_rebuild_every_hf_tensor(family):
     names = ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"]
     per_layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
                  "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
-    if spec.family.qk_norm:
+    if spec.qk_norm:
         per_layer += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-    if spec.family.qkv_bias:
+    if spec.qkv_bias:
         per_layer += ["self_attention.linear_qkv.bias"]
     names += [f"decoder.layers.{i}.{rest}" for i in range(spec.num_layers) for rest in per_layer]
     rebuilt = {}

@@ -63,3 +63,21 @@ def test_the_tiny_deepseek_recipe_replays_routing_and_syncs_latent_attention_and
     assert "model.layers.1.self_attn.kv_b_proj.weight" in exported
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in exported
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in exported
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_glm4_moe_run_replays_routing_and_syncs_biases_norms_and_shared_experts(tmp_path):
+    model = make_tiny_engine_model(str(tmp_path / "model"), "glm4_moe", seed=7, tied=False)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    out = str(tmp_path / "run")
+    rc, text = spice_train(model, str(corpus), out, "run.iterations=2")
+    assert rc == 0, text[-4000:]
+    metrics = records(os.path.join(out, "metrics.jsonl"))
+    assert all(m["train/routing_differs"] == 0.0 for m in metrics)
+    assert metrics[1]["rollout_version"] == 1 and metrics[1]["train/logprob_gap"] < 1e-5
+    exported = weights(out)
+    assert {"model.layers.1.self_attn.q_proj.bias", "model.layers.1.self_attn.k_norm.weight",
+            "model.layers.1.mlp.gate.e_score_correction_bias",
+            "model.layers.1.mlp.shared_experts.gate_proj.weight"} <= exported.keys()

@@ -361,10 +361,10 @@ def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         else:
             shapes.update({p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
                            p + "mlp.down_proj.weight": (h, ffn)})
-        if spec.family.qk_norm:
+        if spec.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        if spec.family.qkv_bias:
+        if spec.qkv_bias:
             for x, n in (("q", spec.num_heads), ("k", spec.num_kv_heads), ("v", spec.num_kv_heads)):
                 shapes[p + f"self_attn.{x}_proj.bias"] = (n * hd,)
     return shapes

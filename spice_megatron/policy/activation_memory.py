@@ -61,7 +61,7 @@ def activation_terms(spec, tp: int, flags: ActivationFlags, moe_layer: bool = Fa
     if flags.transformer_engine:
         # LayerNormLinear saves its input and the normalised copy (the local shard under SP)
         terms["attention norm input + output"] = 4 * seq
-        terms["q/k norm inputs"] = 2 * (q + kv) if spec.family.qk_norm else 0.0  # Qwen3's; Llama has none
+        terms["q/k norm inputs"] = 2 * (q + kv) if spec.qk_norm else 0.0  # Qwen3's; Llama has none
         terms["flash attention q, k, v"] = 2 * (q + 2 * kv)
         terms["attention output (= projection input)"] = 2 * q
         if flags.shared_prefix and "core_attn" not in selective:
@@ -74,7 +74,7 @@ def activation_terms(spec, tp: int, flags: ActivationFlags, moe_layer: bool = Fa
         # torch RMSNorm computes in fp32: it keeps the fp32 input and normalised output
         terms["attention norm (fp32 input + output)"] = 8 * seq
         terms["qkv input"] = 2 * seq
-        terms["q/k norms (fp32 input + output)"] = 8 * (q + kv) if spec.family.qk_norm else 0.0
+        terms["q/k norms (fp32 input + output)"] = 8 * (q + kv) if spec.qk_norm else 0.0
         # the dot-product attention repeats k and v to every query head before its two matmuls;
         # checkpointed, it keeps q, k and v as they come in
         terms["attention q, k, v (k, v per query head)"] = 2 * (q + 2 * kv) if "core_attn" in selective else 6 * q

@@ -29,6 +29,10 @@ FAMILIES: dict[str, Family] = {
                                examples="Llama 3.x, OctoThinker, SmolLM2 (llama3 rope scaling or none)"),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, qkv_bias=False, experts=True,
                                   examples="Qwen3-30B-A3B-Base, Qwen3-235B-A22B (no shared experts)"),
+    # q/k/v biases (attention_bias), q/k norms where use_qk_norm, rotary on part of each head
+    # (partial_rotary_factor), DeepSeek-V3's routing and shared experts
+    "Glm4MoeForCausalLM": Family("glm4_moe", qk_norm=False, qkv_bias=True, experts=True,
+                                 examples="GLM-4.5, GLM-4.5-Air (multi-token-prediction layers skipped)"),
     # latent attention, sigmoid routing with a correction bias over expert groups, shared experts
     "DeepseekV3ForCausalLM": Family("deepseek_v3", qk_norm=False, qkv_bias=False, experts=True, mla=True,
                                     examples="DeepSeek-V3(-Base), DeepSeek-R1, Kimi-K2, Moonlight (bf16 or FP8 "
@@ -38,7 +42,7 @@ FAMILIES: dict[str, Family] = {
                                examples="Qwen2, Qwen2.5, Qwen2.5-Math, DeepSeek-R1-Distill-Qwen (no sliding window)"),
 }
 MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -156,13 +160,16 @@ class ModelSpec:
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     yarn: YarnSpec | None = None
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3; GLM-4.5 where use_qk_norm)
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2; GLM-4.5 where attention_bias)
+    rotary_percent: float = 1.0  # the share of each head's dims that rotates (GLM-4.5: 0.5)
 
     def _attention_count(self) -> int:
         h = self.hidden_size
         if self.mla is None:
             return h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) \
-                + (self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.family.qkv_bias else 0) \
-                + (2 * self.head_dim if self.family.qk_norm else 0)
+                + (self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0) \
+                + (2 * self.head_dim if self.qk_norm else 0)
         m, n = self.mla, self.num_heads
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = h * n * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * qk
@@ -243,6 +250,7 @@ def _spec(config: dict) -> ModelSpec:
                                     f"supported: {', '.join(sorted(FAMILIES))}")
     family = FAMILIES[arch]
     fp8_block_size(config)  # refuses what the import cannot dequantize
+    glm = family.name == "glm4_moe"
     if config.get("attention_bias", False) and not family.qkv_bias:
         raise UnsupportedModelError(f"{arch} with attention_bias=true is not supported")
     if config.get("mlp_bias", False):
@@ -262,7 +270,7 @@ def _spec(config: dict) -> ModelSpec:
             raise UnsupportedModelError(f"{arch} with rope_interleave=false is not supported")
     moe = None
     if family.experts:
-        moe = _deepseek_moe_spec(config, layers) if family.mla else _moe_spec(config, layers)
+        moe = _deepseek_moe_spec(config, layers) if family.mla or glm else _moe_spec(config, layers)
     return ModelSpec(
         architecture=arch, family=family, num_layers=layers, hidden_size=config["hidden_size"],
         # latent attention expands its keys and values to every head
@@ -273,7 +281,11 @@ def _spec(config: dict) -> ModelSpec:
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), rms_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling_factor=scaling,
         max_position_embeddings=config.get("max_position_embeddings", 4096), hf_config=config,
-        moe=moe, mla=mla, yarn=yarn)
+        moe=moe, mla=mla, yarn=yarn,
+        qk_norm=bool(config.get("use_qk_norm", False)) if glm else family.qk_norm,
+        qkv_bias=bool(config.get("attention_bias", False)) if glm else family.qkv_bias,
+        rotary_percent=float(config.get("partial_rotary_factor",
+                                        (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))))
 
 
 def fp8_block_size(config: dict) -> tuple[int, int] | None:
@@ -371,7 +383,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=spec.rms_eps,
-        add_bias_linear=False, add_qkv_bias=spec.family.qkv_bias, qk_layernorm=spec.family.qk_norm,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         # The parallel sizes must be in the config too: with the default PP=1 each stage would
         # silently build every layer.
@@ -411,9 +423,9 @@ def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: st
         out = gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=have_transformer_engine(),
                                                          normalization="RMSNorm")
     elif have_transformer_engine():
-        out = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.family.qk_norm)
+        out = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
-        out = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.family.qk_norm, normalization="RMSNorm")
+        out = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     # megatron's local core attention cannot take latent attention's keys wider than its values: the
     # shared-prefix module (plain causal SDPA on unpacked rows) stands in for it without TE
     if shared_prefix or (spec.mla is not None and not have_transformer_engine()):
@@ -431,7 +443,7 @@ def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool,
                   vocab_size=spec.vocab_size,
                   max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
                   post_process=post_process, share_embeddings_and_output_weights=spec.tied_embeddings,
-                  position_embedding_type="rope", rotary_base=int(spec.rope_theta))
+                  position_embedding_type="rope", rotary_base=int(spec.rope_theta), rotary_percent=spec.rotary_percent)
     if spec.rope_scaling_factor is not None:
         kwargs.update(rope_scaling=True, rope_scaling_factor=spec.rope_scaling_factor)
     return GPTModel(**kwargs)

@@ -1,6 +1,7 @@
 """The DeepSeek-V3 family (multi-head latent attention, sigmoid group-limited routing with a
-correction bias, shared experts, dense first layers, YaRN) on tiny random models: megatron against
-transformers, the bridge's round trip at expert parallel layouts, and what the loader refuses."""
+correction bias, shared experts, dense first layers, YaRN) and GLM-4.5 (the same routing, with
+biased q/k/v, q/k norms and partial rotary) on tiny random models: megatron against transformers,
+the bridge's round trip at expert parallel layouts, FP8 checkpoints, and what the loader refuses."""
 import pytest
 
 from dist_utils import run_ranks
@@ -45,11 +46,14 @@ def test_what_the_loader_refuses_names_the_field():
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_deepseek_logits_match_transformers_and_round_trip_at_ep2_etp2_pp2(deepseek_dir, tmp_path):
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_logits_match_transformers_and_round_trip_at_ep2_etp2_pp2(family, deepseek_dir, tmp_path):
+    model = deepseek_dir if family == "deepseek_v3" else make_tiny_hf_model(str(tmp_path / "glm"),
+                                                                             tiny_hf_config("glm4_moe"), seed=4)
     layouts = [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, 1)]
-    logits = {k: v for r in run_ranks(_logits_rank, 2, deepseek_dir, layouts, tmp_path=tmp_path) for k, v in r.items()}
+    logits = {k: v for r in run_ranks(_logits_rank, 2, model, layouts, tmp_path=tmp_path) for k, v in r.items()}
     assert logits.keys() == set(layouts) and max(logits.values()) < 1e-4, logits
-    trips = {k: v for r in run_ranks(_roundtrip_rank, 2, deepseek_dir, layouts[1:], tmp_path=tmp_path)
+    trips = {k: v for r in run_ranks(_roundtrip_rank, 2, model, layouts[1:], tmp_path=tmp_path)
              for k, v in r.items()}
     # every tensor, the routers' correction biases included, comes back bit for bit
     assert trips.keys() == set(layouts[1:]) and all(v == ([], []) for v in trips.values()), trips
