@@ -129,6 +129,30 @@ def qwen2_5_7b() -> SpiceConfig:
                         template="chat")
 
 
+def glm4_5_air() -> SpiceConfig:
+    """GLM-4.5-Air base (106B, 12B active) on 10 nodes of 80 GB: 8 learner nodes at TP=8 (within a
+    node), PP=2 (46 layers), EP=16 (the experts' Adam state over 64 GPUs is 19 GiB each; on 4
+    learner nodes it alone would be 37); 2 engine nodes of 4 engines x TP=4. `spice plan --choose`
+    finds a colocated layout on 6 nodes at about twice the tokens/s/GPU (TP=8 PP=2 EP=8, engines
+    TP=8 on the learner's GPUs), but run.colocate has run on one node only so far."""
+    return _engine_experts(paper_config("glm4_5_air", "zai-org/GLM-4.5-Air-Base", nodes=10, learner_nodes=8, tp=8,
+                                        pp=2, ep=16, engine_tp=4, template="chat"))
+
+
+def deepseek_v3() -> SpiceConfig:
+    """DeepSeek-V3-Base (671B, 37B active) on 40 nodes of 80 GB. 61 layers divide no useful pipeline
+    (uneven stages are #53's), so the learner is PP=1: 32 nodes at TP=8, EP=256 (one routed expert
+    per GPU per MoE layer), full recompute (a 12,288-token sequence's saved activations would be 55
+    GiB at TP=8). 1.34 TB of bf16 weights need engines wider than a node: 2 engines x TP=32 (four
+    nodes each, vLLM's multi-node tensor parallelism; slurm/rollout_node.sh starts one engine per
+    node, so a cluster starts these engines itself and passes rollout.engines). The FP8 checkpoint
+    is dequantized on import; engines load the bf16 export (tools/convert_to_hf.py)."""
+    cfg = _engine_experts(paper_config("deepseek_v3", "deepseek-ai/DeepSeek-V3-Base", nodes=40, learner_nodes=32,
+                                       tp=8, pp=1, ep=256, engine_tp=32, template="chat"))
+    cfg.train.recompute = "full"
+    return cfg
+
+
 # Mixture-of-experts (beyond the paper, which trains dense models): the same algorithm with expert
 # parallelism and routing replay (train.routing_replay "auto": on for MoE). The SPICE authors'
 # follow-up trains Qwen3-30B-A3B with EP=8. Experts hold ~96% of the parameters: split over EP they

@@ -62,6 +62,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from recipes import resolve_recipe
     from spice_megatron.planner import (choose_plan, compare_placements, estimate_step_time, model_spec,
                                         plan_layout)
+    from spice_megatron.policy.model import resolve_shared_prefix
 
     cfg = resolve_recipe(args.recipe, args.overrides)
     if args.nodes is not None and args.learner_nodes is None:
@@ -115,7 +116,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
           f"NeMo-RL publishes {nemo['synchronous']:,.0f} and {nemo['one step off']:,.0f} "
           "for GRPO on Llama-3.1-8B, 16 H100s (other workload: its math prompts are short, SPICE's challenger reads "
           "~3,000-token documents)")
-    shared = "on" if cfg.train.use_shared_prefix else "off"
+    shared = "on" if resolve_shared_prefix(spec, cfg.train).use_shared_prefix else "off"
     print(f"train.shared_prefix ({shared}): the learner runs {step['learner_tokens']:,.0f} tokens, "
           f"{step['train']:.1f} s, {step['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU on-policy; without it "
           f"{unshared['learner_tokens']:,.0f} tokens, {unshared['train']:.1f} s, "

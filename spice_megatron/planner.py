@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from spice_megatron.entry import UserError
 from spice_megatron.config import GPU_PARTS, ClusterConfig, ConfigError, ParallelConfig, PolicyTrainConfig, SpiceConfig
 from spice_megatron.policy.activation_memory import ActivationFlags, activation_flags, activation_terms
-from spice_megatron.policy.model import ModelSpec, check_parallel_layout, model_spec_from_hf
+from spice_megatron.policy.model import ModelSpec, check_parallel_layout, model_spec_from_hf, resolve_shared_prefix
 
 GiB = 2**30
 
@@ -51,6 +51,25 @@ KNOWN_MODELS: dict[str, dict] = {
     # Qwen2.5: q/k/v biases; 28 query heads over 4 KV groups (TP divides 4)
     "Qwen/Qwen2.5-7B": _cfg("Qwen2ForCausalLM", 3584, 28, 28, 4, 18944, 152064, False, 1e6,
                             max_position_embeddings=131072, use_sliding_window=False),
+    # DeepSeek-V3: latent attention, 256 routed experts in 8 groups (top 8 within 4 groups) + 1 shared,
+    # the first 3 layers dense; published as FP8 with 128x128 block scales (dequantized on import)
+    "deepseek-ai/DeepSeek-V3-Base": _cfg(
+        "DeepseekV3ForCausalLM", 7168, 61, 128, 128, 18432, 129280, False, 10000.0, max_position_embeddings=163840,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+        first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True, num_nextn_predict_layers=1,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                             "weight_block_size": [128, 128]}),
+    # GLM-4.5-Air: 128 routed experts (top 8) + 1 shared, the first layer dense, half of each head rotates
+    "zai-org/GLM-4.5-Air-Base": _cfg("Glm4MoeForCausalLM", 4096, 46, 96, 8, 10944, 151552, False, 1e6,
+                                max_position_embeddings=131072, attention_bias=True, use_qk_norm=False,
+                                partial_rotary_factor=0.5, n_routed_experts=128, num_experts_per_tok=8,
+                                moe_intermediate_size=1408, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                                num_nextn_predict_layers=1),
     # mixture-of-experts: 128 experts, 8 per token, no shared expert, every layer sparse
     "Qwen/Qwen3-30B-A3B-Base": _cfg("Qwen3MoeForCausalLM", 2048, 48, 32, 4, 6144, 151936, False, 1e6,
                                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
@@ -177,6 +196,8 @@ def engine_memory(spec: ModelSpec, engine_tp: int, gpu_memory_gib: float, utiliz
     weights = 2 * spec.num_parameters / engine_tp / GiB
     kv_heads = max(1, spec.num_kv_heads // engine_tp)  # replicated when TP exceeds the KV heads
     kv_per_token = 2 * spec.num_layers * kv_heads * spec.head_dim * 2  # K and V, bf16
+    if spec.mla is not None:  # vLLM caches the latent (and the rotary key) once per token, on every TP rank
+        kv_per_token = spec.num_layers * (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * 2
     kv_cache = gpu_memory_gib * utilization - weights - overhead_gib
     seqs = int(kv_cache * GiB // (kv_per_token * max_model_len)) if kv_cache > 0 else 0
     return EngineMemory(weights, kv_cache, kv_per_token, seqs)
@@ -533,7 +554,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
                     + answers * (t.question_tokens + t.reasoner_gen_tokens))
     learner_tokens = train_tokens
-    if cfg.train.use_shared_prefix:
+    if resolve_shared_prefix(spec, cfg.train).use_shared_prefix:
         prompts = 1.0 if sp.protocol == "compact" else t.paper_challenger_prompts
         challenger_prompts = docs * min(prompts, sp.group_size) if sp.challenger_group == "document" \
             else challenger_trained
