@@ -52,6 +52,8 @@ CASES = [
          "an unsupported architecture"),
     Case("hf_rope_scaling", "convert_from_hf", "--hf {d}/rope --out {d}/out", "rope_scaling.rope_type='yarn'",
          "an unsupported rope-scaling type"),
+    Case("hf_quantization", "convert_from_hf", "--hf {d}/quant --out {d}/out", "quantization_config: quant_method='awq'",
+         "a quantization other than FP8 block scales"),
     Case("hf_index_missing_shard", "convert_from_hf", "--hf {d}/index --out {d}/out",
          "{d}/index/model-00002-of-00002.safetensors", "an index naming a shard that is not there"),
     Case("hf_tensor_missing", "convert_from_hf", "--hf {d}/notensor --out {d}/out", "'model.norm.weight'",
@@ -151,6 +153,7 @@ def _make_fixtures(d: str) -> None:
     variant("nofield", config={k: v for k, v in config.items() if k != "num_attention_heads"})
     variant("arch", config={**config, "architectures": ["GPT2LMHeadModel"]})
     variant("rope", config={**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    variant("quant", config={**config, "quantization_config": {"quant_method": "awq", "bits": 4}})
     variant("notensor", tensors={k: v for k, v in weights.items() if k != "model.norm.weight"})
     variant("shape", tensors={**weights, "model.layers.0.input_layernorm.weight": weights["model.norm.weight"][:10].clone()})
     index = variant("index")
