@@ -566,7 +566,7 @@ def test_vllms_routing_store_is_sized_above_its_kv_cache_default(tmp_path):
     at twice the routing of every token the engine's memory could cache."""
     import json
 
-    from spice_megatron.planner import KNOWN_MODELS
+    from spice_megatron.known_models import KNOWN_MODELS
     from spice_megatron.rollout.engine import routing_store_bytes
 
     d = str(tmp_path)

@@ -1,4 +1,5 @@
-"""A megatron-core GPTModel from a Hugging Face config.json (Qwen3, Qwen3-MoE, Qwen2/2.5 and Llama 3 families)."""
+"""A megatron-core GPTModel from a Hugging Face config.json (the families of FAMILIES: Qwen3, Qwen3-MoE,
+Qwen2/2.5, Llama 3, DeepSeek-V3 and GLM-4.5)."""
 from __future__ import annotations
 
 import os
@@ -469,8 +470,8 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
     from spice_megatron.policy.activation_memory import activation_flags
 
     if train.use_shared_prefix and spec.mla is not None:
-        raise ConfigError(f"train.use_shared_prefix: {spec.architecture}'s latent attention keeps its own rotary "
-                          "embedding, which shared-prefix rows cannot position yet; set train.use_shared_prefix=false")
+        raise ConfigError(f"train.shared_prefix: on, but {spec.architecture}'s latent attention keeps its own rotary "
+                          "embedding, which shared-prefix rows cannot position yet; use off (auto is off here)")
     if train.use_shared_prefix and train.shared_prefix_kernel == "flex" and not torch.cuda.is_available():
         raise ConfigError("train.shared_prefix_kernel: flex needs a GPU (torch has no FlexAttention backward on "
                           "CPU); use sdpa")
