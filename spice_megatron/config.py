@@ -289,6 +289,11 @@ class PolicyTrainConfig:
     # few, and an auxiliary term pulls the router away from the routing the engines sampled with
     # (what routing replay keeps equal); pretraining's 1e-3 is the usual value to turn it on.
     moe_aux_loss_coeff: float = 0.0
+    # DeepSeek-V3 / GLM-4.5: how far megatron's auxiliary-loss-free balancing moves each router's
+    # correction bias (e_score_correction_bias) after a step, by the batch's expert loads. 0: the
+    # checkpoint's bias stays (the engines route with it; the RL loss has no gradient to it);
+    # pretraining used 1e-3
+    moe_expert_bias_update_rate: float = 0.0
     # Replay in every learner forward the experts the engine chose for each prompt and sampled
     # token (megatron's RouterReplay), so the gradient flows through the experts that produced the
     # samples. "auto": on for mixture-of-experts models.
@@ -344,6 +349,7 @@ class PolicyTrainConfig:
         _require(self.temperature > 0, f"{prefix}.temperature", "must be > 0")
         _require(self.dtype in ("auto", "fp32", "bf16"), f"{prefix}.dtype", "must be auto, fp32 or bf16")
         _require(self.moe_aux_loss_coeff >= 0, f"{prefix}.moe_aux_loss_coeff", "must be >= 0 (0: off)")
+        _require(self.moe_expert_bias_update_rate >= 0, f"{prefix}.moe_expert_bias_update_rate", "must be >= 0 (0: fixed)")
         _require(self.routing_replay in ("auto", "on", "off"), f"{prefix}.routing_replay", "must be auto, on or off")
         _require(self.shared_prefix in ("auto", "on", "off"), f"{prefix}.shared_prefix", "must be auto, on or off")
         _require(self.shared_prefix_kernel in ("sdpa", "flex"), f"{prefix}.shared_prefix_kernel", "must be sdpa or flex")

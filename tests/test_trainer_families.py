@@ -61,8 +61,15 @@ def test_the_tiny_deepseek_recipe_replays_routing_and_syncs_latent_attention_and
     assert metrics[1]["rollout_version"] == 1 and metrics[1]["train/logprob_gap"] < 1e-5
     exported = weights(out)
     assert "model.layers.1.self_attn.kv_b_proj.weight" in exported
-    assert "model.layers.1.mlp.gate.e_score_correction_bias" in exported
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in exported
+    # the routers' correction biases stay the checkpoint's (train.moe_expert_bias_update_rate 0)
+    from safetensors.torch import load_file
+
+    from spice_megatron.offline_assets import tiny_deepseek_dir
+
+    original = load_file(os.path.join(tiny_deepseek_dir(), "model.safetensors"))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(exported[bias], original[bias]) and original[bias].abs().sum() > 0
 
 
 @pytest.mark.multiprocess

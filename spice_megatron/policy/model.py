@@ -345,16 +345,16 @@ def have_transformer_engine() -> bool:
 
 
 def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
-               routing_replay: bool = False) -> dict[str, Any]:
+               routing_replay: bool = False, expert_bias_update_rate: float = 0.0) -> dict[str, Any]:
     """megatron's MoE settings for a Qwen3-MoE config. Qwen3's router: softmax over all experts in
     fp32, top-k, then (norm_topk_prob) renormalised; megatron's softmax router computes the same
     as top-k on the logits then a softmax over the k (moe_router_pre_softmax=False), and as
     softmax-then-top-k without renormalising when pre_softmax is True."""
     moe = spec.moe
     deepseek = dict(
-        # the correction bias is the checkpoint's and stays fixed: megatron's auxiliary-loss-free balancing
-        # would move it after every step by the batch's expert loads (rate 0: it never does)
-        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+        # the correction bias is the checkpoint's and stays fixed unless train.moe_expert_bias_update_rate
+        # says otherwise: megatron's auxiliary-loss-free balancing moves it after a step by the batch's loads
+        moe_router_enable_expert_bias=True, moe_router_bias_update_rate=expert_bias_update_rate,
         moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk,
         moe_router_topk_scaling_factor=moe.scaling_factor,
         moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
@@ -376,7 +376,8 @@ def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep: int = 1, etp: int = 1,
-                       aux_loss_coeff: float = 0.0, routing_replay: bool = False, **overrides: Any):
+                       aux_loss_coeff: float = 0.0, routing_replay: bool = False, expert_bias_update_rate: float = 0.0,
+                       **overrides: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_parallel_layout(spec, tp, pp, ep, etp)
@@ -396,7 +397,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
     )
     if spec.moe is not None:
-        kwargs.update(moe_kwargs(spec, ep, etp, aux_loss_coeff, routing_replay))
+        kwargs.update(moe_kwargs(spec, ep, etp, aux_loss_coeff, routing_replay, expert_bias_update_rate))
     kwargs.update(overrides)
     if spec.mla is None:
         return TransformerConfig(**kwargs)
@@ -478,6 +479,7 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
     flags = activation_flags(parallel, train, layout.tp, torch.cuda.is_available(), have_transformer_engine())
     tconfig = transformer_config(spec, layout.tp, layout.pp, dtype, ep=layout.ep, etp=layout.etp,
                                  aux_loss_coeff=train.moe_aux_loss_coeff, routing_replay=spec.moe is not None,
+                                 expert_bias_update_rate=train.moe_expert_bias_update_rate,
                                  **flags.megatron_kwargs(), **overrides)
     with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
         model = build_model(spec, tconfig, layout.is_first_stage, layout.is_last_stage, train.use_shared_prefix,
