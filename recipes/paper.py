@@ -140,8 +140,9 @@ def glm4_5_air() -> SpiceConfig:
 
 
 def deepseek_v3() -> SpiceConfig:
-    """DeepSeek-V3-Base (671B, 37B active) on 40 nodes of 80 GB. 61 layers divide no useful pipeline
-    (uneven stages are #53's), so the learner is PP=1: 32 nodes at TP=8, EP=256 (one routed expert
+    """DeepSeek-V3-Base (671B, 37B active) on 40 nodes of 80 GB. 61 layers divide no even pipeline
+    (uneven stages, parallel.first/last_stage_layers, wait for a planner that models the bubble),
+    so the learner is PP=1: 32 nodes at TP=8, EP=256 (one routed expert
     per GPU per MoE layer), full recompute (a 12,288-token sequence's saved activations would be 55
     GiB at TP=8). 1.34 TB of bf16 weights need engines wider than a node: 2 engines x TP=32 (four
     nodes each, vLLM's multi-node tensor parallelism; slurm/rollout_node.sh starts one engine per

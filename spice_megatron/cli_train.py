@@ -101,7 +101,8 @@ def check_model_and_layout(cfg) -> None:
         return
     p = cfg.parallel
     check_layout(check_hf_model(cfg.run.model, "run.model"), p.tensor_parallel, p.pipeline_parallel,
-                 p.expert_parallel, p.expert_tensor_parallel)
+                 p.expert_parallel, p.expert_tensor_parallel, first_stage_layers=p.first_stage_layers,
+                 last_stage_layers=p.last_stage_layers)
 
 
 MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasoner_pass_rate"),

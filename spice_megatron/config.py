@@ -205,6 +205,12 @@ class ParallelConfig:
     # replicated. auto: on when tensor_parallel > 1 (megatron requires it for MoE with TP).
     sequence_parallel: str = "auto"
     backend: str = "auto"  # nccl on GPU, gloo on CPU
+    # Uneven pipeline stages (megatron's num_layers_in_first/last_pipeline_stage): the first and/or
+    # last stage hold this many layers, the others split the rest evenly (0: an even split). For
+    # layer counts PP does not divide (Qwen3-235B's 94, DeepSeek-V3's 61), or a lighter stage beside
+    # the embedding or the output layer.
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
 
     @property
     def use_sequence_parallel(self) -> bool:
@@ -218,6 +224,10 @@ class ParallelConfig:
         _require(self.sequence_parallel in ("auto", "on", "off"), f"{prefix}.sequence_parallel",
                  "must be auto, on or off")
         _require(self.backend in ("auto", "nccl", "gloo"), f"{prefix}.backend", "must be auto, nccl or gloo")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            _require(getattr(self, name) >= 0, f"{prefix}.{name}", "must be >= 0 (0: an even split)")
+            _require(not getattr(self, name) or self.pipeline_parallel > 1, f"{prefix}.{name}",
+                     "needs pipeline_parallel > 1")
 
 
 @dataclass

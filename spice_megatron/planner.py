@@ -18,7 +18,8 @@ from spice_megatron.entry import UserError
 from spice_megatron.known_models import KNOWN_MODELS
 from spice_megatron.config import GPU_PARTS, ClusterConfig, ConfigError, ParallelConfig, PolicyTrainConfig, SpiceConfig
 from spice_megatron.policy.activation_memory import ActivationFlags, activation_flags, activation_terms
-from spice_megatron.policy.model import ModelSpec, check_parallel_layout, model_spec_from_hf, resolve_shared_prefix
+from spice_megatron.policy.model import (ModelSpec, check_parallel_layout, model_spec_from_hf, pipeline_stage_layers,
+                                         resolve_shared_prefix)
 
 GiB = 2**30
 
@@ -62,7 +63,8 @@ class LearnerMemory:
 
 def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_tokens: int,
                    distributed_optimizer: bool = True, overhead_gib: float = 4.0, ep: int = 1,
-                   etp: int = 1, flags: ActivationFlags | None = None, optimizer_offload: float = 0.0) -> LearnerMemory:
+                   etp: int = 1, flags: ActivationFlags | None = None, optimizer_offload: float = 0.0,
+                   stage_layers: int | None = None) -> LearnerMemory:
     """Per-GPU memory of the learner. Activations: the saved tensors of each layer for the flags
     the learner sets (`policy/activation_memory.py`; default: a GPU with Transformer Engine and
     the default train config, sequence parallel when TP > 1); 1F1B keeps up to PP micro-batches in
@@ -77,7 +79,8 @@ def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_token
     if flags is None:
         flags = activation_flags(ParallelConfig(tensor_parallel=tp), PolicyTrainConfig(), tp, on_gpu=True,
                                  transformer_engine=True)
-    h, layers_per_stage = spec.hidden_size, math.ceil(spec.num_layers / pp)
+    # the fullest stage (parallel.first/last_stage_layers can make them uneven)
+    h, layers_per_stage = spec.hidden_size, stage_layers or math.ceil(spec.num_layers / pp)
     embedding = spec.vocab_size * h  # the first stage's input embedding or the last stage's output layer
     moe = spec.moe
     expert_params = 0.0
@@ -91,7 +94,7 @@ def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_token
         non_expert = spec.num_parameters - experts_total - spec.vocab_size * h * (1 if spec.tied_embeddings else 2) - h
         dense = non_expert / spec.num_layers * layers_per_stage + embedding * (
             2 if pp == 1 and not spec.tied_embeddings else 1)
-        expert_params = experts_total / pp / (ep * etp)
+        expert_params = experts_total * layers_per_stage / spec.num_layers / (ep * etp)
     dense /= tp
     edp = max(1, tp * dp // (ep * etp))
     shard, expert_shard = (dp, edp) if distributed_optimizer else (1, 1)
@@ -104,7 +107,7 @@ def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_token
         share = moe.num_moe_layers / spec.num_layers
         per_token_layer = (1 - share) * per_token_layer + share * sum(
             activation_terms(spec, tp, flags, moe_layer=True, etp=etp).values())
-        a2a = routed * h * 2 * 2 * 3 * (ep - 1) / ep * moe.num_moe_layers / pp
+        a2a = routed * h * 2 * 2 * 3 * (ep - 1) / ep * moe.num_moe_layers * layers_per_stage / spec.num_layers
     activations = per_token_layer * micro_batch_tokens * layers_per_stage * pp
     logits = 2 * 4 * micro_batch_tokens * spec.vocab_size / tp
     return LearnerMemory(weights=weights / GiB, gradients=grads / GiB, optimizer=optimizer / GiB,
@@ -272,7 +275,8 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     if fixed:  # what the learner would refuse is refused here, with its line
         try:
             check_parallel_layout(spec, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, ep,
-                                  cfg.parallel.expert_tensor_parallel if spec.moe is not None else 1)
+                                  cfg.parallel.expert_tensor_parallel if spec.moe is not None else 1,
+                                  cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers)
         except ConfigError as e:
             raise PlanError(f"{e}: the learner refuses this layout") from None
     candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)] if fixed else
@@ -301,8 +305,10 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                                     f"{spec.moe.num_experts} and the {learner_gpus // pp} learner GPUs of a pipeline stage")
                 flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), cfg.train, tp, on_gpu=True,
                                          transformer_engine=True)
+                stage = max(pipeline_stage_layers(spec.num_layers, pp, cfg.parallel.first_stage_layers,
+                                                  cfg.parallel.last_stage_layers)) if fixed else None
                 mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), tokens, cfg.optim.use_distributed_optimizer,
-                                     ep=ep, flags=flags, optimizer_offload=offload)
+                                     ep=ep, flags=flags, optimizer_offload=offload, stage_layers=stage)
                 if mem.total <= learner_budget:
                     return tp, pp, offload, mem
                 if offload == offloads[0]:

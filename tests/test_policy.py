@@ -686,3 +686,63 @@ def test_truncated_importance_sampling_in_the_learner_fp32_and_bf16(tiny_models,
         assert r["on_capped"]["reasoner/tis_capped"] == 1.0 and r["on_equal"]["reasoner/tis_capped"] == 0.0
         assert r["on_capped"]["reasoner/logprob_gap_mean"] == pytest.approx(math.log(4.0), rel=tol)
         assert r["on_equal"]["reasoner/k3_kl"] == pytest.approx(0.0, abs=1e-3)
+
+
+def _uneven_rank(model_dir, splits):
+    """Per (first_stage_layers, last_stage_layers) at PP=2 (and PP=1 as (0, 0) on one rank's worth):
+    the logits' max |diff| to transformers, and one step's loss, grad norm and gathered weights."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.policy.batching import collate
+    from spice_megatron.policy.learner import Learner
+
+    tokens = tokens_batch()
+    seqs = [TrainSequence(t[:4].tolist(), t[4:].tolist()) for t in tokens]
+    out = {}
+    for first, last in splits:
+        parallel = ParallelConfig(1, 2 if first or last else 1, first_stage_layers=first, last_stage_layers=last)
+        learner = Learner.from_hf(model_dir, parallel, OptimConfig(lr=1e-3, adam_eps=1e-5),
+                                  PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16))
+        with torch.no_grad():
+            outs = learner._run([collate(seqs, [0, 1], pad_to=learner.seq_multiple)],
+                                lambda mb, lg: (torch.zeros(()), {"l": gather_from_tensor_model_parallel_region(lg)}),
+                                forward_only=True)
+        gap = (outs[0]["l"][:, :tokens.shape[1]] - hf_logits(model_dir, tokens)).abs().max().item() if outs else None
+        (m,) = learner.train_on_batch(train_batch())
+        out[(first, last)] = (gap, m.loss, m.grad_norm, gathered_hf_state_dict(learner))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_uneven_pipeline_stages_match_transformers_and_step_as_one_stage(tmp_path):
+    """3 layers over PP=2 as 1 + 2 (first_stage_layers) and 2 + 1 (last_stage_layers): the logits are
+    transformers', a step's loss, grad norm and weights those of one stage."""
+    model = make_tiny_hf_model(str(tmp_path / "m"), tiny_hf_config("qwen3", num_layers=3), seed=5)
+    (single,) = run_ranks(_uneven_rank, 1, model, [(0, 0)], tmp_path=tmp_path)
+    ranks = run_ranks(_uneven_rank, 2, model, [(1, 0), (0, 1)], tmp_path=tmp_path)
+    _, ref_loss, ref_norm, ref_w = single[(0, 0)]
+    for split in [(1, 0), (0, 1)]:
+        gap = next(r[split][0] for r in ranks if r[split][0] is not None)  # the last stage has the logits
+        assert gap < 1e-4, (split, gap)
+        _, loss, norm, w = next(r[split] for r in ranks if r[split][3] is not None)
+        assert loss == pytest.approx(ref_loss, abs=1e-6) and norm == pytest.approx(ref_norm, rel=1e-5), split
+        assert w.keys() == ref_w.keys() and max((w[k] - ref_w[k]).abs().max().item() for k in w) < 2e-6, split
+
+
+def test_uneven_stages_are_checked_where_the_learner_would_refuse_them():
+    from spice_megatron.policy.model import model_spec_from_hf, pipeline_stage_layers
+
+    assert pipeline_stage_layers(94, 4, first=22) == [22, 24, 24, 24]
+    assert pipeline_stage_layers(61, 8, first=5, last=8) == [5, 8, 8, 8, 8, 8, 8, 8]
+    assert pipeline_stage_layers(3, 2, last=1) == [2, 1]
+    with pytest.raises(ConfigError, match="parallel.pipeline_parallel: 4 does not divide num_hidden_layers=94"):
+        pipeline_stage_layers(94, 4)
+    with pytest.raises(ConfigError, match="first_stage_layers / last_stage_layers: 20 and 0 .* leave 74 for 3"):
+        pipeline_stage_layers(94, 4, first=20)
+    with pytest.raises(ConfigError, match="parallel.first_stage_layers: needs pipeline_parallel > 1"):
+        ParallelConfig(first_stage_layers=2).validate()
+    from spice_megatron.policy.model import check_parallel_layout
+
+    check_parallel_layout(model_spec_from_hf(tiny_hf_config("qwen3", num_layers=3)), 1, 2, first_stage_layers=1)

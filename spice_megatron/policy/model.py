@@ -304,7 +304,26 @@ def fp8_block_size(config: dict) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def check_parallel_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int = 1) -> None:
+def pipeline_stage_layers(num_layers: int, pp: int, first: int = 0, last: int = 0) -> list[int]:
+    """Layers per pipeline stage: `first` and `last` (0: not set) on the end stages, the rest split
+    evenly over the others, as megatron builds them; a split that does not come out even is refused
+    naming the field."""
+    if not first and not last:
+        if num_layers % pp:
+            raise ConfigError(f"parallel.pipeline_parallel: {pp} does not divide num_hidden_layers={num_layers}; "
+                              "an uneven split takes parallel.first_stage_layers / last_stage_layers")
+        return [num_layers // pp] * pp
+    middle, rest = pp - bool(first) - bool(last), num_layers - first - last
+    if middle < 0 or rest < 0 or (middle == 0 and rest) or (middle and (rest <= 0 or rest % middle)):
+        raise ConfigError(f"parallel.first_stage_layers / last_stage_layers: {first} and {last} of "
+                          f"num_hidden_layers={num_layers} leave {rest} for {middle} middle stage(s) of "
+                          f"pipeline_parallel={pp}: that must split evenly, at least one layer each")
+    even = rest // middle if middle else 0
+    return ([first] if first else []) + [even] * middle + ([last] if last else [])
+
+
+def check_parallel_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int = 1, first_stage_layers: int = 0,
+                          last_stage_layers: int = 0) -> None:
     """Divisibility the layout needs; the error names the config field at fault."""
     if spec.moe is None and (ep > 1 or etp > 1):
         raise ConfigError(f"parallel.expert_parallel: {spec.architecture} has no experts; expert_parallel and "
@@ -323,8 +342,7 @@ def check_parallel_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: i
         raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide intermediate_size={spec.ffn_hidden_size}")
     if spec.vocab_size % tp:
         raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide vocab_size={spec.vocab_size}")
-    if spec.num_layers % pp:
-        raise ConfigError(f"parallel.pipeline_parallel: {pp} does not divide num_hidden_layers={spec.num_layers}")
+    pipeline_stage_layers(spec.num_layers, pp, first_stage_layers, last_stage_layers)
     if spec.moe is not None and spec.moe.shared_expert_ffn_hidden_size % tp:
         raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide the shared experts' "
                           f"{spec.moe.shared_expert_ffn_hidden_size} (n_shared_experts x moe_intermediate_size)")
@@ -377,10 +395,10 @@ def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep: int = 1, etp: int = 1,
                        aux_loss_coeff: float = 0.0, routing_replay: bool = False, expert_bias_update_rate: float = 0.0,
-                       **overrides: Any):
+                       first_stage_layers: int = 0, last_stage_layers: int = 0, **overrides: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_parallel_layout(spec, tp, pp, ep, etp)
+    check_parallel_layout(spec, tp, pp, ep, etp, first_stage_layers, last_stage_layers)
     kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
@@ -395,6 +413,8 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
         # micro-batches of different lengths (length-bucketed batching); this flag requires the
         # alltoall dispatcher even for dense models.
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        num_layers_in_first_pipeline_stage=first_stage_layers or None,
+        num_layers_in_last_pipeline_stage=last_stage_layers or None,
     )
     if spec.moe is not None:
         kwargs.update(moe_kwargs(spec, ep, etp, aux_loss_coeff, routing_replay, expert_bias_update_rate))
@@ -480,6 +500,8 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
     tconfig = transformer_config(spec, layout.tp, layout.pp, dtype, ep=layout.ep, etp=layout.etp,
                                  aux_loss_coeff=train.moe_aux_loss_coeff, routing_replay=spec.moe is not None,
                                  expert_bias_update_rate=train.moe_expert_bias_update_rate,
+                                 first_stage_layers=parallel.first_stage_layers,
+                                 last_stage_layers=parallel.last_stage_layers,
                                  **flags.megatron_kwargs(), **overrides)
     with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
         model = build_model(spec, tconfig, layout.is_first_stage, layout.is_last_stage, train.use_shared_prefix,
