@@ -13,7 +13,6 @@ import os
 import queue
 import random
 import secrets
-import subprocess
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +28,9 @@ from spice_megatron.rollout.fleet import FleetError, NoEngineLeft, RolloutFleet
 from spice_megatron.templates import prompt_token_ids
 
 log = logging.getLogger("spice.trainer")
+# An engine on a busy CPU (or a GPU engine in a long prefill) can miss one 10 s health check; one
+# that answers nothing for this long is hung and is killed and restarted.
+HUNG_ENGINE_GRACE_S = 120.0
 
 
 class EnginesLost(RuntimeError):
@@ -199,12 +201,10 @@ class Driver:
         restarted = False
         health = self.fleet.health()
         for i, e in enumerate(self.engines):
-            if e.alive() and health.get(e.url) is None:  # exiting (its sockets closed first) or hung
-                try:
-                    e.process.wait(10)
-                except subprocess.TimeoutExpired:
-                    log.warning("rollout engine %s does not answer; killing it", e.url)
-                    e.kill()
+            if e.alive() and health.get(e.url) is None and not self._answers_again(e):
+                log.warning("rollout engine %s has not answered for %.0fs; killing it", e.url,
+                            HUNG_ENGINE_GRACE_S)
+                e.kill()
             if not e.alive():
                 log.warning("rollout engine %s died; restarting it", e.url)
                 self.engines[i] = restart(e, self.token)
@@ -213,6 +213,17 @@ class Driver:
         if restarted:
             self.fleet.wait_until_healthy()
         return restarted
+
+    def _answers_again(self, engine) -> bool:
+        """Whether a live engine that missed a health check answers within HUNG_ENGINE_GRACE_S.
+        False as soon as its process ends (it was exiting: its sockets close first)."""
+        deadline = time.monotonic() + HUNG_ENGINE_GRACE_S
+        while engine.alive() and time.monotonic() < deadline:
+            if self.fleet.probe(engine.url) is not None:
+                log.info("rollout engine %s answers again", engine.url)
+                return True
+            time.sleep(2.0)
+        return False
 
     def kill_engines(self, urls: list[str]) -> list[str]:
         """Kill the engines at `urls` that this driver started and wait for their processes to end

@@ -140,3 +140,50 @@ def test_a_cluster_engine_restarted_by_its_node_script_gets_the_current_weights(
     assert driver.restart_dead_engines() is True and driver.fleet.waited == 1
     driver.fleet = Fleet([{"http://a:8100": {"version": "3"}, "http://b:8101": {"version": "0"}}])  # b came back
     assert driver.restart_dead_engines() is True
+
+
+def test_an_engine_that_misses_a_health_check_is_given_time_before_it_is_killed(monkeypatch):
+    """A CPU engine under load can miss one 10 s /status: it is probed again for
+    HUNG_ENGINE_GRACE_S and kept if it answers; one silent past that is killed and restarted."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import spice_megatron.driver as driver_module
+    import spice_megatron.rollout.local as local
+    from spice_megatron.driver import Driver
+    from spice_megatron.rollout.local import LocalEngine
+
+    class Fleet:
+        def __init__(self, answers_after):
+            self.probes, self.answers_after = 0, answers_after
+
+        def health(self):
+            return {"http://a:8100": None}
+
+        def probe(self, url):
+            self.probes += 1
+            return {"version": "1"} if self.probes > self.answers_after else None
+
+        def wait_until_healthy(self, timeout=None):
+            pass
+
+    monkeypatch.setattr(driver_module.time, "sleep", lambda s: None)
+    restarted = []
+    monkeypatch.setattr(local, "restart", lambda e, token: restarted.append(e.url) or e)
+    monkeypatch.setattr(local, "wait_healthy", lambda engines: None)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        driver = object.__new__(Driver)
+        driver.engines = [LocalEngine("http://a:8100", proc, "", [])]
+        driver.token, driver.cfg = "t", SimpleNamespace(rollout=SimpleNamespace(health_timeout=5.0))
+        driver.fleet = Fleet(answers_after=2)
+        assert driver.restart_dead_engines() is False and proc.poll() is None and not restarted
+        driver.fleet = Fleet(answers_after=10**9)
+        monkeypatch.setattr(driver_module, "HUNG_ENGINE_GRACE_S", 0.0)
+        assert driver.restart_dead_engines() is True and restarted == ["http://a:8100"]
+        assert proc.poll() is not None  # the silent one was killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

@@ -120,21 +120,25 @@ class RolloutFleet:
 
     def health(self) -> dict[str, dict | None]:
         """Each engine's /status, once it proved it holds the job's token (else None: not used)."""
-        out = {}
-        for e in self.engines:
-            e.attested = False  # proved again at every check: a restarted engine is a new process
-            try:
-                out[e.url] = self._control(e, "/status", None, "GET", timeout=10)
-                e.healthy = True
-                e.workers = int(out[e.url].get("workers", 1))
-            except AuthError as err:
-                log.warning("%s", err)
-                out[e.url] = None
-                e.healthy = False
-            except (requests.RequestException, FleetError):
-                out[e.url] = None
-                e.healthy = False
-        return out
+        return {e.url: self._probe(e) for e in self.engines}
+
+    def probe(self, url: str) -> dict | None:
+        """One engine's /status as health() reads it (None: down, busy past the timeout or not ours)."""
+        return self._probe(next(e for e in self.engines if e.url == url.rstrip("/")))
+
+    def _probe(self, e: EngineStats) -> dict | None:
+        e.attested = False  # proved again at every check: a restarted engine is a new process
+        try:
+            status = self._control(e, "/status", None, "GET", timeout=10)
+        except AuthError as err:
+            log.warning("%s", err)
+            status = None
+        except (requests.RequestException, FleetError):
+            status = None
+        e.healthy = status is not None
+        if status is not None:
+            e.workers = int(status.get("workers", 1))
+        return status
 
     def _control(self, engine: EngineStats, path: str, body: dict | None, method: str = "POST",
                  timeout: float | None = None) -> dict:
