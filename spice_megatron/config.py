@@ -310,8 +310,9 @@ class PolicyTrainConfig:
     routing_replay: str = "auto"
     # Activation memory (policy/activation_memory.py; the planner counts the same): megatron's fused
     # SwiGLU (auto: on GPU), and recomputing in the backward what the forward would keep: off,
-    # selective (the recompute_modules of each layer: mlp, core_attn) or full (each layer
-    # from its input, about a third more compute)
+    # selective (the recompute_modules of each layer: mlp, core_attn, and for mixture-of-experts
+    # layers moe (the whole MoE layer, router replayed) or moe_act (the experts' activation; needs
+    # Transformer Engine's grouped GEMM)) or full (each layer from its input, about a third more compute)
     fused_swiglu: str = "auto"
     recompute: str = "off"
     recompute_modules: list[str] = field(default_factory=lambda: ["mlp"])
@@ -341,7 +342,7 @@ class PolicyTrainConfig:
         _require(self.fused_swiglu in ("auto", "on", "off"), f"{prefix}.fused_swiglu", "must be auto, on or off")
         _require(self.recompute in ("off", "selective", "full"), f"{prefix}.recompute", "must be off, selective or full")
         # megatron's "layernorm" recompute needs TE, whose layers fuse the norms into the linears: moot
-        allowed = ("mlp", "core_attn")
+        allowed = ("mlp", "core_attn", "moe", "moe_act")
         bad = [m for m in self.recompute_modules if m not in allowed]
         _require(not bad and (self.recompute != "selective" or bool(self.recompute_modules)),
                  f"{prefix}.recompute_modules", f"{bad or 'none given'}: choose from {', '.join(allowed)}")

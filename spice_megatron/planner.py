@@ -457,7 +457,8 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     longest sequence takes at that step time, a streamed one's rollouts as long as the engines'
     work or the slowest document's chain of requests (its rounds' and answers' longest outputs). Training costs 8 x params FLOPs per token (a forward pass for the
     old log-probs, then forward and backward), and 2 x the recomputed parameters more with
-    train.recompute (full: every layer's; selective mlp: the dense MLPs'), per token the learner
+    train.recompute (full: every layer's; selective mlp: the dense MLPs'; moe: the experts a token
+    runs through), per token the learner
     runs: with train.shared_prefix each group's prompt once."""
     t = t or Throughput.for_gpu(cfg.cluster.gpu)
     sp = cfg.selfplay
@@ -516,8 +517,15 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     recomputed = 0.0
     if cfg.train.recompute == "full":
         recomputed = active
-    elif cfg.train.recompute == "selective" and "mlp" in cfg.train.recompute_modules and spec.moe is None:
-        recomputed = spec.num_layers * 3 * spec.hidden_size * spec.ffn_hidden_size
+    elif cfg.train.recompute == "selective":
+        modules, moe = cfg.train.recompute_modules, spec.moe
+        dense_layers = spec.num_layers - (moe.num_moe_layers if moe else 0)
+        if "mlp" in modules:
+            recomputed += dense_layers * 3 * spec.hidden_size * spec.ffn_hidden_size
+        if moe is not None and "moe" in modules:  # the routed and shared experts a token runs through
+            expert = moe.top_k * moe.expert_ffn_hidden_size + moe.shared_expert_ffn_hidden_size
+            recomputed += moe.num_moe_layers * 3 * spec.hidden_size * expert
+        # moe_act recomputes an activation, no matmul: nothing counted
     train = (8 * active + 2 * recomputed) * learner_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
     if plan.learner.all_to_all_gib:  # the experts' all-to-all, not overlapped with compute
         micro_batches = learner_tokens / cfg.train.micro_batch_tokens / plan.dp

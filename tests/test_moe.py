@@ -118,9 +118,10 @@ def test_expert_layout_errors_name_the_field():
         PolicyTrainConfig(routing_replay="sometimes").validate()
     from spice_megatron.policy.learner import Learner
 
-    # a backward recompute under 1F1B would route a micro-batch with the next one's routing
-    with pytest.raises(ConfigError, match=r"train.recompute: full with pipeline parallelism \(2\)"):
-        Learner(moe, ParallelConfig(1, 2), OptimConfig(), PolicyTrainConfig(recompute="full"))
+    # the experts' activation alone is recomputed by Transformer Engine's grouped GEMM only
+    with pytest.raises(ConfigError, match="train.recompute_modules: moe_act"):
+        Learner(moe, ParallelConfig(), OptimConfig(), PolicyTrainConfig(recompute="selective",
+                                                                        recompute_modules=["moe_act"]))
 
 
 @pytest.mark.multiprocess
@@ -253,6 +254,40 @@ def test_routing_replay_uses_the_engines_experts_and_measures_the_difference(moe
         assert sorted(router) == ["router/entropy/0", "router/entropy/1", "router/max_load/0", "router/max_load/1"]
         assert all(1.0 <= router[f"router/max_load/{i}"] <= 8.0 for i in (0, 1))
         assert all(0.0 < router[f"router/entropy/{i}"] <= math.log(8) for i in (0, 1))
+
+
+def _recompute_replay_rank(model_dir):
+    """PP=2, three micro-batches (1F1B: a stage runs the next micro-batch's forward before this
+    one's backward), the engine's routing replayed: one step with the MoE layers plain, recomputed
+    whole (selective moe) and every layer recomputed (full)."""
+    from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.policy.learner import Learner
+
+    tokens = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(5))
+    noisy = _hf_routing(model_dir, tokens, noise=0.5)  # other experts than the learner's own for some tokens
+    seqs = [TrainSequence(t[:5].tolist(), t[5:].tolist(), advantage=a, routed_experts=noisy[i, :-1].numpy())
+            for i, (t, a) in enumerate(zip(tokens, (0.5, -0.3, 0.9)))]
+    out = {}
+    for recompute, modules in (("off", ["mlp"]), ("selective", ["moe"]), ("full", ["mlp"])):
+        train = PolicyTrainConfig(routing_replay="on", micro_batch_tokens=13, max_gen_len=8, recompute=recompute,
+                                  recompute_modules=modules)
+        learner = Learner.from_hf(model_dir, ParallelConfig(1, 2), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
+        (m,) = learner.train_on_batch(seqs)
+        out[f"{recompute} {modules[0]}"] = (m.loss, m.grad_norm, m.routing_differs, m.router,
+                                            gathered_hf_state_dict(learner))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_recomputed_moe_layers_replay_each_micro_batchs_routing_under_1f1b(moe_dir, tmp_path):
+    (res, _) = run_ranks(_recompute_replay_rank, 2, moe_dir, tmp_path=tmp_path)
+    loss, norm, differs, router, weights = res.pop("off mlp")
+    assert differs > 0.05  # the replayed routing is not the learner's own: a wrong replay would show
+    for name, (l2, n2, d2, r2, w2) in res.items():
+        assert l2 == pytest.approx(loss, abs=1e-6) and n2 == pytest.approx(norm, rel=1e-5), name
+        assert d2 == differs and r2 == pytest.approx(router), name  # each router counted once per token
+        assert max((w2[k] - weights[k]).abs().max().item() for k in weights) < 1e-6, name
 
 
 def test_replay_refuses_sequences_without_engine_routing():

@@ -419,15 +419,18 @@ def test_a_zero_learning_rate_keeps_the_weights_and_reports_the_steps_loss_witho
     assert frozen["grad_norm"] == 0.0 and frozen["clip_fraction"] == trained["clip_fraction"] == 0.0
 
 
-def _recompute_rank(model_dir):
+_RECOMPUTED = (("off", ["mlp"]), ("selective", ["mlp"]), ("selective", ["core_attn"]), ("full", ["mlp"]))
+
+
+def _recompute_rank(model_dir, pp=1, modes=_RECOMPUTED):
     """One step with the MLPs, core attention or whole layers recomputed in the backward."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
     from spice_megatron.policy.learner import Learner
 
     out = {}
-    for recompute, modules in (("off", ["mlp"]), ("selective", ["mlp"]), ("selective", ["core_attn"]), ("full", ["mlp"])):
+    for recompute, modules in modes:
         train = PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, recompute=recompute, recompute_modules=modules)
-        learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
+        learner = Learner.from_hf(model_dir, ParallelConfig(1, pp), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
         (m,) = learner.train_on_batch(train_batch())
         out[f"{recompute} {modules[0]}"] = (m.loss, m.grad_norm, gathered_hf_state_dict(learner),
                                             learner.tconfig.recompute_granularity)
@@ -436,7 +439,12 @@ def _recompute_rank(model_dir):
 
 @pytest.mark.multiprocess
 def test_recomputed_layers_give_the_same_step(tiny_models, tmp_path):
+    """On one rank, and at PP=2 (1F1B: a stage recomputes a micro-batch after the next one's
+    forward) with every layer recomputed."""
     (res,) = run_ranks(_recompute_rank, 1, tiny_models["qwen3_untied"], tmp_path=tmp_path)
+    (pp2, _) = run_ranks(_recompute_rank, 2, tiny_models["qwen3_untied"], 2, (("full", ["mlp"]),),
+                         tmp_path=tmp_path)
+    res["full mlp pp2"] = pp2["full mlp"]
     loss, norm, weights, granularity = res.pop("off mlp")
     assert granularity is None
     for name, (l2, n2, w2, g2) in res.items():

@@ -450,6 +450,26 @@ def test_the_planner_counts_the_flags_the_learner_sets():
     assert learner_memory(spec, 2, 1, 4, 8192).activations == mem["default"]  # the default is the GPU's
 
 
+def test_the_planner_counts_recomputed_mixture_of_experts_layers():
+    """selective moe keeps each MoE layer's input and runs its experts again (more step time);
+    moe_act keeps the experts' fc1 output and drops the activation's and fc2's inputs."""
+    from spice_megatron.config import ParallelConfig, PolicyTrainConfig
+    from spice_megatron.policy.activation_memory import activation_flags
+
+    cfg = get_recipe("qwen3_30b_a3b")
+    spec = model_spec(cfg.run.model)
+
+    def planned(modules):
+        train = PolicyTrainConfig(recompute="selective" if modules else "off", recompute_modules=modules or ["mlp"])
+        flags = activation_flags(ParallelConfig(tensor_parallel=2), train, 2, on_gpu=True, transformer_engine=True)
+        step = estimate_step_time(plan_layout(cfg), spec, replace(cfg, train=replace(cfg.train, **{
+            "recompute": train.recompute, "recompute_modules": train.recompute_modules})), Throughput())
+        return learner_memory(spec, 2, 1, 4, 8192, flags=flags).activations, step["train"]
+
+    (plain, t_plain), (moe, t_moe), (act, t_act) = planned(None), planned(["moe"]), planned(["moe_act"])
+    assert moe < act < plain and t_moe > t_act == t_plain
+
+
 def test_spice_plan_prints_tokens_per_gpu_beside_nemo_rl(capsys):
     from spice_megatron.cli import main
 

@@ -87,8 +87,15 @@ def activation_terms(spec, tp: int, flags: ActivationFlags, moe_layer: bool = Fa
     mlp["fc2 input"] = 2 * f
     if moe_layer:
         copies, ffn = spec.moe.top_k / tp, spec.moe.expert_ffn_hidden_size / etp
-        mlp = {norm_key: mlp[norm_key], "expert dispatch input + combine buffer": copies * 4 * h,
-               "expert swiglu": copies * (4 if flags.fused_swiglu else 8) * ffn, "expert fc2 input": copies * 2 * ffn}
+        if "moe" in selective:  # checkpointed: the whole MoE layer keeps its input
+            mlp = {norm_key: mlp[norm_key], "moe input (recomputed moe)": 2 * seq}
+        elif "moe_act" in selective:  # output-discarding: the fc1 output stays, the activation's goes
+            mlp = {norm_key: mlp[norm_key], "expert dispatch input + combine buffer": copies * 4 * h,
+                   "expert fc1 output (recomputed activation)": copies * 4 * ffn}
+        else:
+            mlp = {norm_key: mlp[norm_key], "expert dispatch input + combine buffer": copies * 4 * h,
+                   "expert swiglu": copies * (4 if flags.fused_swiglu else 8) * ffn,
+                   "expert fc2 input": copies * 2 * ffn}
     elif "mlp" in selective:  # checkpointed: the MLP keeps its input (the norm's when it is the MLP's own)
         mlp = {norm_key: mlp[norm_key] if not flags.transformer_engine else 0.0, "mlp input (recomputed mlp)": 2 * seq}
     terms.update(mlp)

@@ -20,7 +20,8 @@ from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, Poli
 from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
-from spice_megatron.policy.model import ModelSpec, build_policy_model, model_spec_from_hf, resolve_shared_prefix
+from spice_megatron.policy.model import (ModelSpec, build_policy_model, have_transformer_engine, model_spec_from_hf,
+                                         resolve_shared_prefix)
 from spice_megatron.policy.packing import minibatch_split, packed_microbatches, split_units_data_parallel
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
@@ -81,12 +82,9 @@ class Learner:
             # parameters on load, silently corrupting resumed runs (notes/megatron-core-on-cpu.md).
             raise ConfigError("optim.use_distributed_optimizer: needs Transformer Engine or apex; the torch "
                               "fallback's checkpoint restore is broken in megatron-core 0.16.1")
-        if spec.moe is not None and train.recompute == "full" and parallel.pipeline_parallel > 1:
-            # the backward's recompute re-runs each router after the next micro-batch's routing was set
-            # (1F1B); megatron's REPLAY_BACKWARD queue would need the action switched inside autograd
-            raise ConfigError(f"train.recompute: full with pipeline parallelism ({parallel.pipeline_parallel}) "
-                              "re-routes a mixture-of-experts micro-batch with another's routing in the backward "
-                              "pass; use selective (the attention or dense MLPs) or pipeline_parallel 1")
+        if "moe_act" in train.recompute_modules and train.recompute == "selective" and not have_transformer_engine():
+            raise ConfigError("train.recompute_modules: moe_act recomputes the grouped experts' activation "
+                              "(Transformer Engine's grouped GEMM); without it use moe")
         train = resolve_shared_prefix(spec, train)
         self.spec, self.parallel, self.optim_cfg, self.train_cfg, self.pad_id = spec, parallel, optim, train, pad_id
         if not dist.is_initialized() or not self._layout_matches(parallel):
@@ -117,6 +115,8 @@ class Learner:
 
             self.packed = PackedForward(self.model, ps.get_tensor_model_parallel_group())
         self.replay: RoutingReplay | None = None
+        self.moe_recomputed = train.recompute == "full" or (train.recompute == "selective"
+                                                            and "moe" in train.recompute_modules)
         if spec.moe is not None:
             from spice_megatron.bridge.hf_io import layer_offset
 
@@ -185,6 +185,9 @@ class Learner:
     def _run(self, microbatches: list[MicroBatch], loss_fn: Callable, forward_only: bool) -> list[dict]:
         """One pass of megatron's pipeline schedule; returns the last stage's per-micro-batch outputs."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if self.replay is not None:
+            self.replay.start_pass(keep_for_backward=not forward_only and self.moe_recomputed)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)

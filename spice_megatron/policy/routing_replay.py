@@ -23,6 +23,7 @@ of the step. Tokens dropped: none, the layers are dropless (no moe_expert_capaci
 from __future__ import annotations
 
 import re
+from collections import deque
 
 import torch
 
@@ -77,6 +78,12 @@ class RoutingReplay:
         self.replay, self.tp_rank, self.tp, self.sp, self.device = replay, tp_rank, tp, sequence_parallel, device
         self._action = RouterReplayAction.REPLAY_FORWARD
         self.routers = []  # (router's RouterReplay, decoder-layer index in the whole model)
+        # A recomputed MoE layer (train.recompute full, or selective moe) runs its router again in
+        # the backward, after later micro-batches' forwards set their routing (1F1B with PP > 1):
+        # each training forward queues the experts it used, and the recompute takes them back in
+        # the same order (the schedule's backwards run in forward order). Not counted twice either.
+        self.keep_for_backward = False  # set by the learner for a training pass with recomputed MoE layers
+        self._for_backward: list[deque] = []
         for name, module in model.named_modules():
             m = _ROUTER.match(name)
             if m and getattr(module, "router_replay", None) is not None:
@@ -99,13 +106,27 @@ class RoutingReplay:
         self._differ: torch.Tensor | None = None
         self.load: dict[int, torch.Tensor] = {}
 
+    def start_pass(self, keep_for_backward: bool) -> None:
+        """Before a pass of the pipeline schedule: whether its MoE layers run again in its backward."""
+        self.keep_for_backward = keep_for_backward
+        for queued in self._for_backward:
+            queued.clear()
+
     def _wrap(self, rr) -> None:
         """Around megatron's get_replay_topk: also the learner's own top-k, for the metric."""
         original = rr.get_replay_topk
         layer = len(self.routers) - 1
+        self._for_backward.append(deque())
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            if torch._C._current_graph_task_id() != -1:  # inside autograd's backward: a recompute
+                if not self.replay:  # the router's own choice again, from the same input
+                    return default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                indices = self._for_backward[layer].popleft()
+                return scores.gather(1, indices), indices
             probs, indices = original(scores, topk, num_groups, group_topk, default_compute_topk)
+            if self.keep_for_backward and self.replay:
+                self._for_backward[layer].append(indices)
             self._count(layer, scores, indices)
             target = rr.target_topk_idx
             if target is not None and self._valid is not None:
