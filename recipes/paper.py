@@ -264,9 +264,11 @@ def qwen3_8b_1node() -> SpiceConfig:
 
 def qwen3_30b_a3b_1node() -> SpiceConfig:
     """TP=4 with EP=8 on one node: one expert-data-parallel replica holds every expert's Adam state,
-    which does not fit beside the step's activations on 80 GB, so half of the optimizer's state and
-    update runs on the host (megatron-core's HybridDeviceOptimizer, optim.cpu_offload_fraction=0.5).
-    4 engines x TP=2 with vLLM's expert parallelism."""
+    which does not fit beside the step's activations and the sleeping engines' ~7 GiB on 80 GB, so
+    half of the optimizer's state and update runs on the host (megatron-core's HybridDeviceOptimizer,
+    optim.cpu_offload_fraction=0.5) and the MoE layers are recomputed in the backward (recompute
+    moe: faster by the planner than offloading more). 4 engines x TP=2 with vLLM's expert parallelism."""
     cfg = colocated(qwen3_30b_a3b(), "qwen3_30b_a3b_1node", 0.77)
     cfg.optim.cpu_offload_fraction = 0.5
+    cfg.train.recompute, cfg.train.recompute_modules = "selective", ["moe"]
     return cfg

@@ -134,10 +134,12 @@ class EngineMemory:
 # are what bound the concurrency.
 MIN_ENGINE_KV_TOKENS = 32 * 8192
 
-# Colocation (estimates, to be measured by tools/gpu_check.sh on a lent GPU): what a sleeping vLLM
-# engine keeps on its GPU (CUDA context, the CuMem allocator's bookkeeping), and what an offloaded
-# learner keeps besides its bf16 weights (CUDA context, NCCL buffers, the allocator's cache)
-ENGINE_ASLEEP_GIB = 1.0
+# Colocation: what a sleeping vLLM engine keeps on its GPU. Level-1 sleep frees weights and KV cache
+# but not the CUDA context, the CUDA-graph pools or the NCCL buffers: 6,962-7,121 MiB per GPU asleep
+# was measured for a TP8 engine (vllm-project/vllm issue #47654, 2026-07; CUDA graphs 1.5 GB of it,
+# NCCL ~0.9 GiB per vllm PR #46234). And what an offloaded learner keeps besides its bf16 weights
+# (CUDA context, NCCL buffers, the allocator's cache; an estimate until tools/gpu_check.sh measures it)
+ENGINE_ASLEEP_GIB = 7.0
 LEARNER_RESIDENT_GIB = 2.5
 
 
