@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from spice_megatron.entry import UserError
 from spice_megatron.known_models import KNOWN_MODELS
-from spice_megatron.config import GPU_PARTS, ClusterConfig, ConfigError, ParallelConfig, PolicyTrainConfig, SpiceConfig
+from spice_megatron.plan_costs import (LearnerWork, Throughput, all_to_all_seconds, decode_phase,
+                                         forward_pass_seconds, learner_seconds)
+from spice_megatron.config import ClusterConfig, ConfigError, ParallelConfig, PolicyTrainConfig, SpiceConfig
 from spice_megatron.policy.activation_memory import ActivationFlags, activation_flags, activation_terms
 from spice_megatron.policy.model import (ModelSpec, check_parallel_layout, model_spec_from_hf, pipeline_stage_layers,
                                          resolve_shared_prefix)
@@ -412,77 +414,27 @@ def check_challenger_engine(cfg: SpiceConfig) -> EngineMemory:
 # ------------------------------------------------------------------------------------------ step time
 
 
-@dataclass
-class Throughput:
-    """Assumptions behind `estimate_step_time` (H100 SXM numbers by default; `for_gpu` the cluster's part)."""
-
-    peak_tflops: float = 989.0  # dense bf16
-    train_mfu: float = 0.35  # Megatron-Core dense models at this size typically reach 35-45%
-    prefill_mfu: float = 0.5
-    hbm_tb_s: float = 3.35
-    decode_bandwidth_efficiency: float = 0.6  # share of HBM bandwidth a decode step achieves
-    sync_gb_s: float = 20.0  # per pipeline stage sender, inter-node (NCCL over 400 Gb/s IB)
-    all_to_all_gb_s: float = 100.0  # per GPU, expert all-to-all within an NVLink node
-    # the self-play workload per document (paper settings B=128, G=8; lengths are assumptions)
-    doc_tokens: int = 3000  # mean; segments are at most 5992
-    # challenger rounds: each pending document gets selfplay.attempts_per_round attempts per round (the
-    # paper protocol: a selection step, then a generation per valid selection, two sequential calls);
-    # a round lasts at least its longest output, and documents without a valid task go again
-    challenger_rounds: int = 3  # rounds until the slowest document has a task (early training: more)
-    pending_after_round: float = 0.25  # share of a round's documents still without a valid task
-    selection_gen_tokens: int = 150
-    selection_valid_rate: float = 0.9
-    challenger_gen_tokens: int = 600
-    question_tokens: int = 200
-    reasoner_gen_tokens: int = 1000  # mean; the tail runs to the reasoner's max tokens
-    # colocation: vLLM's IPC weight sync inside a node (each rank's whole-model copy through its packed
-    # buffer, then the engines' load), host <-> GPU copies (pinned) for sleep level 1 and the learner's
-    # optimizer offload, and megatron's CPU Adam (optim.cpu_offload_fraction), parameters per second per GPU
-    ipc_gb_s: float = 50.0
-    host_gb_s: float = 20.0
-    cpu_adam_params_per_s: float = 0.5e9
-    # train.shared_prefix: distinct prompts among a document's G challenger trajectories (the compact
-    # protocol: 1; the paper's generation prompt names the answer type, and an invalid selection's
-    # trajectory has the selection prompt)
-    paper_challenger_prompts: float = 3.0
-
-    @classmethod
-    def for_gpu(cls, gpu: str) -> "Throughput":
-        """These assumptions with the part's dense bf16 FLOP/s and HBM bandwidth (config.GPU_PARTS)."""
-        _, tflops, hbm = GPU_PARTS[gpu]
-        return cls(peak_tflops=tflops, hbm_tb_s=hbm)
-
-
 def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Throughput | None = None) -> dict[str, float]:
-    """Seconds per SPICE iteration by phase. Decode is bandwidth-bound: a step reads the engine's
-    weights and the live KV cache once; a phased iteration's phase lasts at least as long as its
-    longest sequence takes at that step time, a streamed one's rollouts as long as the engines'
-    work or the slowest document's chain of requests (its rounds' and answers' longest outputs). Training costs 8 x params FLOPs per token (a forward pass for the
-    old log-probs, then forward and backward), and 2 x the recomputed parameters more with
-    train.recompute (full: every layer's; selective mlp: the dense MLPs'; moe: the experts a token
-    runs through), per token the learner
-    runs: with train.shared_prefix each group's prompt once."""
+    """Seconds per SPICE iteration by phase (the terms: plan_costs.py). A phased iteration's phase
+    lasts at least as long as its longest sequence takes at the decode step time, a streamed one's
+    rollouts as long as the engines' work or the slowest document's chain of requests (its rounds'
+    and answers' longest outputs). The learner runs a forward for the old log-probs, then forward
+    and backward, plus the recomputed parameters with train.recompute (full: every layer's;
+    selective mlp: the dense MLPs'; moe: the experts a token runs through), per token it runs:
+    with train.shared_prefix each group's prompt once."""
     t = t or Throughput.for_gpu(cfg.cluster.gpu)
     sp = cfg.selfplay
-    # decode reads every weight once per step (a batch of hundreds of tokens touches every expert);
-    # FLOPs follow the parameters a token goes through (its top-k experts)
     p, active = spec.num_parameters, spec.active_parameters
-    bw = t.hbm_tb_s * 1e12 * t.decode_bandwidth_efficiency
-
     full_step = [0.0]  # a decode step of an engine running its most sequences (the streamed path's)
 
     def generate(prompts: float, prompt_tokens: int, gen_tokens: int, max_gen: int) -> tuple[float, float]:
         """A phase's seconds when it waits for its longest sequence (phased), and the engines' busy
         seconds for its sequences alone (what a streamed iteration spends on them)."""
-        per_engine = prompts / plan.engines
-        concurrency = max(1.0, min(per_engine, plan.engine.max_sequences * cfg.rollout.max_model_len
-                                   / (prompt_tokens + gen_tokens)))
-        kv_read = concurrency * (prompt_tokens + gen_tokens / 2) * plan.engine.kv_bytes_per_token
-        step = (2 * p / plan.engine_tp + kv_read) / bw
+        phased, busy, step = decode_phase(spec, plan.engine_tp, plan.engines, plan.engine.max_sequences,
+                                          plan.engine.kv_bytes_per_token, cfg.rollout.max_model_len, prompts,
+                                          prompt_tokens, gen_tokens, max_gen, t, cfg.cluster.gpus_per_node)
         full_step[0] = max(full_step[0], step)
-        waves = math.ceil(per_engine / concurrency)
-        prefill = 2 * active * per_engine * prompt_tokens / (plan.engine_tp * t.peak_tflops * 1e12 * t.prefill_mfu)
-        return max(waves * gen_tokens, max_gen) * step + prefill, per_engine / concurrency * gen_tokens * step + prefill
+        return phased, busy
 
     docs = sp.batch_docs
     challenger, pending, work = 0.0, float(docs), 0.0
@@ -528,21 +480,27 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
             expert = moe.top_k * moe.expert_ffn_hidden_size + moe.shared_expert_ffn_hidden_size
             recomputed += moe.num_moe_layers * 3 * spec.hidden_size * expert
         # moe_act recomputes an activation, no matmul: nothing counted
-    train = (8 * active + 2 * recomputed) * learner_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
-    if plan.learner.all_to_all_gib:  # the experts' all-to-all, not overlapped with compute
-        micro_batches = learner_tokens / cfg.train.micro_batch_tokens / plan.dp
-        train += micro_batches * plan.learner.all_to_all_gib * GiB / (t.all_to_all_gb_s * 1e9)
+    per_update = cfg.train.trajectories_per_update
+    steps = math.ceil((challenger_trained + answers) / per_update) if per_update else cfg.train.steps_per_batch
+    work_done = LearnerWork(tokens=learner_tokens, mean_row_tokens=train_tokens / (challenger_trained + answers),
+                            forwards=1, recomputed_params=recomputed, full_recompute=cfg.train.recompute == "full",
+                            micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / plan.dp, steps=steps)
+    learner = learner_seconds(spec, work_done, plan.learner.weights, plan.learner_gpus, plan.tp, plan.pp, plan.dp,
+                              cfg.cluster.gpus_per_node, t)
+    train = sum(learner.values())
+    if plan.learner.all_to_all_gib:
+        train += all_to_all_seconds(learner_tokens / cfg.train.micro_batch_tokens / plan.dp,
+                                    plan.learner.all_to_all_gib, work_done,
+                                    plan.tp * plan.ep <= cfg.cluster.gpus_per_node, t)
     if plan.optimizer_offload:  # the CPU's share of every optimizer step
-        per_update = cfg.train.trajectories_per_update
-        steps = math.ceil((challenger_trained + answers) / per_update) if per_update else cfg.train.steps_per_batch
         offloaded = plan.optimizer_offload * p / plan.learner_gpus  # parameters per GPU updated on the host
         train += steps * offloaded / t.cpu_adam_params_per_s
     rollout = streamed if cfg.run.streamed else challenger + reasoner
     hidden = 0.0
     if cfg.old_logprobs_during_rollouts and not plan.colocated:
-        # the old-log-prob forward (2 of the 8 x params FLOPs per token) runs while documents still
+        # the old-log-prob forward (one of the learner's 4 passes) runs while documents still
         # roll out: hidden but for the last documents' share (taken as one in B)
-        forward = 2 * active * learner_tokens / (plan.learner_gpus * t.peak_tflops * 1e12 * t.train_mfu)
+        forward = forward_pass_seconds(spec, work_done, plan.learner_gpus, t)
         hidden = min(forward * (1 - 1 / docs), rollout)
         train -= hidden
     out = {"rollout": rollout, "train": train}
@@ -558,6 +516,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     # the phases as a phased iteration has them (run.streamed=false), and both schedules' rollouts
     out.update(challenger_rollout=challenger, reasoner_rollout=reasoner, rollout_phased=challenger + reasoner,
                rollout_streamed=streamed, old_logprobs_during_rollouts=hidden)
+    out.update({f"train_{term}": seconds for term, seconds in learner.items()})  # within train
     out["train_tokens"] = float(train_tokens)
     out["learner_tokens"] = float(learner_tokens)
     # NeMo-RL's throughput unit: tokens (prompt + generated) through the loop per second per GPU of

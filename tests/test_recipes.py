@@ -213,10 +213,10 @@ def test_the_streamed_iteration_is_planned_on_the_slowest_documents_chain_not_th
     phased = estimate_step_time(plan, spec, cfg)
     assert phased["rollout"] == pytest.approx(phased["challenger_rollout"] + phased["reasoner_rollout"])
     assert phased["rollout_streamed"] == streamed["rollout_streamed"] < phased["rollout"]
-    # streamed, the learner's old-log-prob forward (2 of its 8 x params FLOPs) runs during the rollouts
+    # streamed, the learner's old-log-prob forward (one of its 4 passes) runs during the rollouts
     assert phased["old_logprobs_during_rollouts"] == 0 < streamed["old_logprobs_during_rollouts"]
     assert streamed["train"] + streamed["old_logprobs_during_rollouts"] == pytest.approx(phased["train"])
-    assert streamed["old_logprobs_during_rollouts"] == pytest.approx(phased["train"] / 4 * (1 - 1 / 128))
+    assert streamed["old_logprobs_during_rollouts"] == pytest.approx(phased["train_compute"] / 4 * (1 - 1 / 128))
     assert streamed["total"] == pytest.approx(phased["total"] - phased["rollout"] + streamed["rollout_streamed"]
                                               - streamed["old_logprobs_during_rollouts"])
     # the longest of a whole batch's outputs reaches the max tokens; one document's 8 do not
@@ -489,7 +489,8 @@ def test_spice_plan_prints_tokens_per_gpu_beside_nemo_rl(capsys):
     assert unshared["learner_tokens"] == step["train_tokens"] == unshared["train_tokens"]
     assert step["learner_tokens"] == 128 * (3 * t.doc_tokens + 8 * t.challenger_gen_tokens
                                             + t.question_tokens + 8 * t.reasoner_gen_tokens)
-    assert step["train"] == pytest.approx(unshared["train"] * step["learner_tokens"] / unshared["learner_tokens"])
+    for term in ("train_compute", "train_tp_comm"):  # per token run (the gradient all-gather is per step)
+        assert step[term] == pytest.approx(unshared[term] * step["learner_tokens"] / unshared["learner_tokens"])
     assert (f"train.shared_prefix (on): the learner runs {step['learner_tokens']:,.0f} tokens, {step['train']:.1f} s"
             in out and f"without it {unshared['learner_tokens']:,.0f} tokens" in out)
 
@@ -526,3 +527,22 @@ def test_without_a_container_a_path_nemo_run_would_rewrite_is_refused():
     with pytest.raises(ValueError, match="--output-dir '/results/nemo_run/x': without a container NeMo-Run rewrites"):
         slurm_experiment("tiny_cpu", account="box", partition=None, container_image=None, model_dir="/m",
                          data_dir="/d", output_dir="/results/nemo_run/x", overrides=["cluster.nodes=2"])
+
+
+def test_the_planner_lands_within_30_percent_of_nemo_rls_published_runs():
+    """Its time terms on NeMo-RL's published H100 layouts and workloads (plan_calibration.py)."""
+    from spice_megatron.plan_calibration import PUBLISHED_RUNS, calibration_rows, grpo_step
+
+    rows = calibration_rows()
+    assert [name for name, _, _ in rows] == list(PUBLISHED_RUNS)
+    for name, run, step in rows:
+        ratio = step["tokens_per_s_per_gpu"] / run.tokens_per_s_per_gpu
+        assert 0.7 <= ratio <= 1.3, (name, round(ratio, 2))
+        assert step["tokens_per_s_per_gpu"] == pytest.approx(run.sequences * run.mean_tokens / step["total"] / run.gpus)
+    # the terms move the way a layout change should: a deeper pipeline has a bubble, TP collectives cost
+    base = PUBLISHED_RUNS["Qwen3-32B"]
+    deeper = grpo_step(replace(base, pp=8, tp=2))
+    assert deeper["train_bubble"] > grpo_step(base)["train_bubble"] > 0
+    assert grpo_step(replace(base, tp=1, pp=8))["train_tp_comm"] == 0.0 < grpo_step(base)["train_tp_comm"]
+    # an engine wider than a node waits for InfiniBand in every decode step
+    assert grpo_step(replace(base, engine_tp=16))["generation"] > grpo_step(replace(base, engine_tp=8))["generation"]

@@ -95,6 +95,22 @@ def step_time_table() -> str:
     return "\n".join(rows)
 
 
+def calibration_table() -> str:
+    """The planner on NeMo-RL's published H100 GRPO runs (spice_megatron/plan_calibration.py)."""
+    from spice_megatron.plan_calibration import calibration_rows
+
+    rows = ["| NeMo-RL run (release) | GPUs | generation TP | training TP, CP, EP, PP | published s/step "
+            "| modelled s/step (generation + learner) | published tokens/s/GPU | modelled | modelled / published |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, run, st in calibration_rows():
+        learner = sum(v for k, v in st.items() if k.startswith("train_"))
+        rows.append(f"| {name} ({run.release}) | {run.gpus} | {run.engine_tp} | {run.tp}, {run.cp}, {run.ep}, {run.pp} "
+                    f"| {run.step_s:.0f} | {st['total']:.0f} ({st['generation']:.0f} + {learner:.0f}) "
+                    f"| {run.tokens_per_s_per_gpu:,.1f} | {st['tokens_per_s_per_gpu']:,.1f} "
+                    f"| {st['tokens_per_s_per_gpu'] / run.tokens_per_s_per_gpu:.2f} |")
+    return "\n".join(rows)
+
+
 def _defaults(cls) -> str:
     rows = ["| field | default |", "|---|---|"]
     for f in dataclasses.fields(cls):
@@ -171,7 +187,7 @@ TABLES: dict[str, Callable[[], str]] = {"recipes": recipes_table, "step_time": s
                                         "placements": placements_table,
                                         "run_defaults": run_defaults, "train_defaults": train_defaults,
                                         "bad_inputs": bad_inputs_table, "ablation": ablation_table,
-                                        "families": families_table}
+                                        "families": families_table, "calibration": calibration_table}
 
 
 def doc_files() -> list[str]:
