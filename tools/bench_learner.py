@@ -148,7 +148,7 @@ def long_prefix_saved(dtype: torch.dtype) -> tuple[int, float, int]:
         out = _attention_module(heads, groups, dim).train()(q, k, v, mb.attention_mask)
     saved = kept.peak + out.numel() * out.element_size()
     spec = SimpleNamespace(hidden_size=heads * dim, head_dim=dim, num_heads=heads, num_kv_heads=groups,
-                           ffn_hidden_size=4 * heads * dim, family=SimpleNamespace(qk_norm=False))
+                           ffn_hidden_size=4 * heads * dim, qk_norm=False)
     terms = activation_terms(spec, 1, ActivationFlags(False, True, "off", (), True, shared_prefix=True))
     per_token = (terms["flash attention q, k, v"] + terms["attention output (= projection input)"]
                  + terms["shared-prefix attention pieces + log-sum-exps"])

@@ -490,12 +490,12 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
     from spice_megatron.policy import cpu_compat
     from spice_megatron.policy.activation_memory import activation_flags
 
-    if train.use_shared_prefix and spec.mla is not None:
-        raise ConfigError(f"train.shared_prefix: on, but {spec.architecture}'s latent attention keeps its own rotary "
-                          "embedding, which shared-prefix rows cannot position yet; use off (auto is off here)")
     if train.use_shared_prefix and train.shared_prefix_kernel == "flex" and not torch.cuda.is_available():
         raise ConfigError("train.shared_prefix_kernel: flex needs a GPU (torch has no FlexAttention backward on "
                           "CPU); use sdpa")
+    if train.use_shared_prefix and spec.mla is not None:
+        raise ConfigError(f"train.shared_prefix: on, but {spec.architecture}'s latent attention keeps its own rotary "
+                          "embedding, which shared-prefix rows cannot position yet; use off (auto is off here)")
     flags = activation_flags(parallel, train, layout.tp, torch.cuda.is_available(), have_transformer_engine())
     tconfig = transformer_config(spec, layout.tp, layout.pp, dtype, ep=layout.ep, etp=layout.etp,
                                  aux_loss_coeff=train.moe_aux_loss_coeff, routing_replay=spec.moe is not None,
