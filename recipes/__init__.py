@@ -22,7 +22,8 @@ def _registry() -> dict[str, Callable[[], SpiceConfig]]:
             "qwen3_4b_strong_challenger": paper.qwen3_4b_strong_challenger,
             "qwen3_8b_strong_challenger": paper.qwen3_8b_strong_challenger,
             "qwen3_30b_a3b": paper.qwen3_30b_a3b, "qwen3_30b_a3b_multinode": paper.qwen3_30b_a3b_multinode,
-            "qwen3_235b_a22b": paper.qwen3_235b_a22b, "qwen3_4b_1node": paper.qwen3_4b_1node,
+            "qwen3_235b_a22b": paper.qwen3_235b_a22b, "qwen3_235b_a22b_h200": paper.qwen3_235b_a22b_h200,
+            "qwen3_4b_1node": paper.qwen3_4b_1node,
             "qwen3_8b_1node": paper.qwen3_8b_1node, "qwen3_30b_a3b_1node": paper.qwen3_30b_a3b_1node,
             "qwen2_5_7b": paper.qwen2_5_7b, "glm4_5_air": paper.glm4_5_air, "deepseek_v3": paper.deepseek_v3}
 
@@ -52,7 +53,7 @@ def recipe_names() -> list[str]:
 PAPER_RECIPES = ("qwen3_4b", "qwen3_8b", "octothinker_3b", "octothinker_8b")
 LARGE_RECIPES = ("qwen3_14b", "qwen3_32b", "llama3_70b")
 BASELINE_RECIPES = ("qwen3_4b_strong_challenger", "qwen3_8b_strong_challenger")  # fixed challenger, reasoner only
-MOE_RECIPES = ("qwen3_30b_a3b", "qwen3_30b_a3b_multinode", "qwen3_235b_a22b")  # expert parallel, routing replay
+MOE_RECIPES = ("qwen3_30b_a3b", "qwen3_30b_a3b_multinode", "qwen3_235b_a22b", "qwen3_235b_a22b_h200")  # expert parallel, routing replay
 COLOCATED_RECIPES = ("qwen3_4b_1node", "qwen3_8b_1node", "qwen3_30b_a3b_1node")  # one node, run.colocate
 FAMILY_RECIPES = ("qwen2_5_7b", "glm4_5_air", "deepseek_v3")  # base models beyond the paper's families
 CPU_RECIPES = ("tiny_cpu", "tiny_cpu_deepseek")  # one machine, no GPU

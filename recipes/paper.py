@@ -110,14 +110,21 @@ def qwen3_14b() -> SpiceConfig:
 
 
 def qwen3_32b() -> SpiceConfig:
-    # Qwen3-32B has no published base checkpoint; the post-trained model stands in.
-    return paper_config("qwen3_32b", "Qwen/Qwen3-32B", nodes=8, learner_nodes=4, tp=8, pp=2, engine_tp=2,
-                        template="qwen3")
+    """Colocated on 4 nodes (NeMo-RL's GPU count for Qwen3-32B): TP=8 PP=1 DP=4 learner, 8 engines x
+    TP=4 on the same GPUs; by the calibrated planner ~690 tokens/s/GPU against ~450 for a
+    disaggregated 4 + 4 split of 8 nodes (whose learners sit idle through the rollouts).
+    Qwen3-32B has no published base checkpoint; the post-trained model stands in."""
+    return colocated(paper_config("qwen3_32b", "Qwen/Qwen3-32B", nodes=4, learner_nodes=0, tp=8, pp=1, engine_tp=4,
+                                  template="qwen3"), "qwen3_32b", 0.77, nodes=4)
 
 
 def llama3_70b() -> SpiceConfig:
-    return paper_config("llama3_70b", "meta-llama/Llama-3.3-70B-Instruct", nodes=16, learner_nodes=8, tp=8, pp=4,
-                        engine_tp=4, micro_batch_tokens=8192, template="chat")
+    """Colocated on 8 nodes: TP=8 x PP=8 learner (10 layers a stage), 16 engines x TP=4 on the same
+    GPUs at 0.84 of each; by the calibrated planner ~275 tokens/s/GPU against ~155 for 16 nodes split
+    8 + 8 (the smallest disaggregated layout that fits)."""
+    return colocated(paper_config("llama3_70b", "meta-llama/Llama-3.3-70B-Instruct", nodes=8, learner_nodes=0, tp=8,
+                                  pp=8, engine_tp=4, micro_batch_tokens=8192, template="chat"), "llama3_70b", 0.84,
+                     nodes=8)
 
 
 # Base models beyond the paper's, as reasoning-RL work starts from them (same algorithm and settings).
@@ -167,14 +174,13 @@ def _engine_experts(cfg: SpiceConfig) -> SpiceConfig:
 
 
 def qwen3_30b_a3b() -> SpiceConfig:
-    """The smallest layout that fits: two learner nodes (TP=4 with sequence parallelism, EP=8: the
-    experts' all-to-all stays inside a node), one node of four engines x TP=2. Activations are planned
-    at the longest sequence, a challenger's 8,395 tokens: at TP=2, EP=16 that is 72.4 GiB per GPU,
-    over 90% of 80 GB. A single 8-GPU learner node does not hold it on 80 GB parts: 30.5B parameters
-    of weights, fp32 gradients and Adam state are ~550 GB before activations, and top-8 routing saves
-    ~100 KB per token per layer; that needs selective recompute of the experts, not built yet."""
-    return _engine_experts(paper_config("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B-Base", nodes=3, learner_nodes=2, tp=4,
-                                        pp=1, ep=8, engine_tp=2, template="qwen3"))
+    """Colocated on 4 nodes (NeMo-RL's GPU count for Qwen3-30B-A3B): TP=4 with sequence parallelism
+    and EP=8 inside each node (the experts' all-to-all stays on NVLink), DP=8; 16 engines x TP=2 on
+    the same GPUs. By the calibrated planner ~875 tokens/s/GPU against ~655 for 4 nodes split 2 + 2.
+    Activations are planned at the longest sequence, a challenger's 8,395 tokens."""
+    return colocated(_engine_experts(paper_config("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B-Base", nodes=4, learner_nodes=0,
+                                                  tp=4, pp=1, ep=8, engine_tp=2, template="qwen3")),
+                     "qwen3_30b_a3b", 0.77, nodes=4)
 
 
 def _recompute_core_attention(cfg: SpiceConfig) -> SpiceConfig:
@@ -186,22 +192,36 @@ def _recompute_core_attention(cfg: SpiceConfig) -> SpiceConfig:
 
 
 def qwen3_30b_a3b_multinode() -> SpiceConfig:
-    """Four learner nodes (EP=8 inside each node's NVLink domain; four expert-data-parallel replicas
-    shard the experts' optimizer state) and two engine nodes; core attention recomputed (71.8 GiB of
-    72 planned; 73.4 without)."""
-    return _recompute_core_attention(_engine_experts(paper_config(
-        "qwen3_30b_a3b_multinode", "Qwen/Qwen3-30B-A3B-Base", nodes=6, learner_nodes=4, tp=2, pp=1, ep=8,
-        engine_tp=2, template="qwen3")))
+    """Colocated on 6 nodes: TP=4 x EP=8 inside each node, DP=12 (twelve expert-data-parallel
+    replicas shard the experts' optimizer state); 24 engines x TP=2 on the same GPUs (~680
+    tokens/s/GPU by the calibrated planner against ~540 split 3 + 3)."""
+    return colocated(_engine_experts(paper_config(
+        "qwen3_30b_a3b_multinode", "Qwen/Qwen3-30B-A3B-Base", nodes=6, learner_nodes=0, tp=4, pp=1, ep=8,
+        engine_tp=2, template="qwen3")), "qwen3_30b_a3b_multinode", 0.77, nodes=6)
 
 
 def qwen3_235b_a22b() -> SpiceConfig:
+    """H100 nodes (80 GB): 16 learner nodes at TP=4 (sequence parallel) x PP=8 x EP=16, the 94 layers
+    in uneven stages (11 on the first and last, 12 on the six between, as NeMo-RL lays it out), every
+    layer recomputed in the backward; 4 engine nodes of one TP=8 engine each at 0.92 of the GPU (470 GB
+    of bf16 weights leave ~14 GiB of KV cache per GPU). NeMo-RL's 128-GPU figure needs the engines
+    colocated at TP=16 across two nodes, which the colocated launch does not start yet (docs/layouts.md).
+    Qwen3-235B-A22B has no published base checkpoint: the post-trained model stands in."""
+    cfg = _engine_experts(paper_config("qwen3_235b_a22b", "Qwen/Qwen3-235B-A22B", nodes=20, learner_nodes=16, tp=4,
+                                       pp=8, ep=16, engine_tp=8, template="qwen3"))
+    cfg.parallel.first_stage_layers = cfg.parallel.last_stage_layers = 11
+    cfg.train.recompute = "full"
+    cfg.rollout.gpu_memory_utilization = 0.92
+    return cfg
+
+
+def qwen3_235b_a22b_h200() -> SpiceConfig:
     """H200 nodes (141 GB): 16 learner nodes, TP=4 within a node for attention, PP=2 (94 layers),
     EP=16 (the all-to-all crosses two nodes); 8 engine nodes of one TP=8 engine each (470 GB of bf16
-    weights leave 58 GB of KV cache per GPU; on 80 GB parts no TP=8 engine holds a useful cache).
-    Qwen3-235B-A22B has no published base checkpoint: the post-trained model stands in. Core
-    attention recomputed (126.1 GiB of 126.9 planned; 129.2 without)."""
+    weights leave 58 GB of KV cache per GPU). Core attention recomputed (126.1 GiB of 126.9 planned;
+    129.2 without)."""
     return _recompute_core_attention(_engine_experts(paper_config(
-        "qwen3_235b_a22b", "Qwen/Qwen3-235B-A22B", nodes=24, learner_nodes=16, tp=4, pp=2, ep=16, engine_tp=8,
+        "qwen3_235b_a22b_h200", "Qwen/Qwen3-235B-A22B", nodes=24, learner_nodes=16, tp=4, pp=2, ep=16, engine_tp=8,
         template="qwen3", gpu="h200")))
 
 
@@ -239,10 +259,10 @@ def qwen3_8b_strong_challenger() -> SpiceConfig:
 # state waits in host memory while they generate, and the weights go through vLLM's CUDA IPC.
 # On-policy, as the paper trains. Layouts, engine memory shares and offloads are what
 # `spice plan --choose --nodes 1` picks for 8 x H100 80 GB.
-def colocated(cfg: SpiceConfig, name: str, engine_memory_share: float) -> SpiceConfig:
+def colocated(cfg: SpiceConfig, name: str, engine_memory_share: float, nodes: int = 1) -> SpiceConfig:
     cfg.run.name, cfg.run.output_dir = name, f"runs/{name}"
     cfg.run.colocate = True
-    cfg.cluster.nodes, cfg.cluster.learner_nodes = 1, 0
+    cfg.cluster.nodes, cfg.cluster.learner_nodes = nodes, 0
     cfg.train.max_staleness = 0
     cfg.rollout.weight_transfer = "ipc"
     cfg.rollout.gpu_memory_utilization = engine_memory_share  # beside the learner's resident weights

@@ -108,14 +108,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"  the learner's old-log-prob forward runs during the streamed rollouts: "
               f"{step['old_logprobs_during_rollouts']:.1f} s of its step hidden (train above is what remains)")
     print(f"  {cfg.run.iterations} iterations: {step['total'] * cfg.run.iterations / 3600:.1f} h")
+    from spice_megatron.plan_calibration import PUBLISHED_RUNS
     from spice_megatron.planner import NEMO_RL_TOKENS_PER_S_PER_GPU as nemo
 
     off = "colocated: on-policy only" if plan.colocated else \
         f"{step['tokens_per_s_per_gpu_one_step_off']:,.0f} one step off (train.max_staleness=1)"
+    same = next((r for r in PUBLISHED_RUNS.values() if r.model == cfg.run.model), None)
+    published = (f"{same.tokens_per_s_per_gpu:,.1f} for GRPO on this model, {same.gpus} H100s" if same else
+                 f"{nemo['synchronous']:,.0f} and {nemo['one step off']:,.0f} for GRPO on Llama-3.1-8B, 16 H100s")
     print(f"tokens/s/GPU (trained tokens, all {plan.gpus} GPUs): {step['tokens_per_s_per_gpu']:,.0f} on-policy, {off}; "
-          f"NeMo-RL publishes {nemo['synchronous']:,.0f} and {nemo['one step off']:,.0f} "
-          "for GRPO on Llama-3.1-8B, 16 H100s (other workload: its math prompts are short, SPICE's challenger reads "
-          "~3,000-token documents)")
+          f"NeMo-RL publishes {published} (other workload: its math prompts are short, SPICE's challenger reads "
+          "~3,000-token documents; docs/layouts.md compares them)")
     shared = "on" if resolve_shared_prefix(spec, cfg.train).use_shared_prefix else "off"
     print(f"train.shared_prefix ({shared}): the learner runs {step['learner_tokens']:,.0f} tokens, "
           f"{step['train']:.1f} s, {step['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU on-policy; without it "

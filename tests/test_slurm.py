@@ -119,15 +119,17 @@ def test_sbatch_matches_its_recipe(script):
     s = _sbatch_settings(script)
     cfg = get_recipe(s["RECIPE"])
     assert int(s["nodes"]) == cfg.cluster.nodes
-    assert int(s["LEARNER_NODES"]) == cfg.cluster.split()[0]
+    assert int(s["LEARNER_NODES"]) == (cfg.cluster.nodes if cfg.run.colocate else cfg.cluster.split()[0])
     assert int(s["ENGINE_TP"]) == cfg.rollout.engine_tensor_parallel
     assert int(s["MAX_MODEL_LEN"]) == cfg.rollout.max_model_len
     assert s.get("ENGINE_EP", "0") == ("1" if cfg.rollout.engine_expert_parallel else "0")
     assert int(s["gpus-per-node"]) == cfg.cluster.gpus_per_node
     plan = plan_layout(cfg)  # the recipe's layout fits the nodes the script asks for
     assert plan.learner_gpus == int(s["LEARNER_NODES"]) * cfg.cluster.gpus_per_node
-    # colocated (one node): the engines' share of each GPU and vLLM's CUDA IPC, as the recipe plans them
+    # colocated: the engines' share of each GPU and vLLM's CUDA IPC, as the recipe plans them
     assert (s.get("COLOCATE") == "1") == cfg.run.colocate
+    if "ENGINE_MEMORY_SHARE" in s:  # disaggregated too, where the recipe gives its engines more than 0.85
+        assert float(s["ENGINE_MEMORY_SHARE"]) == cfg.rollout.gpu_memory_utilization
     if cfg.run.colocate:
         assert float(s["ENGINE_MEMORY_SHARE"]) == cfg.rollout.gpu_memory_utilization == plan.engine_utilization
         assert s["WEIGHT_TRANSFER"] == "${WEIGHT_TRANSFER:-ipc}" and cfg.rollout.weight_transfer == "ipc"

@@ -111,6 +111,40 @@ def calibration_table() -> str:
     return "\n".join(rows)
 
 
+# NeMo-RL's published models beside the recipe for the same model (the 8B row: Llama-3.1-8B's
+# architecture is OctoThinker-8B's)
+PUBLISHED_RECIPES = {"Llama-3.1-8B-Instruct": "octothinker_8b", "Qwen3-32B": "qwen3_32b",
+                     "Qwen3-30B-A3B": "qwen3_30b_a3b", "Qwen3-235B-A22B": "qwen3_235b_a22b"}
+
+
+def recipes_vs_published_table() -> str:
+    """Each recipe for a model NeMo-RL publishes, as laid out and on NeMo-RL's GPU count (the
+    planner's choice there), beside the published tokens/s/GPU (spice_megatron/plan_calibration.py)."""
+    from recipes import get_recipe
+    from spice_megatron.plan_calibration import PUBLISHED_RUNS
+    from spice_megatron.planner import PlanError, choose_plan, compare_placements, estimate_step_time, model_spec
+
+    rows = ["| model | NeMo-RL (GPUs) | recipe | as laid out: GPUs, tokens/s/GPU | on NeMo-RL's GPU count |",
+            "|---|---|---|---|---|"]
+    for name, recipe in PUBLISHED_RECIPES.items():
+        run = PUBLISHED_RUNS[name]
+        cfg, plan, step = _plan(recipe)
+        same = get_recipe(recipe)
+        same.cluster.gpu, same.cluster.gpu_memory_gib = "h100", 80.0
+        same.cluster.nodes, same.cluster.learner_nodes = run.gpus // same.cluster.gpus_per_node, 0
+        spec = model_spec(same.run.model)
+        try:
+            chosen = choose_plan(same, compare_placements(same, spec))
+            same.run.colocate = chosen.colocated
+            at_same = (f"{estimate_step_time(chosen, spec, same)['tokens_per_s_per_gpu']:,.1f} "
+                       f"({'colocated' if chosen.colocated else 'disaggregated'})")
+        except PlanError:
+            at_same = "no layout fits"
+        rows.append(f"| {name} | {run.tokens_per_s_per_gpu:,.1f} ({run.gpus}) | `{recipe}` "
+                    f"| {plan.gpus}, {step['tokens_per_s_per_gpu']:,.1f} | {at_same} |")
+    return "\n".join(rows)
+
+
 def _defaults(cls) -> str:
     rows = ["| field | default |", "|---|---|"]
     for f in dataclasses.fields(cls):
@@ -187,7 +221,8 @@ TABLES: dict[str, Callable[[], str]] = {"recipes": recipes_table, "step_time": s
                                         "placements": placements_table,
                                         "run_defaults": run_defaults, "train_defaults": train_defaults,
                                         "bad_inputs": bad_inputs_table, "ablation": ablation_table,
-                                        "families": families_table, "calibration": calibration_table}
+                                        "families": families_table, "calibration": calibration_table,
+                                        "recipes_vs_published": recipes_vs_published_table}
 
 
 def doc_files() -> list[str]:
