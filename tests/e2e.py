@@ -16,12 +16,17 @@ PARA = ("The Eiffel Tower was built for the 1889 World's Fair in Paris. It is 33
         "tallest man-made structure in the world for 41 years, until the Chrysler Building was finished.")
 
 
+def write_corpus(path) -> str:
+    """Twelve short documents, one JSON record a line: the tiny runs' corpus."""
+    with open(path, "w") as f:
+        f.write("".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    return str(path)
+
+
 def make_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     model = make_tiny_engine_model(str(root / "model"), "qwen3", seed=4)
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
-    return str(model), str(corpus), root
+    return str(model), write_corpus(root / "corpus.jsonl"), root
 
 
 # The tiny_cpu recipe made small for a tiny random model (a run of a few iterations in about a minute).

