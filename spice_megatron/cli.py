@@ -135,6 +135,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"{p.engines} engines x TP={p.engine_tp})")
     if args.choose:
         print(f"to use it: parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
+              + (f"parallel.first_stage_layers={plan.first_stage_layers} "
+                 f"parallel.last_stage_layers={plan.last_stage_layers} " if plan.first_stage_layers else "")
+              + (f"train.recompute={plan.recompute} " if plan.recompute != cfg.train.recompute else "")
               + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")
               + f"rollout.engine_tensor_parallel={plan.engine_tp}"
               + (f" run.colocate=true train.max_staleness=0 rollout.weight_transfer=ipc "

@@ -188,6 +188,11 @@ class Plan:
     train_phase_gib: float = 0.0
     rollout_phase_gib: float = 0.0
     sync_phase_gib: float = 0.0
+    # uneven pipeline stages (parallel.first/last_stage_layers; 0: even) and train.recompute as
+    # planned (chosen: "full" when nothing fits without it)
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
+    recompute: str = "off"
 
     @property
     def gpus(self) -> int:
@@ -208,7 +213,10 @@ class Plan:
             f"model {self.model}: {self.params_billion:.2f}B parameters{active}",
             f"cluster: {self.nodes} node(s) x {self.gpus_per_node} GPUs of {self.gpu_memory_gib:.0f} GiB",
             f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp} DP={self.dp}"
-            + (f" EP={self.ep}" if self.ep > 1 else ""),
+            + (f" EP={self.ep}" if self.ep > 1 else "")
+            + (f", stages of {self.first_stage_layers} / .. / {self.last_stage_layers} layers"
+               if self.first_stage_layers else "")
+            + (f", recompute {self.recompute}" if self.recompute != "off" else ""),
             f"  per GPU: weights {m.weights:.1f} + grads {m.gradients:.1f} + optimizer {m.optimizer:.1f} + activations "
             f"{m.activations:.1f} + logits {m.logits:.1f} + overhead {m.overhead:.1f} = {m.total:.1f} GiB "
             f"of {self.gpu_memory_gib:.0f}",
@@ -232,6 +240,18 @@ class Plan:
 
 def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(0, int(math.log2(limit)) + 1)]
+
+
+def _stages(num_layers: int, pp: int) -> tuple[int, int] | None:
+    """(first, last) stage layers for PP stages: (0, 0) when PP divides the layers; otherwise the
+    middle stages take ceil(layers / PP) each and the first and last share the rest (NeMo-RL's
+    Qwen3-235B: 11, 12 x 6, 11); None when that leaves either of them empty or above the middle's."""
+    if num_layers % pp == 0:
+        return 0, 0
+    middle = -(-num_layers // pp)
+    rest = num_layers - middle * (pp - 2)
+    first, last = rest // 2, rest - rest // 2
+    return (first, last) if pp >= 2 and 1 <= first and last <= middle else None
 
 
 def _tp_ok(spec: ModelSpec, tp: int) -> bool:
@@ -283,18 +303,22 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                                   cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers)
         except ConfigError as e:
             raise PlanError(f"{e}: the learner refuses this layout") from None
-    candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)] if fixed else
-                  sorted(((tp, pp) for tp in _powers_of_two(min(8, cluster.gpus_per_node))
-                          for pp in range(1, spec.num_layers + 1) if spec.num_layers % pp == 0),
-                         key=lambda x: (x[0] * x[1], x[1])))
+    candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.first_stage_layers,
+                    cfg.parallel.last_stage_layers)] if fixed else
+                  sorted(((tp, pp, *_stages(spec.num_layers, pp)) for tp in _powers_of_two(min(8, cluster.gpus_per_node))
+                          for pp in range(1, spec.num_layers + 1) if _stages(spec.num_layers, pp) is not None),
+                         key=lambda x: (x[0] * x[1], x[1], x[2])))
     offloads = [cfg.optim.cpu_offload_fraction] if fixed or not colocate else [0.0, 0.25, 0.5, 0.75, 1.0]
+    recomputes = [cfg.train.recompute] + (["full"] if choose and cfg.train.recompute != "full" else [])
     tried = []
 
-    def fits() -> tuple[int, int, int, LearnerMemory] | None:
-        """The first layout that fits at the smallest optimizer offload that lets one fit."""
+    def fits() -> tuple[int, int, int, int, float, str, LearnerMemory] | None:
+        """The first layout that fits at the smallest optimizer offload that lets one fit, recomputing
+        every layer only when nothing fits without it."""
         nonlocal ep
-        for offload in offloads:
-            for tp, pp in candidates:
+        for recompute, offload in ((r, o) for r in recomputes for o in offloads):
+            train = replace(cfg.train, recompute=recompute)
+            for tp, pp, first, last in candidates:
                 if learner_gpus % (tp * pp) or not _tp_ok(spec, tp) or tp > cluster.gpus_per_node:
                     if fixed:
                         raise PlanError(f"parallel: TP={tp} x PP={pp} does not fit {learner_gpus} learner GPUs "
@@ -307,15 +331,14 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                 if spec.moe is not None and ((learner_gpus // pp) % ep or spec.moe.num_experts % ep):
                     raise PlanError(f"parallel.expert_parallel: EP={ep} must divide num_experts="
                                     f"{spec.moe.num_experts} and the {learner_gpus // pp} learner GPUs of a pipeline stage")
-                flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), cfg.train, tp, on_gpu=True,
+                flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), train, tp, on_gpu=True,
                                          transformer_engine=True)
-                stage = max(pipeline_stage_layers(spec.num_layers, pp, cfg.parallel.first_stage_layers,
-                                                  cfg.parallel.last_stage_layers)) if fixed else None
+                stage = max(pipeline_stage_layers(spec.num_layers, pp, first, last))
                 mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), tokens, cfg.optim.use_distributed_optimizer,
                                      ep=ep, flags=flags, optimizer_offload=offload, stage_layers=stage)
                 if mem.total <= learner_budget:
-                    return tp, pp, offload, mem
-                if offload == offloads[0]:
+                    return tp, pp, first, last, offload, recompute, mem
+                if offload == offloads[0] and recompute == recomputes[0]:
                     tried.append(f"TP={tp} PP={pp}: {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads "
                                  f"{mem.gradients:.1f}, optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, "
                                  f"logits {mem.logits:.1f})")
@@ -329,7 +352,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                         f"{cluster.gpu_memory_gib:.0f}{beside}) on {learner_gpus} GPUs: {shown}. Use more learner nodes, "
                         "optim.use_distributed_optimizer=true, optim.cpu_offload_fraction or a smaller "
                         "train.micro_batch_tokens")
-    tp, pp, offload, mem = found
+    tp, pp, first, last, offload, recompute, mem = found
     resident = mem.weights + LEARNER_RESIDENT_GIB  # colocated: what the learner keeps during the rollouts
     utilization = cfg.rollout.gpu_memory_utilization
     if colocate and choose:
@@ -385,7 +408,8 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                      f"train.micro_batch_tokens={cfg.train.micro_batch_tokens:,}")
     return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
                 learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp), etp, rollout_gpus // etp, mem, em, notes,
-                ep, spec.active_parameters / 1e9, colocate, utilization if colocate else 0.0, offload, **phases)
+                ep, spec.active_parameters / 1e9, colocate, utilization if colocate else 0.0, offload, **phases,
+                first_stage_layers=first, last_stage_layers=last, recompute=recompute)
 
 
 def challenger_engine_tp(cfg: SpiceConfig) -> int:
@@ -469,9 +493,10 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
         learner_tokens = (challenger_prompts * t.doc_tokens + challenger_trained * t.challenger_gen_tokens
                           + docs * t.question_tokens + answers * t.reasoner_gen_tokens)
     recomputed = 0.0
-    if cfg.train.recompute == "full":
+    recompute = plan.recompute
+    if recompute == "full":
         recomputed = active
-    elif cfg.train.recompute == "selective":
+    elif recompute == "selective":
         modules, moe = cfg.train.recompute_modules, spec.moe
         dense_layers = spec.num_layers - (moe.num_moe_layers if moe else 0)
         if "mlp" in modules:
@@ -483,7 +508,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     per_update = cfg.train.trajectories_per_update
     steps = math.ceil((challenger_trained + answers) / per_update) if per_update else cfg.train.steps_per_batch
     work_done = LearnerWork(tokens=learner_tokens, mean_row_tokens=train_tokens / (challenger_trained + answers),
-                            forwards=1, recomputed_params=recomputed, full_recompute=cfg.train.recompute == "full",
+                            forwards=1, recomputed_params=recomputed, full_recompute=recompute == "full",
                             micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / plan.dp, steps=steps)
     learner = learner_seconds(spec, work_done, plan.learner.weights, plan.learner_gpus, plan.tp, plan.pp, plan.dp,
                               cfg.cluster.gpus_per_node, t)

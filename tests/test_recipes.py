@@ -159,7 +159,7 @@ def test_planner_refuses_with_numbers_and_chooses_larger_layouts():
         plan_layout(cfg)
     assert re.search(r"\d+\.\d GiB", str(e.value))
     cfg.optim.use_distributed_optimizer = False
-    cfg.train.micro_batch_tokens = 65536
+    cfg.train.micro_batch_tokens, cfg.train.recompute = 1 << 20, "full"  # nothing left to choose
     with pytest.raises(PlanError, match=r"learner: no layout fits [\d.]+ GiB .*optimizer"):
         plan_layout(cfg, choose=True)
     big = get_recipe("llama3_70b")
@@ -463,8 +463,9 @@ def test_the_planner_counts_recomputed_mixture_of_experts_layers():
     def planned(modules):
         train = PolicyTrainConfig(recompute="selective" if modules else "off", recompute_modules=modules or ["mlp"])
         flags = activation_flags(ParallelConfig(tensor_parallel=2), train, 2, on_gpu=True, transformer_engine=True)
-        step = estimate_step_time(plan_layout(cfg), spec, replace(cfg, train=replace(cfg.train, **{
-            "recompute": train.recompute, "recompute_modules": train.recompute_modules})), Throughput())
+        recomputed = replace(cfg, train=replace(cfg.train, recompute=train.recompute,
+                                                recompute_modules=train.recompute_modules))
+        step = estimate_step_time(plan_layout(recomputed), spec, recomputed, Throughput())
         return learner_memory(spec, 2, 1, 4, 8192, flags=flags).activations, step["train"]
 
     (plain, t_plain), (moe, t_moe), (act, t_act) = planned(None), planned(["moe"]), planned(["moe_act"])
@@ -547,3 +548,22 @@ def test_the_planner_lands_within_30_percent_of_nemo_rls_published_runs():
     assert grpo_step(replace(base, tp=1, pp=8))["train_tp_comm"] == 0.0 < grpo_step(base)["train_tp_comm"]
     # an engine wider than a node waits for InfiniBand in every decode step
     assert grpo_step(replace(base, engine_tp=16))["generation"] > grpo_step(replace(base, engine_tp=8))["generation"]
+
+
+def test_choose_explores_uneven_pipeline_stages_and_full_recompute(capsys):
+    """94 layers: PP=8 only as stages of 11, 12 x 6, 11; on 80 GB H100s Qwen3-235B-A22B's learner
+    fits only with every layer recomputed, and --choose says which overrides give its layout."""
+    from spice_megatron.cli import main
+    from spice_megatron.planner import _stages
+
+    assert _stages(94, 8) == (11, 11) and _stages(93, 2) == (46, 47) and _stages(36, 4) == (0, 0)
+    assert _stages(10, 4) == (2, 2) and _stages(10, 6) == (1, 1)
+    assert _stages(10, 7) is None  # five middle stages of 2 leave nothing for the first and last
+    cfg = get_recipe("qwen3_235b_a22b")
+    cfg.train.recompute = "off"
+    plan = plan_layout(cfg, choose=True)
+    assert plan.recompute == "full" and plan.learner.total <= 72
+    if 94 % plan.pp:
+        assert plan.first_stage_layers + plan.last_stage_layers + (plan.pp - 2) * -(-94 // plan.pp) == 94
+    assert main(["plan", "--recipe", "qwen3_235b_a22b", "--choose", "train.recompute=off"]) == 0
+    assert "train.recompute=full" in capsys.readouterr().out
