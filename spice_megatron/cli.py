@@ -94,7 +94,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(plan.describe())
     print(f"estimated seconds per iteration (B={cfg.selfplay.batch_docs}, G={cfg.selfplay.group_size}; "
-          f"assumptions in spice_megatron/planner.py:Throughput):")
+          f"assumptions in spice_megatron/plan_costs.py:Throughput):")
     schedule = "streamed" if cfg.run.streamed else "phased"
     for k, v in step.items():
         if k in ("challenger_rollout", "reasoner_rollout", "rollout_phased", "rollout_streamed"):
