@@ -195,3 +195,32 @@ def test_the_ablation_pairs_arms_with_spice_on_the_same_items_and_words_its_verd
     table = ab.markdown_table({"arms": {"spice": {"verdict": "reference", "seeds": [{**fig, "paired": (0, 0, 0)}]},
                                         "ungrounded": {"verdict": "SPICE better", "seeds": [fig]}}})
     assert "| ungrounded | 1 | 10.0 (" in table and "| -20.0 (" in table and "SPICE better |" in table
+
+
+def test_a_stopped_check_stops_its_run_before_it_exits(tmp_path):
+    """SIGTERM to the check (a scancel, a pytest timeout): the run it started gets SIGTERM and is
+    waited for, so nothing it started outlives it."""
+    import signal
+    import subprocess
+    import time
+
+    tools = os.path.dirname(learning_check.__file__)
+    pid_file = tmp_path / "run.pid"
+    script = tmp_path / "check.py"
+    run = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+    script.write_text(
+        "import signal, sys\n"
+        f"sys.path.insert(0, {tools!r})\n"
+        "import learning_check\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+        f"with open({str(tmp_path / 'run.log')!r}, 'w') as log:\n"
+        f"    learning_check.run_to_end([sys.executable, '-c', {run!r}], log)\n")
+    check = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.monotonic() + 120
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    run_pid = int(pid_file.read_text())
+    check.send_signal(signal.SIGTERM)
+    assert check.wait(60) == 143
+    with pytest.raises(ProcessLookupError):  # reaped by the check: gone, not a zombie
+        os.kill(run_pid, 0)

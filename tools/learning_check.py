@@ -114,6 +114,26 @@ def _selfplay_overrides(args) -> list[str]:
             f"selfplay.reasoner_max_tokens={args.max_tokens}"]
 
 
+STOP_GRACE_S = 120.0  # what a stopped run gets to checkpoint and stop its engine
+
+
+def run_to_end(cmd: list[str], log) -> int:
+    """One run's exit code. Should this check be stopped meanwhile (Ctrl-C, or SIGTERM: main turns
+    it into an exit), the run is stopped as `spice train` expects, with SIGTERM (it checkpoints and
+    stops its engine), and waited for: no run outlives the check that started it."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+
+
 def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr: float) -> dict:
     run_dir = os.path.join(out, name)
     challenger_eval = ["--eval-challenger-docs", args.challenger_docs_file] if args.selfplay else []
@@ -127,7 +147,7 @@ def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr
            "rollout.max_model_len=1024", "rollout.kv_cache_gib=1.0", "run.min_valid_task_rate=0.0", *args.extra]
     t0 = time.perf_counter()
     with open(os.path.join(out, f"{name}.log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc = run_to_end(cmd, log)
     if rc != 0:
         raise RuntimeError(f"run {name} failed with exit code {rc}; see {out}/{name}.log")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -222,7 +242,11 @@ def story_task_curves(audit_path: str) -> dict[str, list[float]]:
 
 
 def main() -> int:
+    import signal
+
     from spice_megatron.entry import ArgumentParser, positive_int
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the current run is stopped too (run_to_end)
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--selfplay", action="store_true", help="SPICE itself: the policy writes and answers its tasks")
