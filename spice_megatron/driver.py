@@ -199,7 +199,9 @@ class Driver:
         if not self.engines:
             return self._cluster_engines_restarted()
         restarted = False
-        health = self.fleet.health()
+        # the local fixed challenger's engine (selfplay.challenger=model) is in its own fleet: checked
+        # there, not taken for a dead policy engine
+        health = {**self.fleet.health(), **(self.challenger_fleet.health() if self.challenger_fleet else {})}
         for i, e in enumerate(self.engines):
             if e.alive() and health.get(e.url) is None and not self._answers_again(e):
                 log.warning("rollout engine %s has not answered for %.0fs; killing it", e.url,
@@ -212,14 +214,17 @@ class Driver:
                 restarted = True
         if restarted:
             self.fleet.wait_until_healthy()
+            if self.challenger_fleet:
+                self.challenger_fleet.wait_until_healthy()
         return restarted
 
     def _answers_again(self, engine) -> bool:
         """Whether a live engine that missed a health check answers within HUNG_ENGINE_GRACE_S.
         False as soon as its process ends (it was exiting: its sockets close first)."""
+        fleet = self.fleet if self.fleet.serves(engine.url) else self.challenger_fleet
         deadline = time.monotonic() + HUNG_ENGINE_GRACE_S
         while engine.alive() and time.monotonic() < deadline:
-            if self.fleet.probe(engine.url) is not None:
+            if fleet.probe(engine.url) is not None:
                 log.info("rollout engine %s answers again", engine.url)
                 return True
             time.sleep(2.0)

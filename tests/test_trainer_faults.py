@@ -155,13 +155,17 @@ def test_an_engine_that_misses_a_health_check_is_given_time_before_it_is_killed(
     from spice_megatron.rollout.local import LocalEngine
 
     class Fleet:
-        def __init__(self, answers_after):
-            self.probes, self.answers_after = 0, answers_after
+        def __init__(self, answers_after, url="http://a:8100"):
+            self.probes, self.answers_after, self.url = 0, answers_after, url
 
         def health(self):
-            return {"http://a:8100": None}
+            return {self.url: None if self.answers_after else {"version": "0"}}
+
+        def serves(self, url):
+            return url == self.url
 
         def probe(self, url):
+            assert url == self.url
             self.probes += 1
             return {"version": "1"} if self.probes > self.answers_after else None
 
@@ -177,8 +181,13 @@ def test_an_engine_that_misses_a_health_check_is_given_time_before_it_is_killed(
         driver = object.__new__(Driver)
         driver.engines = [LocalEngine("http://a:8100", proc, "", [])]
         driver.token, driver.cfg = "t", SimpleNamespace(rollout=SimpleNamespace(health_timeout=5.0))
-        driver.fleet = Fleet(answers_after=2)
+        driver.fleet, driver.challenger_fleet = Fleet(answers_after=2), None
         assert driver.restart_dead_engines() is False and proc.poll() is None and not restarted
+        # a local fixed challenger's engine answers in its own fleet: not taken for a dead policy engine
+        driver.engines = [LocalEngine("http://c:8200", proc, "", [])]
+        driver.challenger_fleet = Fleet(answers_after=0, url="http://c:8200")
+        assert driver.restart_dead_engines() is False and proc.poll() is None and not restarted
+        driver.engines, driver.challenger_fleet = [LocalEngine("http://a:8100", proc, "", [])], None
         driver.fleet = Fleet(answers_after=10**9)
         monkeypatch.setattr(driver_module, "HUNG_ENGINE_GRACE_S", 0.0)
         assert driver.restart_dead_engines() is True and restarted == ["http://a:8100"]

@@ -122,6 +122,9 @@ class RolloutFleet:
         """Each engine's /status, once it proved it holds the job's token (else None: not used)."""
         return {e.url: self._probe(e) for e in self.engines}
 
+    def serves(self, url: str) -> bool:
+        return any(e.url == url.rstrip("/") for e in self.engines)
+
     def probe(self, url: str) -> dict | None:
         """One engine's /status as health() reads it (None: down, busy past the timeout or not ours)."""
         return self._probe(next(e for e in self.engines if e.url == url.rstrip("/")))
