@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spice_megatron.config import ParallelConfig, PolicyTrainConfig
-from spice_megatron.plan_costs import LearnerWork, Throughput, all_to_all_seconds, decode_phase, learner_seconds
+from spice_megatron.plan_costs import (GiB, LearnerWork, Throughput, all_to_all_seconds, decode_phase,
+                                         learner_seconds)
 from spice_megatron.planner import engine_memory, learner_memory, model_spec
 from spice_megatron.policy.activation_memory import activation_flags
 
-GiB = 1024**3
 NEMO_RL_ENGINE_MEMORY_UTILIZATION = 0.6  # grpo_math_1B.yaml: vllm_cfg.gpu_memory_utilization
 PROMPT_TOKENS = 150  # an OpenMathInstruct-2 problem in the chat template (an assumption)
 
@@ -48,6 +48,7 @@ PUBLISHED_RUNS: dict[str, PublishedRun] = {
     "Llama-3.1-8B-Instruct": PublishedRun("meta-llama/Llama-3.1-8B-Instruct", 16, 2048, 1019, 4096, 512, 1,
                                           1, 1, 1, 2, True, 1581.0, 92.8, "v0.5"),
     "Qwen3-32B": PublishedRun("Qwen/Qwen3-32B", 32, 2048, 3251, 4096, 512, 4, 4, 1, 1, 4, False, 571.0, 376.0, "v0.5"),
+    # the base model's architecture: NeMo-RL ran the post-trained Qwen3-30B-A3B
     "Qwen3-30B-A3B": PublishedRun("Qwen/Qwen3-30B-A3B-Base", 32, 2048, 3203, 4096, 512, 2, 1, 1, 8, 1, False,
                                   1102.0, 192.0, "v0.6"),
     "Qwen3-235B-A22B": PublishedRun("Qwen/Qwen3-235B-A22B", 128, 512, 5698, 8192, 512, 16, 2, 2, 16, 8, True,

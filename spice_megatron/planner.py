@@ -14,16 +14,15 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from spice_megatron.config import ClusterConfig, ConfigError, ParallelConfig, PolicyTrainConfig, SpiceConfig
 from spice_megatron.entry import UserError
 from spice_megatron.known_models import KNOWN_MODELS
-from spice_megatron.plan_costs import (LearnerWork, Throughput, all_to_all_seconds, decode_phase,
+from spice_megatron.plan_costs import (GiB, LearnerWork, Throughput, all_to_all_seconds, decode_phase,
                                          forward_pass_seconds, learner_seconds)
-from spice_megatron.config import ClusterConfig, ConfigError, ParallelConfig, PolicyTrainConfig, SpiceConfig
 from spice_megatron.policy.activation_memory import ActivationFlags, activation_flags, activation_terms
 from spice_megatron.policy.model import (ModelSpec, check_parallel_layout, model_spec_from_hf, pipeline_stage_layers,
                                          resolve_shared_prefix)
 
-GiB = 2**30
 
 
 class PlanError(UserError, ValueError):
