@@ -119,7 +119,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(f"tokens/s/GPU (trained tokens, all {plan.gpus} GPUs): {step['tokens_per_s_per_gpu']:,.0f} on-policy, {off}; "
           f"NeMo-RL publishes {published} (other workload: its math prompts are short, SPICE's challenger reads "
           "~3,000-token documents; docs/layouts.md compares them)")
-    shared = "on" if resolve_shared_prefix(spec, cfg.train).use_shared_prefix else "off"
+    shared = "on" if resolve_shared_prefix(spec, cfg.train, cfg.parallel.context_parallel).use_shared_prefix else "off"
     print(f"train.shared_prefix ({shared}): the learner runs {step['learner_tokens']:,.0f} tokens, "
           f"{step['train']:.1f} s, {step['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU on-policy; without it "
           f"{unshared['learner_tokens']:,.0f} tokens, {unshared['train']:.1f} s, "
@@ -131,7 +131,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             continue
         p, st = value
         print(f"  {name:14s} {st['tokens_per_s_per_gpu']:7,.0f} tokens/s/GPU, {st['total']:6.1f} s per iteration on "
-              f"{p.gpus} GPUs (learner TP={p.tp} PP={p.pp} DP={p.dp}{f' EP={p.ep}' if p.ep > 1 else ''}, "
+              f"{p.gpus} GPUs (learner TP={p.tp} PP={p.pp}{f' CP={p.cp}' if p.cp > 1 else ''} DP={p.dp}"
+              f"{f' EP={p.ep}' if p.ep > 1 else ''}, "
               f"{p.engines} engines x TP={p.engine_tp})")
     if args.choose:
         print(f"to use it: parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
@@ -139,6 +140,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                  f"parallel.last_stage_layers={plan.last_stage_layers} " if plan.first_stage_layers else "")
               + (f"train.recompute={plan.recompute} " if plan.recompute != cfg.train.recompute else "")
               + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")
+              + (f"parallel.context_parallel={plan.cp} train.shared_prefix=off " if plan.cp > 1 else "")
               + f"rollout.engine_tensor_parallel={plan.engine_tp}"
               + (f" run.colocate=true train.max_staleness=0 rollout.weight_transfer=ipc "
                  f"rollout.gpu_memory_utilization={plan.engine_utilization}" if plan.colocated else " run.colocate=false")

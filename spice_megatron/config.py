@@ -191,7 +191,7 @@ def _parse_like(raw: str, current: Any, key: str) -> Any:
 
 @dataclass
 class ParallelConfig:
-    """Learner layout. Data parallelism is what remains: world_size / (tp * pp)."""
+    """Learner layout. Data parallelism is what remains: world_size / (tp * pp * cp)."""
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
@@ -211,6 +211,10 @@ class ParallelConfig:
     # the embedding or the output layer.
     first_stage_layers: int = 0
     last_stage_layers: int = 0
+    # Context parallelism (megatron's CP): each sequence split over this many ranks, two of its
+    # 2 x CP chunks each (policy/context_parallel.py); taken from the data-parallel ranks. For
+    # sequences whose activations do not fit one TP group; padded micro-batches only.
+    context_parallel: int = 1
 
     @property
     def use_sequence_parallel(self) -> bool:
@@ -221,6 +225,7 @@ class ParallelConfig:
         _require(self.pipeline_parallel >= 1, f"{prefix}.pipeline_parallel", "must be >= 1")
         _require(self.expert_parallel >= 1, f"{prefix}.expert_parallel", "must be >= 1")
         _require(self.expert_tensor_parallel >= 1, f"{prefix}.expert_tensor_parallel", "must be >= 1")
+        _require(self.context_parallel >= 1, f"{prefix}.context_parallel", "must be >= 1")
         _require(self.sequence_parallel in ("auto", "on", "off"), f"{prefix}.sequence_parallel",
                  "must be auto, on or off")
         _require(self.backend in ("auto", "nccl", "gloo"), f"{prefix}.backend", "must be auto, nccl or gloo")
@@ -562,3 +567,6 @@ class SpiceConfig:
                  "GPUs of its own and name them here")
         _require(not self.run.colocate or self.rollout.weight_transfer in ("ipc", "spice"), "rollout.weight_transfer",
                  "with run.colocate use ipc (GPU) or spice (CPU): nccl cannot put two ranks on one GPU")
+        _require(self.parallel.context_parallel == 1 or self.train.shared_prefix != "on", "parallel.context_parallel",
+                 "shared-prefix packed rows cannot be split over context-parallel ranks yet; set train.shared_prefix "
+                 "off (auto turns it off)")

@@ -192,6 +192,7 @@ class Plan:
     first_stage_layers: int = 0
     last_stage_layers: int = 0
     recompute: str = "off"
+    cp: int = 1  # parallel.context_parallel: each sequence over CP ranks (its activations split CP ways)
 
     @property
     def gpus(self) -> int:
@@ -211,8 +212,8 @@ class Plan:
         lines = [
             f"model {self.model}: {self.params_billion:.2f}B parameters{active}",
             f"cluster: {self.nodes} node(s) x {self.gpus_per_node} GPUs of {self.gpu_memory_gib:.0f} GiB",
-            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp} DP={self.dp}"
-            + (f" EP={self.ep}" if self.ep > 1 else "")
+            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp}" + (f" CP={self.cp}" if self.cp > 1 else "")
+            + f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
             + (f", stages of {self.first_stage_layers} / .. / {self.last_stage_layers} layers"
                if self.first_stage_layers else "")
             + (f", recompute {self.recompute}" if self.recompute != "off" else ""),
@@ -307,21 +308,25 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                   sorted(((tp, pp, *_stages(spec.num_layers, pp)) for tp in _powers_of_two(min(8, cluster.gpus_per_node))
                           for pp in range(1, spec.num_layers + 1) if _stages(spec.num_layers, pp) is not None),
                          key=lambda x: (x[0] * x[1], x[1], x[2])))
+    # context parallelism when nothing fits without it: it splits the activations, not the weights,
+    # exchanges K/V in every layer and turns shared-prefix rows off
+    cps = [cfg.parallel.context_parallel] if fixed else [1] + ([2, 4] if cfg.train.shared_prefix != "on" else [])
     offloads = [cfg.optim.cpu_offload_fraction] if fixed or not colocate else [0.0, 0.25, 0.5, 0.75, 1.0]
     recomputes = [cfg.train.recompute] + (["full"] if choose and cfg.train.recompute != "full" else [])
     tried = []
 
-    def fits() -> tuple[int, int, int, int, float, str, LearnerMemory] | None:
+    def fits() -> tuple[int, int, int, int, int, float, str, LearnerMemory] | None:
         """The first layout that fits at the smallest optimizer offload that lets one fit, recomputing
-        every layer only when nothing fits without it."""
+        every layer only when nothing fits without it, and splitting sequences over context-parallel
+        ranks only when nothing fits even then."""
         nonlocal ep
-        for recompute, offload in ((r, o) for r in recomputes for o in offloads):
+        for cp, recompute, offload in ((c, r, o) for c in cps for r in recomputes for o in offloads):
             train = replace(cfg.train, recompute=recompute)
             for tp, pp, first, last in candidates:
-                if learner_gpus % (tp * pp) or not _tp_ok(spec, tp) or tp > cluster.gpus_per_node:
+                if learner_gpus % (tp * pp * cp) or not _tp_ok(spec, tp) or tp > cluster.gpus_per_node:
                     if fixed:
-                        raise PlanError(f"parallel: TP={tp} x PP={pp} does not fit {learner_gpus} learner GPUs "
-                                        f"({cluster.gpus_per_node} per node) or the model's head/layer counts")
+                        raise PlanError(f"parallel: TP={tp} x PP={pp} x CP={cp} does not fit {learner_gpus} learner "
+                                        f"GPUs ({cluster.gpus_per_node} per node) or the model's head/layer counts")
                     continue
                 if spec.moe is not None and not fixed:
                     # as many experts apart as a node holds: the all-to-all stays on NVLink
@@ -333,12 +338,15 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                 flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), train, tp, on_gpu=True,
                                          transformer_engine=True)
                 stage = max(pipeline_stage_layers(spec.num_layers, pp, first, last))
-                mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), tokens, cfg.optim.use_distributed_optimizer,
-                                     ep=ep, flags=flags, optimizer_offload=offload, stage_layers=stage)
+                # a rank runs 1/CP of each micro-batch; the optimizer shards over data x context ranks
+                mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), -(-tokens // cp),
+                                     cfg.optim.use_distributed_optimizer, ep=ep, flags=flags, optimizer_offload=offload,
+                                     stage_layers=stage)
                 if mem.total <= learner_budget:
-                    return tp, pp, first, last, offload, recompute, mem
-                if offload == offloads[0] and recompute == recomputes[0]:
-                    tried.append(f"TP={tp} PP={pp}: {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads "
+                    return tp, pp, first, last, cp, offload, recompute, mem
+                if offload == offloads[0] and recompute == recomputes[0] and cp == cps[0]:
+                    tried.append(f"TP={tp} PP={pp}" + (f" CP={cp}" if cp > 1 else "")
+                                 + f": {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads "
                                  f"{mem.gradients:.1f}, optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, "
                                  f"logits {mem.logits:.1f})")
         return None
@@ -351,7 +359,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                         f"{cluster.gpu_memory_gib:.0f}{beside}) on {learner_gpus} GPUs: {shown}. Use more learner nodes, "
                         "optim.use_distributed_optimizer=true, optim.cpu_offload_fraction or a smaller "
                         "train.micro_batch_tokens")
-    tp, pp, first, last, offload, recompute, mem = found
+    tp, pp, first, last, cp, offload, recompute, mem = found
     resident = mem.weights + LEARNER_RESIDENT_GIB  # colocated: what the learner keeps during the rollouts
     utilization = cfg.rollout.gpu_memory_utilization
     if colocate and choose:
@@ -406,9 +414,9 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         notes.append(f"activations planned at {tokens:,} tokens, the longest sequence ({bound}), over "
                      f"train.micro_batch_tokens={cfg.train.micro_batch_tokens:,}")
     return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
-                learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp), etp, rollout_gpus // etp, mem, em, notes,
+                learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp * cp), etp, rollout_gpus // etp, mem, em, notes,
                 ep, spec.active_parameters / 1e9, colocate, utilization if colocate else 0.0, offload, **phases,
-                first_stage_layers=first, last_stage_layers=last, recompute=recompute)
+                first_stage_layers=first, last_stage_layers=last, recompute=recompute, cp=cp)
 
 
 def challenger_engine_tp(cfg: SpiceConfig) -> int:
@@ -485,7 +493,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
                     + answers * (t.question_tokens + t.reasoner_gen_tokens))
     learner_tokens = train_tokens
-    if resolve_shared_prefix(spec, cfg.train).use_shared_prefix:
+    if resolve_shared_prefix(spec, cfg.train, cfg.parallel.context_parallel).use_shared_prefix:
         prompts = 1.0 if sp.protocol == "compact" else t.paper_challenger_prompts
         challenger_prompts = docs * min(prompts, sp.group_size) if sp.challenger_group == "document" \
             else challenger_trained
@@ -510,7 +518,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
                             forwards=1, recomputed_params=recomputed, full_recompute=recompute == "full",
                             micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / plan.dp, steps=steps)
     learner = learner_seconds(spec, work_done, plan.learner.weights, plan.learner_gpus, plan.tp, plan.pp, plan.dp,
-                              cfg.cluster.gpus_per_node, t)
+                              cfg.cluster.gpus_per_node, t, cp=plan.cp)
     train = sum(learner.values())
     if plan.learner.all_to_all_gib:
         train += all_to_all_seconds(learner_tokens / cfg.train.micro_batch_tokens / plan.dp,

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, CPU_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES,
+from recipes import (resolve_recipe, BASELINE_RECIPES, COLOCATED_RECIPES, CPU_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES,
                      PAPER_RECIPES, get_recipe,
                      recipe_names)
 from spice_megatron.config import ConfigError, apply_overrides
@@ -567,3 +567,29 @@ def test_choose_explores_uneven_pipeline_stages_and_full_recompute(capsys):
         assert plan.first_stage_layers + plan.last_stage_layers + (plan.pp - 2) * -(-94 // plan.pp) == 94
     assert main(["plan", "--recipe", "qwen3_235b_a22b", "--choose", "train.recompute=off"]) == 0
     assert "train.recompute=full" in capsys.readouterr().out
+
+
+def test_choose_splits_long_sequences_over_context_parallel_ranks_when_nothing_else_fits(capsys):
+    """Qwen3-32B with 262,144-token sequences: no TP x PP fits 80 GB even recomputing every layer;
+    at CP=2 each rank holds half of each sequence's activations and logits. The fixed layout plans
+    the same, its step time counts the K/V exchange, and CP with shared-prefix rows is refused."""
+    from spice_megatron.cli import main
+
+    long = ["rollout.max_model_len=262144", "train.micro_batch_tokens=262144", "corpus.max_doc_tokens=253952"]
+    cfg = resolve_recipe("qwen3_32b", long)
+    plan = plan_layout(cfg, choose=True)
+    assert plan.cp == 2 and plan.recompute == "full" and plan.learner.total <= 0.9 * 80
+    assert plan.dp == plan.learner_gpus // (plan.tp * plan.pp * plan.cp) and "CP=2" in plan.describe()
+    half = plan_layout(resolve_recipe("qwen3_32b", ["rollout.max_model_len=131072", "train.micro_batch_tokens=131072",
+                                                    "corpus.max_doc_tokens=122880"]), choose=True)
+    assert half.cp == 1  # half the tokens fit without it
+    fixed = resolve_recipe("qwen3_32b", long + [f"parallel.tensor_parallel={plan.tp}",
+                                                f"parallel.pipeline_parallel={plan.pp}", "parallel.context_parallel=2",
+                                                "train.recompute=full"])
+    same = plan_layout(fixed)
+    assert (same.cp, same.dp) == (2, plan.dp) and same.learner.total == pytest.approx(plan.learner.total)
+    assert estimate_step_time(same, model_spec(fixed.run.model), fixed)["train_cp_comm"] > 0
+    assert main(["plan", "--recipe", "qwen3_32b", "--choose", *long]) == 0
+    assert "parallel.context_parallel=2 train.shared_prefix=off" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="parallel.context_parallel: shared-prefix packed rows cannot be split"):
+        resolve_recipe("qwen3_32b", ["parallel.context_parallel=2", "train.shared_prefix=on"]).validate()

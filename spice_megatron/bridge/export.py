@@ -46,7 +46,7 @@ def holds_unique_weights(layout, spec) -> bool:
     """Whether this rank holds shards that no data-parallel peer sends in its place: data-parallel
     rank 0 for the dense weights, expert-data-parallel rank 0 for the experts. Only such ranks
     take part in gather_stage_tensors."""
-    return layout.dp_rank == 0 or (spec.moe is not None and layout.edp_rank == 0)
+    return layout.first_replica or (spec.moe is not None and layout.edp_rank == 0)
 
 
 def _expert_members(group) -> list[tuple[int, int]]:
@@ -90,7 +90,7 @@ def gather_stage_params(learner, allocate: Allocate | None = None
     if spec.moe is not None and lay.edp_rank == 0:
         expert_group = ps.get_expert_tensor_and_model_parallel_group()
         members = _expert_members(expert_group)
-        if lay.tp_rank == 0 and lay.dp_rank == 0 and dist.get_rank(expert_group) != 0:
+        if lay.tp_rank == 0 and lay.first_replica and dist.get_rank(expert_group) != 0:
             raise RuntimeError("the stage's sender (TP rank 0 of DP rank 0) is not rank 0 of its expert group: "
                                "a rank order other than megatron's default tp-ep-dp-pp?")
     device = next(learner.model.parameters()).device
@@ -108,7 +108,7 @@ def gather_stage_params(learner, allocate: Allocate | None = None
             # member g's shard: ETP slice etp_r of the outputs of its EP rank's expert
             pieces = [(slice(ep_r * k, (ep_r + 1) * k), etp_r, lay.etp) for ep_r, etp_r in members]
         else:
-            if lay.dp_rank != 0:
+            if not lay.first_replica:
                 yield name, outputs, None
                 continue
             sharded = lay.tp > 1 and gather_layout(name)[0] is not None
@@ -146,7 +146,7 @@ def gathered_hf_state_dict(learner) -> dict[str, torch.Tensor] | None:
     Holds the full model on rank 0: meant for small models and tests; large models stream
     bucket by bucket instead."""
     mine = {k: v.cpu() for k, v in gather_stage_tensors(learner)}
-    keep = mine if (learner.layout.tp_rank == 0 and learner.layout.dp_rank == 0) else {}
+    keep = mine if (learner.layout.tp_rank == 0 and learner.layout.first_replica) else {}
     parts: list = [None] * learner.layout.world_size
     dist.all_gather_object(parts, keep)
     if dist.get_rank() != 0:

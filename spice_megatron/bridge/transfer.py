@@ -46,7 +46,7 @@ class MegatronStageSource:
 
         self.learner = learner
         lay = learner.layout
-        self.is_stage_sender = lay.tp_rank == 0 and lay.dp_rank == 0
+        self.is_stage_sender = lay.tp_rank == 0 and lay.first_replica
         mine: list[tuple[str, str, tuple[int, ...]]] = []
         if self.is_stage_sender:
             mine = [(hf, str(param.dtype), shape) for _, param, outputs in stage_hf_outputs(learner)

@@ -468,7 +468,7 @@ def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,
     lay = learner.layout
     if not holds_unique_weights(lay, learner.spec):
         return None
-    if lay.tp_rank != 0 or lay.dp_rank != 0:
+    if lay.tp_rank != 0 or not lay.first_replica:
         for _ in gather_stage_tensors(learner):  # sends this rank's shards
             pass
         return None

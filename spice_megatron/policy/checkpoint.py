@@ -90,7 +90,8 @@ def _sharded_state(learner, is_loading: bool, with_optimizer: bool, with_rng: bo
                                                                   metadata=optimizer_metadata(learner, sharding))
     if with_rng:
         state["rng"] = ShardedObject("rng_state", _rng_state() if not is_loading else None,
-                                     (lay.pp, lay.tp, lay.dp), (lay.pp_rank, lay.tp_rank, lay.dp_rank), replica_id=0)
+                                     (lay.pp, lay.tp, lay.dp * lay.cp),
+                                     (lay.pp_rank, lay.tp_rank, lay.dp_rank * lay.cp + lay.cp_rank), replica_id=0)
     return state
 
 
@@ -119,7 +120,7 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
     if rank == 0:
         lay = learner.layout
         _write_json(os.path.join(tmp, "layout.json"),
-                    {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "step": step,
+                    {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp, "step": step,
                      "learner_steps": learner.steps, "model_only": model_only,
                      "distributed_optimizer": learner.optim_cfg.use_distributed_optimizer,
                      "optimizer_sharding": learner.optim_cfg.checkpoint_sharding})
@@ -370,14 +371,15 @@ def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, A
     with open(os.path.join(path, "layout.json")) as f:
         saved = json.load(f)
     lay = learner.layout
-    same_layout = (saved["tp"], saved["pp"], saved["dp"]) == (lay.tp, lay.pp, lay.dp)
+    same_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1)) == (lay.tp, lay.pp, lay.dp, lay.cp)
     with_optimizer = not (model_only or saved.get("model_only", False))
     sharding = saved.get("optimizer_sharding", LEGACY_OPTIMIZER_SHARDING)
     if with_optimizer:
         check_optimizer_resharding(path, saved, lay, learner.optim_cfg.use_distributed_optimizer)
     if not same_layout and with_optimizer and dist.get_rank() == 0:
-        log.warning("checkpoint %s was saved at TP=%d PP=%d DP=%d; resharding to TP=%d PP=%d DP=%d "
-                    "(RNG states are not restored)", path, saved["tp"], saved["pp"], saved["dp"], lay.tp, lay.pp, lay.dp)
+        log.warning("checkpoint %s was saved at TP=%d PP=%d CP=%d DP=%d; resharding to TP=%d PP=%d CP=%d DP=%d "
+                    "(RNG states are not restored)", path, saved["tp"], saved["pp"], saved.get("cp", 1), saved["dp"],
+                    lay.tp, lay.pp, lay.cp, lay.dp)
     with cpu_compat.cuda_to_cpu():
         state = dist_checkpointing.load(
             _sharded_state(learner, True, with_optimizer, with_optimizer and same_layout, sharding), path)

@@ -18,6 +18,8 @@ Mixture-of-experts layers, in addition (measured with a 2-layer Qwen3-MoE at EP=
   the recomputed forward; on CPU the CPU generator, which it saves too, is the only one. The
   recomputed forward runs inside autograd's backward, where the torch-function mode that moves
   literal CUDA devices to CPU is not active: the causal mask is built on CPU directly;
+- context parallelism: the rotary embedding picks its CP rank's chunks through a pinned index
+  tensor, which a CPU-only build cannot allocate;
 - the all-to-all dispatcher makes a `torch.cuda.Stream` for its device-to-host copies of the split
   sizes, waits on `torch.cuda.current_stream()`, and hands all_to_all_single the sizes as numpy
   arrays only after a CUDA -> host copy (on CPU they stay tensors, which gloo's binding refuses).
@@ -54,6 +56,7 @@ def apply() -> None:
         return emb[:, None, None, :]
 
     RotaryEmbedding.get_emb = get_emb
+    _apply_context_parallel_rope()
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
     _apply_moe()
@@ -64,6 +67,20 @@ def apply() -> None:
 
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
     _applied = True
+
+
+def _apply_context_parallel_rope() -> None:
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    def on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+        # megatron's, with an unpinned index: chunks cp_rank and 2 CP - 1 - cp_rank
+        cp, rank = cp_group.size(), cp_group.rank()
+        chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+        mine = chunks.index_select(seq_dim, torch.tensor([rank, 2 * cp - rank - 1]))
+        return mine.view(*mine.shape[:seq_dim], -1, *mine.shape[seq_dim + 2:])
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = on_this_cp_rank
 
 
 def _apply_sequence_parallel_norms() -> None:

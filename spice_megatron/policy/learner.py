@@ -7,6 +7,7 @@ full-vocabulary logits).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -20,6 +21,7 @@ from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, Poli
 from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
+from spice_megatron.policy.context_parallel import rank_micro_batch, whole_sequence
 from spice_megatron.policy.model import (ModelSpec, build_policy_model, have_transformer_engine, model_spec_from_hf,
                                          resolve_shared_prefix)
 from spice_megatron.policy.packing import minibatch_split, packed_microbatches, split_units_data_parallel
@@ -85,7 +87,7 @@ class Learner:
         if "moe_act" in train.recompute_modules and train.recompute == "selective" and not have_transformer_engine():
             raise ConfigError("train.recompute_modules: moe_act recomputes the grouped experts' activation "
                               "(Transformer Engine's grouped GEMM); without it use moe")
-        train = resolve_shared_prefix(spec, train)
+        train = resolve_shared_prefix(spec, train, parallel.context_parallel)
         self.spec, self.parallel, self.optim_cfg, self.train_cfg, self.pad_id = spec, parallel, optim, train, pad_id
         if not dist.is_initialized() or not self._layout_matches(parallel):
             init_distributed(parallel, seed=train.seed)
@@ -104,6 +106,8 @@ class Learner:
         self.seq_multiple = 1
         if self.tconfig.sequence_parallel:
             self.seq_multiple = math.lcm(self.layout.tp, 128) if torch.cuda.is_available() else self.layout.tp
+        if self.layout.cp > 1:  # 2 x CP equal chunks, each rank's two still a multiple of the above
+            self.seq_multiple = math.lcm(2 * self.layout.cp, self.layout.cp * self.seq_multiple)
         # An expert-parallel group wider than the TP group holds several DP replicas, and every MoE
         # layer's all-to-all needs each of them in each forward: they run equal micro-batch counts.
         self.ep_spans_dp = spec.moe is not None and self.layout.ep * self.layout.etp > self.layout.tp
@@ -155,6 +159,7 @@ class Learner:
         return (ps.model_parallel_is_initialized()
                 and ps.get_tensor_model_parallel_world_size() == parallel.tensor_parallel
                 and ps.get_pipeline_model_parallel_world_size() == parallel.pipeline_parallel
+                and ps.get_context_parallel_world_size() == parallel.context_parallel
                 and ps.get_expert_model_parallel_world_size() == parallel.expert_parallel
                 and ps.get_expert_tensor_parallel_world_size() == parallel.expert_tensor_parallel)
 
@@ -191,6 +196,8 @@ class Learner:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.layout.cp > 1:
+                mb = rank_micro_batch(mb, self.layout.cp, self.layout.cp_rank)
             if self.replay is not None:
                 self.replay.set(mb.routing, mb.routing_valid, mb.token_mask)
             if self.packed is not None:
@@ -211,7 +218,8 @@ class Learner:
                 micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only) or []
 
     def _gather(self, local: list) -> list:
-        """Concatenate per-rank lists from the last pipeline stage's TP rank 0 onto every rank."""
+        """Concatenate per-rank lists from the last pipeline stage's TP rank 0 onto every rank (of each
+        context-parallel rank: each holds a part of every sequence's tokens)."""
         mine = local if (self.layout.is_last_stage and self.layout.tp_rank == 0) else []
         everything: list[Any] = [None] * self.layout.world_size
         dist.all_gather_object(everything, mine)
@@ -227,6 +235,12 @@ class Learner:
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             lp = scored_logprobs(mb, logits, self.train_cfg.temperature)
+            if self.layout.cp > 1:  # this rank's positions: the whole sequences onto every CP rank
+                from megatron.core import parallel_state as ps
+
+                group = ps.get_context_parallel_group()
+                lp, loss_mask = (whole_sequence(x, self.layout.cp, group) for x in (lp, mb.loss_mask.to(lp.device)))
+                mb = dataclasses.replace(mb, loss_mask=loss_mask)
             keep = torch.tensor([i >= 0 for i in mb.index])
             mask = (mb.loss_mask > 0) & keep.unsqueeze(-1)
             # this micro-batch's sequences, their completion lengths and log-probs, kept on the device
@@ -258,7 +272,8 @@ class Learner:
         rank, as tensors: two all-gathers of sizes and padded tensors on the device (NCCL on GPU)
         instead of pickled lists, then one copy to the host."""
         dev = self.device
-        mine = outs if (self.layout.is_last_stage and self.layout.tp_rank == 0) else []
+        # context-parallel ranks all hold the whole sequences' log-probs (compute_logprobs)
+        mine = outs if (self.layout.is_last_stage and self.layout.tp_rank == 0 and self.layout.cp_rank == 0) else []
         index = torch.cat([o["index"] for o in mine]).to(dev) if mine else torch.zeros(0, dtype=torch.long, device=dev)
         counts = torch.cat([o["counts"].long().to(dev) for o in mine]) if mine else torch.zeros_like(index)
         values = torch.cat([o["values"].to(dev) for o in mine]) if mine else torch.zeros(0, device=dev)

@@ -395,7 +395,7 @@ def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep: int = 1, etp: int = 1,
                        aux_loss_coeff: float = 0.0, routing_replay: bool = False, expert_bias_update_rate: float = 0.0,
-                       first_stage_layers: int = 0, last_stage_layers: int = 0, **overrides: Any):
+                       first_stage_layers: int = 0, last_stage_layers: int = 0, cp: int = 1, **overrides: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_parallel_layout(spec, tp, pp, ep, etp, first_stage_layers, last_stage_layers)
@@ -407,7 +407,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
         hidden_dropout=0.0, attention_dropout=0.0,
         # The parallel sizes must be in the config too: with the default PP=1 each stage would
         # silently build every layer.
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
         # micro-batches of different lengths (length-bucketed batching); this flag requires the
@@ -448,6 +448,10 @@ def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: st
         out = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
         out = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if tconfig.context_parallel_size > 1 and not have_transformer_engine():  # TE's attention does CP itself
+        from spice_megatron.policy.context_parallel import with_context_parallel_attention
+
+        return with_context_parallel_attention(out)
     # megatron's local core attention cannot take latent attention's keys wider than its values: the
     # shared-prefix module (plain causal SDPA on unpacked rows) stands in for it without TE
     if shared_prefix or (spec.mla is not None and not have_transformer_engine()):
@@ -471,12 +475,13 @@ def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool,
     return GPTModel(**kwargs)
 
 
-def resolve_shared_prefix(spec: ModelSpec, train):
-    """`train` with shared_prefix "auto" decided for this model: off for latent attention (its
-    per-layer rotary embedding cannot position packed rows yet), as the config says otherwise."""
+def resolve_shared_prefix(spec: ModelSpec, train, context_parallel: int = 1):
+    """`train` with shared_prefix "auto" decided for this model and layout: off for latent attention
+    (its per-layer rotary embedding cannot position packed rows yet) and under context parallelism
+    (which splits padded rows), as the config says otherwise."""
     import dataclasses
 
-    if spec.mla is not None and train.shared_prefix == "auto":
+    if (spec.mla is not None or context_parallel > 1) and train.shared_prefix == "auto":
         return dataclasses.replace(train, shared_prefix="off")
     return train
 
@@ -496,12 +501,15 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
     if train.use_shared_prefix and spec.mla is not None:
         raise ConfigError(f"train.shared_prefix: on, but {spec.architecture}'s latent attention keeps its own rotary "
                           "embedding, which shared-prefix rows cannot position yet; use off (auto is off here)")
+    if train.use_shared_prefix and layout.cp > 1:
+        raise ConfigError("parallel.context_parallel: shared-prefix packed rows cannot be split over context-parallel "
+                          "ranks yet; set train.shared_prefix off")
     flags = activation_flags(parallel, train, layout.tp, torch.cuda.is_available(), have_transformer_engine())
     tconfig = transformer_config(spec, layout.tp, layout.pp, dtype, ep=layout.ep, etp=layout.etp,
                                  aux_loss_coeff=train.moe_aux_loss_coeff, routing_replay=spec.moe is not None,
                                  expert_bias_update_rate=train.moe_expert_bias_update_rate,
                                  first_stage_layers=parallel.first_stage_layers,
-                                 last_stage_layers=parallel.last_stage_layers,
+                                 last_stage_layers=parallel.last_stage_layers, cp=layout.cp,
                                  **flags.megatron_kwargs(), **overrides)
     with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
         model = build_model(spec, tconfig, layout.is_first_stage, layout.is_last_stage, train.use_shared_prefix,

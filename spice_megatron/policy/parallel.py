@@ -30,6 +30,14 @@ class Layout:
     ep_rank: int = 0
     etp_rank: int = 0
     edp_rank: int = 0  # data-parallel rank among the replicas of this rank's experts
+    cp: int = 1
+    cp_rank: int = 0
+
+    @property
+    def first_replica(self) -> bool:
+        """Data-parallel rank 0 and context-parallel rank 0: the rank whose dense weights (and TP
+        shards) stand for every copy, in exports, syncs and checkpoints' one-of-each objects."""
+        return self.dp_rank == 0 and self.cp_rank == 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -62,9 +70,10 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
-    if world % (cfg.tensor_parallel * cfg.pipeline_parallel):
+    if world % (cfg.tensor_parallel * cfg.pipeline_parallel * cfg.context_parallel):
         raise ConfigError(f"parallel: world size {world} is not a multiple of tensor_parallel x pipeline_parallel "
-                          f"= {cfg.tensor_parallel} x {cfg.pipeline_parallel}")
+                          f"x context_parallel = {cfg.tensor_parallel} x {cfg.pipeline_parallel} x "
+                          f"{cfg.context_parallel}")
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         # RL micro-batches change length every step and fragment the caching allocator; its
@@ -94,6 +103,7 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
                           f"x {cfg.expert_tensor_parallel} must divide the {stage} ranks of a pipeline stage")
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
                                  pipeline_model_parallel_size=cfg.pipeline_parallel,
+                                 context_parallel_size=cfg.context_parallel,
                                  expert_model_parallel_size=cfg.expert_parallel,
                                  expert_tensor_parallel_size=cfg.expert_tensor_parallel)
     cpu_compat.model_parallel_seed(seed)
@@ -109,7 +119,8 @@ def current_layout() -> Layout:
                   pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
                   ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
                   ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
-                  edp_rank=ps.get_expert_data_parallel_rank())
+                  edp_rank=ps.get_expert_data_parallel_rank(), cp=ps.get_context_parallel_world_size(),
+                  cp_rank=ps.get_context_parallel_rank())
 
 
 def control_group(timeout_s: float):
