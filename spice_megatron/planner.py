@@ -414,7 +414,8 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         notes.append(f"activations planned at {tokens:,} tokens, the longest sequence ({bound}), over "
                      f"train.micro_batch_tokens={cfg.train.micro_batch_tokens:,}")
     return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
-                learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp * cp), etp, rollout_gpus // etp, mem, em, notes,
+                learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp * cp), etp, rollout_gpus // etp, mem, em,
+                notes,
                 ep, spec.active_parameters / 1e9, colocate, utilization if colocate else 0.0, offload, **phases,
                 first_stage_layers=first, last_stage_layers=last, recompute=recompute, cp=cp)
 

@@ -10,9 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from recipes import (resolve_recipe, BASELINE_RECIPES, COLOCATED_RECIPES, CPU_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES,
-                     PAPER_RECIPES, get_recipe,
-                     recipe_names)
+from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, CPU_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES,
+                     PAPER_RECIPES, get_recipe, recipe_names, resolve_recipe)
 from spice_megatron.config import ConfigError, apply_overrides
 from spice_megatron.planner import PlanError, Throughput, estimate_step_time, learner_memory, model_spec, plan_layout
 
