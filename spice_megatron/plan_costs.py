@@ -61,9 +61,23 @@ class Throughput:
 
     @classmethod
     def for_gpu(cls, gpu: str) -> "Throughput":
-        """These assumptions with the part's dense bf16 FLOP/s and HBM bandwidth (config.GPU_PARTS)."""
+        """These assumptions with the part's dense bf16 FLOP/s and HBM bandwidth (config.GPU_PARTS)
+        and its node's links (NETWORK)."""
         _, tflops, hbm = GPU_PARTS[gpu]
-        return cls(peak_tflops=tflops, hbm_tb_s=hbm)
+        nvlink, inter_node = NETWORK[gpu]
+        return cls(peak_tflops=tflops, hbm_tb_s=hbm, nvlink_gb_s=nvlink, inter_node_gb_s=inter_node,
+                   all_to_all_gb_s=nvlink / 3)
+
+
+# Per GPU, the bus bandwidth (GB/s) a collective reaches inside an HGX node and across nodes. NVIDIA's
+# datasheets: H100 and H200 SXM have NVLink 4 (900 GB/s per GPU, both directions), B200 NVLink 5 (1.8
+# TB/s); HGX/DGX H100, H200 and B200 nodes have one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s). Taken at
+# two thirds of NVLink's one-way rate and 80% of the NIC's, as NCCL's tests reach.
+NETWORK: dict[str, tuple[float, float]] = {
+    "h100": (300.0, 40.0),
+    "h200": (300.0, 40.0),
+    "b200": (600.0, 40.0),
+}
 
 
 def decode_phase(spec: ModelSpec, engine_tp: int, engines: int, max_sequences: int, kv_bytes_per_token: int,

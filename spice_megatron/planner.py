@@ -369,8 +369,9 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                         f"{cluster.gpu_memory_gib:.0f} GiB beside the learner's resident {resident:.1f} GiB exceeds "
                         f"{budget:.1f} GiB ({headroom:.0%}); at most "
                         f"{(budget - resident) / cluster.gpu_memory_gib:.2f} (`spice plan --choose` picks it)")
+    # engines inside a node first; TP=16 (two nodes, its all-reduces over InfiniBand) when none fits
     engine_tps = [cfg.rollout.engine_tensor_parallel] if fixed else [
-        t for t in _powers_of_two(min(8, cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0]
+        t for t in _powers_of_two(min(16, 2 * cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0]
     for etp in engine_tps:
         em = engine_memory(spec, etp, cluster.gpu_memory_gib, utilization, cfg.rollout.max_model_len)
         if em.kv_tokens >= min_engine_kv_tokens and em.max_sequences >= 1 and rollout_gpus % etp == 0:
@@ -408,6 +409,10 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         notes.append("one node: learner and engines share it (GPUs split in half)")
     if tp > 1 and cluster.nodes > 1:
         notes.append("TP stays within a node; PP and DP cross nodes")
+    if etp > cluster.gpus_per_node:
+        notes.append(f"engine TP={etp} spans {etp // cluster.gpus_per_node} nodes: slurm/rollout_node.sh and the colocated "
+                     "launch start engines within a node; start these with vLLM's multi-node serving and pass "
+                     "rollout.engines")
     if ep > cluster.gpus_per_node:
         notes.append(f"EP={ep} spans nodes: the experts' all-to-all crosses the inter-node fabric")
     if tokens > cfg.train.micro_batch_tokens:

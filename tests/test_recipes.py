@@ -592,3 +592,21 @@ def test_choose_splits_long_sequences_over_context_parallel_ranks_when_nothing_e
     assert "parallel.context_parallel=2 train.shared_prefix=off" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="parallel.context_parallel: shared-prefix packed rows cannot be split"):
         resolve_recipe("qwen3_32b", ["parallel.context_parallel=2", "train.shared_prefix=on"]).validate()
+
+
+def test_each_gpu_part_has_its_links_and_engines_span_two_nodes_only_when_none_fits_in_one():
+    """B200's NVLink 5 doubles the in-node collectives' bandwidth; H200 nodes have H100's links.
+    Qwen3-235B colocated on 128 H100s: no engine within a node leaves a KV cache beside the learner,
+    so --choose takes TP=16 engines and says that the project's launchers do not start them."""
+    from spice_megatron.plan_costs import Throughput
+
+    h100, h200, b200 = (Throughput.for_gpu(g) for g in ("h100", "h200", "b200"))
+    assert (h200.nvlink_gb_s, h200.inter_node_gb_s) == (h100.nvlink_gb_s, h100.inter_node_gb_s)
+    assert b200.nvlink_gb_s == 2 * h100.nvlink_gb_s and b200.all_to_all_gb_s == 2 * h100.all_to_all_gb_s
+    cfg = get_recipe("qwen3_235b_a22b")
+    cfg.cluster.nodes, cfg.cluster.learner_nodes, cfg.run.colocate = 16, 0, True
+    cfg.train.max_staleness, cfg.rollout.weight_transfer = 0, "ipc"
+    plan = plan_layout(cfg, choose=True)
+    assert plan.engine_tp == 16 and plan.gpus == 128
+    assert any("engine TP=16 spans 2 nodes" in n and "rollout.engines" in n for n in plan.notes)
+    assert plan_layout(get_recipe("qwen3_32b"), choose=True).engine_tp <= 8
