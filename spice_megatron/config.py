@@ -215,6 +215,10 @@ class ParallelConfig:
     # 2 x CP chunks each (policy/context_parallel.py); taken from the data-parallel ranks. For
     # sequences whose activations do not fit one TP group; padded micro-batches only.
     context_parallel: int = 1
+    # Virtual pipeline stages (megatron's interleaved 1F1B): each pipeline rank holds this many
+    # non-adjacent chunks of layers, which divides the pipeline bubble by it for one more
+    # point-to-point transfer per chunk; pipeline_parallel x virtual_pipeline must divide the layers.
+    virtual_pipeline: int = 1
 
     @property
     def use_sequence_parallel(self) -> bool:
@@ -226,6 +230,12 @@ class ParallelConfig:
         _require(self.expert_parallel >= 1, f"{prefix}.expert_parallel", "must be >= 1")
         _require(self.expert_tensor_parallel >= 1, f"{prefix}.expert_tensor_parallel", "must be >= 1")
         _require(self.context_parallel >= 1, f"{prefix}.context_parallel", "must be >= 1")
+        _require(self.virtual_pipeline >= 1, f"{prefix}.virtual_pipeline", "must be >= 1")
+        _require(self.virtual_pipeline == 1 or self.pipeline_parallel > 1, f"{prefix}.virtual_pipeline",
+                 "needs pipeline_parallel > 1")
+        _require(self.virtual_pipeline == 1 or not (self.first_stage_layers or self.last_stage_layers),
+                 f"{prefix}.virtual_pipeline", "with uneven stages (first_stage_layers / last_stage_layers) is not "
+                 "supported yet")
         _require(self.sequence_parallel in ("auto", "on", "off"), f"{prefix}.sequence_parallel",
                  "must be auto, on or off")
         _require(self.backend in ("auto", "nccl", "gloo"), f"{prefix}.backend", "must be auto, nccl or gloo")

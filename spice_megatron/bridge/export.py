@@ -29,9 +29,10 @@ def stage_hf_outputs(learner) -> Iterator[tuple[str, torch.Tensor, list[tuple[st
     (global experts i, i + E/EP, ...), each gathered over the expert-tensor-parallel ranks."""
     from spice_megatron.bridge.hf_io import layer_offset
 
-    offset, lay, spec = layer_offset(learner.model), learner.layout, learner.spec
+    lay, spec = learner.layout, learner.spec
     per_rank = spec.moe.num_experts // lay.ep if spec.moe is not None else 0
-    for name, param in hf_tensors(learner.model):
+    # model chunks (virtual pipeline stages) each number their layers from their own first one
+    for name, param, offset in ((n, p, layer_offset(chunk)) for chunk in learner.chunks for n, p in hf_tensors(chunk)):
         global_name = global_param_name(name, offset)
         if is_expert(name):
             shape = full_shape(name, tuple(param.shape), lay.etp)

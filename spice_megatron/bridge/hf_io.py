@@ -128,10 +128,10 @@ class StateDictReader:
 
 
 def layer_offset(model) -> int:
-    """Global index of this pipeline stage's first layer."""
+    """Global index of this pipeline stage's (or model chunk's) first layer."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return get_transformer_layer_offset(model.config)
+    return get_transformer_layer_offset(model.config, getattr(model, "vp_stage", None))
 
 
 @torch.no_grad()

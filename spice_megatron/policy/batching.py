@@ -136,16 +136,18 @@ def _filler(pad_id: int, old: list[list[float]] | None, pad_to: int) -> MicroBat
 
 def make_microbatches(seqs: list[TrainSequence], dp: int, dp_rank: int, token_budget: int,
                       pad_id: int = 0, old: list[list[float]] | None = None, pad_to: int = 1,
-                      equal_counts: bool = False, num_experts: int = 0) -> list[MicroBatch]:
+                      equal_counts: bool = False, num_experts: int = 0, count_multiple: int = 1) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches of a global batch. Every rank of a pipeline computes
     the same plan. A rank left without sequences gets one masked-out filler so that its pipeline
     still steps (its loss and gradient contributions are zero). `equal_counts`: every DP rank runs
     as many micro-batches as the one with the most (masked fillers at the end): an expert-parallel
-    group spans DP replicas, and each MoE layer's all-to-all needs all of them in every forward."""
+    group spans DP replicas, and each MoE layer's all-to-all needs all of them in every forward.
+    `count_multiple`: the count rounded up to a multiple of it (virtual pipeline stages: of PP)."""
     lengths = [len(x) for x in seqs]
     split = split_data_parallel(lengths, dp)
     plans = [plan_microbatches(mine, lengths, token_budget) for mine in split]
     mbs = [collate([seqs[i] for i in g], g, pad_id, [old[i] for i in g] if old is not None else None, pad_to,
                    num_experts) for g in plans[dp_rank]]
     count = max(max(len(p) for p in plans), 1) if equal_counts else max(len(plans[dp_rank]), 1)
+    count = -(-count // count_multiple) * count_multiple
     return mbs + [_filler(pad_id, old, pad_to) for _ in range(count - len(mbs))]

@@ -83,7 +83,10 @@ def _sharded_state(learner, is_loading: bool, with_optimizer: bool, with_rng: bo
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     lay = learner.layout
-    model_sd = learner.model.sharded_state_dict()
+    # one entry per model chunk (virtual pipeline stages) as Megatron-LM names them; the tensors'
+    # keys carry global layer numbers, so a checkpoint loads at any other chunking
+    model_sd = (learner.model.sharded_state_dict() if len(learner.chunks) == 1 else
+                {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(learner.chunks)})
     state = {"model": model_sd}
     if with_optimizer:
         state["optimizer"] = learner.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
@@ -120,7 +123,7 @@ def save_checkpoint(learner, root: str, step: int, trainer_state: dict[str, Any]
     if rank == 0:
         lay = learner.layout
         _write_json(os.path.join(tmp, "layout.json"),
-                    {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp, "step": step,
+                    {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp, "vpp": lay.vpp, "step": step,
                      "learner_steps": learner.steps, "model_only": model_only,
                      "distributed_optimizer": learner.optim_cfg.use_distributed_optimizer,
                      "optimizer_sharding": learner.optim_cfg.checkpoint_sharding})
@@ -371,7 +374,8 @@ def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, A
     with open(os.path.join(path, "layout.json")) as f:
         saved = json.load(f)
     lay = learner.layout
-    same_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1)) == (lay.tp, lay.pp, lay.dp, lay.cp)
+    same_layout = ((saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("vpp", 1))
+                   == (lay.tp, lay.pp, lay.dp, lay.cp, lay.vpp))
     with_optimizer = not (model_only or saved.get("model_only", False))
     sharding = saved.get("optimizer_sharding", LEGACY_OPTIMIZER_SHARDING)
     if with_optimizer:
@@ -383,7 +387,10 @@ def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, A
     with cpu_compat.cuda_to_cpu():
         state = dist_checkpointing.load(
             _sharded_state(learner, True, with_optimizer, with_optimizer and same_layout, sharding), path)
-        learner.model.load_state_dict(state["model"])
+        if len(learner.chunks) == 1:
+            learner.model.load_state_dict(state["model"])
+        for i, chunk in enumerate(learner.chunks if len(learner.chunks) > 1 else []):
+            chunk.load_state_dict(state["model"][f"model{i}"])
         if with_optimizer:
             learner.optimizer.load_state_dict(state["optimizer"])
         else:  # a bf16 optimizer's fp32 main weights would otherwise overwrite the loaded ones at the next step

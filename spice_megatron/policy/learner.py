@@ -99,8 +99,13 @@ class Learner:
             raise ConfigError(f"train.routing_replay: on, but {spec.architecture} has no experts to route")
         # megatron's RouterReplay hooks exist in every MoE model: with replay off they still measure
         # how often the learner's routing differs from the engine's
-        self.model, self.tconfig, self.activation_flags = build_policy_model(spec, parallel, train, self.layout,
-                                                                             self.dtype, self.device)
+        # with virtual pipeline stages a rank holds several non-adjacent chunks of layers
+        stages = list(range(self.layout.vpp)) if self.layout.vpp > 1 else [None]
+        built = [build_policy_model(spec, parallel, train, self.layout, self.dtype, self.device, vp_stage=v)
+                 for v in stages]
+        self.chunks = [model for model, _, _ in built]
+        self.model = self.chunks[0]  # the rank's model unless parallel.virtual_pipeline > 1
+        _, self.tconfig, self.activation_flags = built[0]
         # micro-batches are padded to a multiple of TP under sequence parallelism; on GPU of 128 too,
         # the alignment Transformer Engine's kernels want (on CPU the padding would cost the tests)
         self.seq_multiple = 1
@@ -117,7 +122,7 @@ class Learner:
         if self.shared_prefix:
             from megatron.core import parallel_state as ps
 
-            self.packed = PackedForward(self.model, ps.get_tensor_model_parallel_group())
+            self.packed = PackedForward(self.chunks, ps.get_tensor_model_parallel_group())
         self.replay: RoutingReplay | None = None
         self.moe_recomputed = train.recompute == "full" or (train.recompute == "selective"
                                                             and "moe" in train.recompute_modules)
@@ -126,16 +131,21 @@ class Learner:
 
             self.replay = RoutingReplay(self.model, layer_offset(self.model), self.routing_replay, self.layout.tp_rank,
                                         self.layout.tp, bool(self.tconfig.sequence_parallel), self.device)
+            for chunk in self.chunks[1:]:
+                self.replay.add_chunk(chunk, layer_offset(chunk))
         if load_weights is not None:
             load_weights(self)
         with cpu_compat.cuda_to_cpu():
-            self.ddp = DistributedDataParallel(
-                config=self.tconfig, module=self.model,
-                # the data-parallel gradient reduce runs bucket by bucket during the backward pass
-                # (finalize_model_grads waits for the last buckets)
+            # the data-parallel gradient reduce runs bucket by bucket during the backward pass
+            # (finalize_model_grads waits for the last buckets); a later chunk's buckets are not
+            # split (megatron's rule: the interleaved schedule reduces them chunk by chunk)
+            self.ddp_chunks = [DistributedDataParallel(
+                config=chunk.config, module=chunk,
                 ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=optim.use_distributed_optimizer,
                                                          overlap_grad_reduce=self.layout.dp > 1,
-                                                         grad_reduce_in_fp32=True))
+                                                         grad_reduce_in_fp32=True),
+                disable_bucketing=i > 0) for i, chunk in enumerate(self.chunks)]
+            self.ddp = self.ddp_chunks[0]
             # optim.cpu_offload_fraction: megatron's HybridDeviceOptimizer (CPU Adam for that share of
             # the state; it requires the precision-aware distributed optimizer); GPU only, never run here
             offload = ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": optim.cpu_offload_fraction,
@@ -146,9 +156,10 @@ class Learner:
                                 clip_grad=optim.clip_grad, bf16=self.dtype == torch.bfloat16,
                                 params_dtype=self.dtype, use_distributed_optimizer=optim.use_distributed_optimizer,
                                 **offload),
-                [self.ddp])
+                self.ddp_chunks)
         self.scheduler = self._scheduler(optim)
-        self.tconfig.no_sync_func = self.ddp.no_sync
+        self.tconfig.no_sync_func = ([d.no_sync for d in self.ddp_chunks] if len(self.ddp_chunks) > 1
+                                     else self.ddp.no_sync)
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.steps = 0
 
@@ -160,6 +171,7 @@ class Learner:
                 and ps.get_tensor_model_parallel_world_size() == parallel.tensor_parallel
                 and ps.get_pipeline_model_parallel_world_size() == parallel.pipeline_parallel
                 and ps.get_context_parallel_world_size() == parallel.context_parallel
+                and (ps.get_virtual_pipeline_model_parallel_world_size() or 1) == parallel.virtual_pipeline
                 and ps.get_expert_model_parallel_world_size() == parallel.expert_parallel
                 and ps.get_expert_tensor_parallel_world_size() == parallel.expert_tensor_parallel)
 
@@ -173,7 +185,7 @@ class Learner:
         # With tied embeddings and PP > 1 the last stage's output layer is loaded from the same HF
         # embedding tensor, so both copies start equal; megatron then reduces their grads together.
         return cls(model_spec_from_hf(hf_dir), parallel, optim, train, pad_id,
-                   load_weights=lambda lr: load_hf_weights(lr.model, lr.spec, reader, lr.layout))
+                   load_weights=lambda lr: [load_hf_weights(c, lr.spec, reader, lr.layout) for c in lr.chunks])
 
     def _scheduler(self, optim: OptimConfig):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -211,9 +223,11 @@ class Learner:
                     self.packed.clear()
             return out, lambda output: loss_fn(mb, output)
 
+        # the interleaved schedule (virtual pipeline stages) reads each chunk's micro-batches from its own iterator
+        data = [iter(microbatches) for _ in self.ddp_chunks] if len(self.ddp_chunks) > 1 else iter(microbatches)
         with cpu_compat.cuda_to_cpu():
             return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.ddp],
+                forward_step_func=forward_step, data_iterator=data, model=self.ddp_chunks,
                 num_microbatches=len(microbatches), seq_length=microbatches[0].tokens.shape[1],
                 micro_batch_size=microbatches[0].tokens.shape[0], forward_only=forward_only) or []
 
@@ -230,7 +244,8 @@ class Learner:
         """Log-probs of each sequence's completion tokens under the current weights (every rank
         gets the full result)."""
         self._check_routing(seqs)
-        self.model.eval()
+        for chunk in self.chunks:
+            chunk.eval()
         mbs = self._microbatches(seqs)
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
@@ -258,8 +273,10 @@ class Learner:
     def _microbatches(self, seqs: list[TrainSequence], old: list[list[float]] | None = None) -> list[MicroBatch]:
         """This DP rank's micro-batches: shared-prefix packed rows, or one padded row per sequence."""
         make = packed_microbatches if self.shared_prefix else make_microbatches
+        # the interleaved schedule runs micro-batches in groups of PP: a multiple of it (masked fillers)
         return make(seqs, self.layout.dp, self.layout.dp_rank, self.train_cfg.micro_batch_tokens, self.pad_id, old,
-                    pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp, num_experts=self.num_experts)
+                    pad_to=self.seq_multiple, equal_counts=self.ep_spans_dp, num_experts=self.num_experts,
+                    count_multiple=self.layout.pp if self.layout.vpp > 1 else 1)
 
     def data_parallel_split(self, seqs: list[TrainSequence]) -> list[list[int]]:
         """Sequence indices per DP rank, as _microbatches splits them (a prompt's group on one rank)."""
@@ -410,7 +427,8 @@ class Learner:
         (none left: every rank steps on a masked filler, so that Adam's momentum still moves)."""
         t0 = time.perf_counter()
         self._check_routing(seqs)
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         cfg = self.train_cfg
         mbs = self._microbatches(seqs, old)
         # megatron divides each micro-batch loss by the rank's micro-batch count and DDP averages
@@ -450,7 +468,8 @@ class Learner:
                 outs = self._run(mbs, loss_fn, forward_only=True)
             ok, grad_norm = True, 0.0
         else:
-            self.ddp.zero_grad_buffer()
+            for ddp in self.ddp_chunks:
+                ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             outs = self._run(mbs, loss_fn, forward_only=False)
             with cpu_compat.cuda_to_cpu():

@@ -323,7 +323,7 @@ def pipeline_stage_layers(num_layers: int, pp: int, first: int = 0, last: int = 
 
 
 def check_parallel_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int = 1, first_stage_layers: int = 0,
-                          last_stage_layers: int = 0) -> None:
+                          last_stage_layers: int = 0, vpp: int = 1) -> None:
     """Divisibility the layout needs; the error names the config field at fault."""
     if spec.moe is None and (ep > 1 or etp > 1):
         raise ConfigError(f"parallel.expert_parallel: {spec.architecture} has no experts; expert_parallel and "
@@ -343,6 +343,9 @@ def check_parallel_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: i
     if spec.vocab_size % tp:
         raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide vocab_size={spec.vocab_size}")
     pipeline_stage_layers(spec.num_layers, pp, first_stage_layers, last_stage_layers)
+    if vpp > 1 and spec.num_layers % (pp * vpp):
+        raise ConfigError(f"parallel.virtual_pipeline: pipeline_parallel x virtual_pipeline = {pp} x {vpp} does not "
+                          f"divide num_hidden_layers={spec.num_layers}")
     if spec.moe is not None and spec.moe.shared_expert_ffn_hidden_size % tp:
         raise ConfigError(f"parallel.tensor_parallel: {tp} does not divide the shared experts' "
                           f"{spec.moe.shared_expert_ffn_hidden_size} (n_shared_experts x moe_intermediate_size)")
@@ -395,10 +398,11 @@ def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep: int = 1, etp: int = 1,
                        aux_loss_coeff: float = 0.0, routing_replay: bool = False, expert_bias_update_rate: float = 0.0,
-                       first_stage_layers: int = 0, last_stage_layers: int = 0, cp: int = 1, **overrides: Any):
+                       first_stage_layers: int = 0, last_stage_layers: int = 0, cp: int = 1, vpp: int = 1,
+                       **overrides: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    check_parallel_layout(spec, tp, pp, ep, etp, first_stage_layers, last_stage_layers)
+    check_parallel_layout(spec, tp, pp, ep, etp, first_stage_layers, last_stage_layers, vpp)
     kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
@@ -408,6 +412,11 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
         # The parallel sizes must be in the config too: with the default PP=1 each stage would
         # silently build every layer.
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        # interleaved: Megatron-LM's defaults, unbatched sends and receives that overlap compute; at
+        # PP=2 they keep the two directions apart (each stage is the other's previous and next), which
+        # one batch of them to the same peer does not
+        **(dict(overlap_p2p_comm=True, batch_p2p_comm=False) if vpp > 1 else {}),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
         # micro-batches of different lengths (length-bucketed batching); this flag requires the
@@ -436,14 +445,14 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
     return MLATransformerConfig(**kwargs)
 
 
-def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: str = "sdpa"):
+def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: str = "sdpa", vp_stage: int | None = None):
     """megatron's layer spec for the family (Transformer Engine's on GPU); `shared_prefix`: with
     the core attention of shared-prefix packed rows (policy/shared_prefix.py), through `kernel`."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec.moe is not None:  # per layer, experts or the dense MLP as tconfig.moe_layer_freq says
         out = gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=have_transformer_engine(),
-                                                         normalization="RMSNorm")
+                                                         normalization="RMSNorm", vp_stage=vp_stage)
     elif have_transformer_engine():
         out = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     else:
@@ -462,10 +471,12 @@ def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: st
 
 
 def build_model(spec: ModelSpec, tconfig, pre_process: bool, post_process: bool, shared_prefix: bool = False,
-                kernel: str = "sdpa"):
+                kernel: str = "sdpa", vp_stage: int | None = None):
+    """This rank's GPTModel (with virtual pipeline stages: its chunk `vp_stage`)."""
     from megatron.core.models.gpt import GPTModel
 
-    kwargs = dict(config=tconfig, transformer_layer_spec=layer_spec(spec, tconfig, shared_prefix, kernel),
+    kwargs = dict(config=tconfig, transformer_layer_spec=layer_spec(spec, tconfig, shared_prefix, kernel, vp_stage),
+                  vp_stage=vp_stage,
                   vocab_size=spec.vocab_size,
                   max_sequence_length=spec.max_position_embeddings, pre_process=pre_process,
                   post_process=post_process, share_embeddings_and_output_weights=spec.tied_embeddings,
@@ -487,7 +498,7 @@ def resolve_shared_prefix(spec: ModelSpec, train, context_parallel: int = 1):
 
 
 def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dtype, device: torch.device,
-                       **overrides: Any):
+                       vp_stage: int | None = None, **overrides: Any):
     """The learner's model on this rank, as the Learner trains it: megatron's config for the layout
     and the activation flags of `train` (recompute, fused SwiGLU, sequence parallelism), in `dtype`
     on `device`. Returns (model, transformer config, activation flags). `overrides` go to the
@@ -509,11 +520,16 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
                                  aux_loss_coeff=train.moe_aux_loss_coeff, routing_replay=spec.moe is not None,
                                  expert_bias_update_rate=train.moe_expert_bias_update_rate,
                                  first_stage_layers=parallel.first_stage_layers,
-                                 last_stage_layers=parallel.last_stage_layers, cp=layout.cp,
+                                 last_stage_layers=parallel.last_stage_layers, cp=layout.cp, vpp=layout.vpp,
                                  **flags.megatron_kwargs(), **overrides)
+    first, last = layout.is_first_stage, layout.is_last_stage
+    if vp_stage is not None:  # the first chunk of the first stage has the embedding, the last of the last the output
+        from megatron.core import parallel_state as ps
+
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     with cpu_compat.cuda_to_cpu():  # tied embeddings with PP > 1 move a copy with .cuda()
-        model = build_model(spec, tconfig, layout.is_first_stage, layout.is_last_stage, train.use_shared_prefix,
-                            train.shared_prefix_kernel)
+        model = build_model(spec, tconfig, first, last, train.use_shared_prefix, train.shared_prefix_kernel, vp_stage)
     # Uniformly in the training dtype, as megatron's Float16Module makes it: the local layer spec (no
     # Transformer Engine) builds its RMSNorms in fp32 next to bf16 linears, and the bf16 optimizer's
     # checkpoint mapping cannot handle the mix. (TE builds norms in bf16.)

@@ -185,7 +185,7 @@ def _packed_routing(seqs: list[TrainSequence], rows: list[tuple[int, int, int, i
 
 def packed_microbatches(seqs: list[TrainSequence], dp: int, dp_rank: int, token_budget: int, pad_id: int = 0,
                         old: list[list[float]] | None = None, pad_to: int = 1, equal_counts: bool = False,
-                        num_experts: int = 0) -> list[MicroBatch]:
+                        num_experts: int = 0, count_multiple: int = 1) -> list[MicroBatch]:
     """This data-parallel rank's packed micro-batches of a global batch (every rank computes the
     same plan); masked fillers as batching.make_microbatches adds them."""
     split = split_units_data_parallel(seqs, dp)
@@ -193,6 +193,7 @@ def packed_microbatches(seqs: list[TrainSequence], dp: int, dp_rank: int, token_
     old_by_index = dict(enumerate(old)) if old is not None else None
     mbs = [collate_packed(seqs, units, pad_id, old_by_index, pad_to, num_experts) for units in plans[dp_rank]]
     count = max(max(len(p) for p in plans), 1) if equal_counts else max(len(plans[dp_rank]), 1)
+    count = -(-count // count_multiple) * count_multiple
     return mbs + [packed_filler(pad_id, old, pad_to) for _ in range(count - len(mbs))]
 
 

@@ -32,6 +32,7 @@ class Layout:
     edp_rank: int = 0  # data-parallel rank among the replicas of this rank's experts
     cp: int = 1
     cp_rank: int = 0
+    vpp: int = 1  # virtual pipeline stages: model chunks per rank
 
     @property
     def first_replica(self) -> bool:
@@ -104,6 +105,8 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
     ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
                                  pipeline_model_parallel_size=cfg.pipeline_parallel,
                                  context_parallel_size=cfg.context_parallel,
+                                 virtual_pipeline_model_parallel_size=cfg.virtual_pipeline if cfg.virtual_pipeline > 1
+                                 else None,
                                  expert_model_parallel_size=cfg.expert_parallel,
                                  expert_tensor_parallel_size=cfg.expert_tensor_parallel)
     cpu_compat.model_parallel_seed(seed)
@@ -120,7 +123,8 @@ def current_layout() -> Layout:
                   ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
                   ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
                   edp_rank=ps.get_expert_data_parallel_rank(), cp=ps.get_context_parallel_world_size(),
-                  cp_rank=ps.get_context_parallel_rank())
+                  cp_rank=ps.get_context_parallel_rank(),
+                  vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1)
 
 
 def control_group(timeout_s: float):

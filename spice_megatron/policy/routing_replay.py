@@ -84,6 +84,19 @@ class RoutingReplay:
         # the same order (the schedule's backwards run in forward order). Not counted twice either.
         self.keep_for_backward = False  # set by the learner for a training pass with recomputed MoE layers
         self._for_backward: list[deque] = []
+        self._valid: torch.Tensor | None = None
+        self._real: torch.Tensor | None = None
+        # summed over the step's forwards on the router's device, copied to the host once per step
+        # (take_counts): [differing, engine-routed] (token, layer) pairs, and per router
+        # [expert counts..., entropy sum, tokens]
+        self._differ: torch.Tensor | None = None
+        self.load: dict[int, torch.Tensor] = {}
+        self.add_chunk(model, layer_offset)
+
+    def add_chunk(self, model, layer_offset: int) -> None:
+        """The routers of one model chunk (virtual pipeline stages: a rank holds several), numbered from
+        its first layer's index in the whole model."""
+        start = len(self.routers)
         for name, module in model.named_modules():
             m = _ROUTER.match(name)
             if m and getattr(module, "router_replay", None) is not None:
@@ -93,18 +106,11 @@ class RoutingReplay:
         # helpers, which address routers by instantiation order across the whole process); these are
         # addressed by module name, so they leave it: a process that builds several learners would
         # otherwise keep every one of their routers alive
-        mine = {id(rr) for rr, _ in self.routers}
+        mine = {id(rr) for rr, _ in self.routers[start:]}
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         RouterReplay.global_router_replay_instances[:] = [
             rr for rr in RouterReplay.global_router_replay_instances if id(rr) not in mine]
-        self._valid: torch.Tensor | None = None
-        self._real: torch.Tensor | None = None
-        # summed over the step's forwards on the router's device, copied to the host once per step
-        # (take_counts): [differing, engine-routed] (token, layer) pairs, and per router
-        # [expert counts..., entropy sum, tokens]
-        self._differ: torch.Tensor | None = None
-        self.load: dict[int, torch.Tensor] = {}
 
     def start_pass(self, keep_for_backward: bool) -> None:
         """Before a pass of the pipeline schedule: whether its MoE layers run again in its backward."""

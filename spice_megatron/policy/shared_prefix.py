@@ -190,18 +190,20 @@ def with_shared_prefix_attention(layer_spec, kernel: str = "sdpa"):
 
 class PackedForward:
     """The micro-batch facts megatron's rotary embedding and output layer read during one model
-    call (set before it, cleared after): the row's position ids and the scored positions."""
+    call (set before it, cleared after): the row's position ids and the scored positions. `models`:
+    this rank's model chunks (one unless parallel.virtual_pipeline > 1)."""
 
-    def __init__(self, model, tp_group):
+    def __init__(self, models: list, tp_group):
         self.positions: torch.Tensor | None = None
         self.score_index: torch.Tensor | None = None
-        self.max_positions = int(getattr(model, "max_sequence_length", 0) or 0)
-        rope = getattr(model, "rotary_pos_emb", None)
-        if rope is not None:
-            rope.forward = self._rope_forward(rope.forward)
-        layer = getattr(model, "output_layer", None)
-        if layer is not None:
-            layer.forward = self._output_forward(layer, layer.forward, tp_group)
+        self.max_positions = int(getattr(models[0], "max_sequence_length", 0) or 0)
+        for model in models:
+            rope = getattr(model, "rotary_pos_emb", None)
+            if rope is not None:
+                rope.forward = self._rope_forward(rope.forward)
+            layer = getattr(model, "output_layer", None)
+            if layer is not None:
+                layer.forward = self._output_forward(layer, layer.forward, tp_group)
 
     def set(self, mb: MicroBatch, device: torch.device) -> None:
         packed = mb.score_index is not None
