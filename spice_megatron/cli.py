@@ -141,6 +141,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               + (f"train.recompute={plan.recompute} " if plan.recompute != cfg.train.recompute else "")
               + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")
               + (f"parallel.context_parallel={plan.cp} train.shared_prefix=off " if plan.cp > 1 else "")
+              + (f"parallel.virtual_pipeline={plan.vpp} " if plan.vpp > 1 else "")
               + f"rollout.engine_tensor_parallel={plan.engine_tp}"
               + (f" run.colocate=true train.max_staleness=0 rollout.weight_transfer=ipc "
                  f"rollout.gpu_memory_utilization={plan.engine_utilization}" if plan.colocated else " run.colocate=false")

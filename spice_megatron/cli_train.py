@@ -102,7 +102,7 @@ def check_model_and_layout(cfg) -> None:
     p = cfg.parallel
     check_layout(check_hf_model(cfg.run.model, "run.model"), p.tensor_parallel, p.pipeline_parallel,
                  p.expert_parallel, p.expert_tensor_parallel, first_stage_layers=p.first_stage_layers,
-                 last_stage_layers=p.last_stage_layers)
+                 last_stage_layers=p.last_stage_layers, vpp=p.virtual_pipeline)
 
 
 MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasoner_pass_rate"),

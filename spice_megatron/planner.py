@@ -65,7 +65,7 @@ class LearnerMemory:
 def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_tokens: int,
                    distributed_optimizer: bool = True, overhead_gib: float = 4.0, ep: int = 1,
                    etp: int = 1, flags: ActivationFlags | None = None, optimizer_offload: float = 0.0,
-                   stage_layers: int | None = None) -> LearnerMemory:
+                   stage_layers: int | None = None, vpp: int = 1) -> LearnerMemory:
     """Per-GPU memory of the learner. Activations: the saved tensors of each layer for the flags
     the learner sets (`policy/activation_memory.py`; default: a GPU with Transformer Engine and
     the default train config, sequence parallel when TP > 1); 1F1B keeps up to PP micro-batches in
@@ -109,7 +109,11 @@ def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_token
         per_token_layer = (1 - share) * per_token_layer + share * sum(
             activation_terms(spec, tp, flags, moe_layer=True, etp=etp).values())
         a2a = routed * h * 2 * 2 * 3 * (ep - 1) / ep * moe.num_moe_layers * layers_per_stage / spec.num_layers
-    activations = per_token_layer * micro_batch_tokens * layers_per_stage * pp
+    # in flight on the first stage: PP micro-batches through its layers under 1F1B; interleaved (VPP
+    # chunks of layers_per_stage / VPP layers each), megatron's warm-up of 2 (PP-1) + (VPP-1) PP chunks
+    # and the one running
+    in_flight = pp if vpp == 1 else (2 * (pp - 1) + (vpp - 1) * pp + 1) / vpp
+    activations = per_token_layer * micro_batch_tokens * layers_per_stage * in_flight
     logits = 2 * 4 * micro_batch_tokens * spec.vocab_size / tp
     return LearnerMemory(weights=weights / GiB, gradients=grads / GiB, optimizer=optimizer / GiB,
                          activations=activations / GiB, logits=logits / GiB, overhead=overhead_gib,
@@ -193,6 +197,7 @@ class Plan:
     last_stage_layers: int = 0
     recompute: str = "off"
     cp: int = 1  # parallel.context_parallel: each sequence over CP ranks (its activations split CP ways)
+    vpp: int = 1  # parallel.virtual_pipeline: chunks per pipeline rank (the bubble divided by it)
 
     @property
     def gpus(self) -> int:
@@ -212,7 +217,8 @@ class Plan:
         lines = [
             f"model {self.model}: {self.params_billion:.2f}B parameters{active}",
             f"cluster: {self.nodes} node(s) x {self.gpus_per_node} GPUs of {self.gpu_memory_gib:.0f} GiB",
-            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp}" + (f" CP={self.cp}" if self.cp > 1 else "")
+            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else "")
+            + (f" CP={self.cp}" if self.cp > 1 else "")
             + f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
             + (f", stages of {self.first_stage_layers} / .. / {self.last_stage_layers} layers"
                if self.first_stage_layers else "")
@@ -300,7 +306,8 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         try:
             check_parallel_layout(spec, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, ep,
                                   cfg.parallel.expert_tensor_parallel if spec.moe is not None else 1,
-                                  cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers)
+                                  cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers,
+                                  cfg.parallel.virtual_pipeline)
         except ConfigError as e:
             raise PlanError(f"{e}: the learner refuses this layout") from None
     candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.first_stage_layers,
@@ -311,6 +318,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     # context parallelism when nothing fits without it: it splits the activations, not the weights,
     # exchanges K/V in every layer and turns shared-prefix rows off
     cps = [cfg.parallel.context_parallel] if fixed else [1] + ([2, 4] if cfg.train.shared_prefix != "on" else [])
+    vpp = cfg.parallel.virtual_pipeline if fixed else 1
     offloads = [cfg.optim.cpu_offload_fraction] if fixed or not colocate else [0.0, 0.25, 0.5, 0.75, 1.0]
     recomputes = [cfg.train.recompute] + (["full"] if choose and cfg.train.recompute != "full" else [])
     tried = []
@@ -341,7 +349,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                 # a rank runs 1/CP of each micro-batch; the optimizer shards over data x context ranks
                 mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), -(-tokens // cp),
                                      cfg.optim.use_distributed_optimizer, ep=ep, flags=flags, optimizer_offload=offload,
-                                     stage_layers=stage)
+                                     stage_layers=stage, vpp=vpp)
                 if mem.total <= learner_budget:
                     return tp, pp, first, last, cp, offload, recompute, mem
                 if offload == offloads[0] and recompute == recomputes[0] and cp == cps[0]:
@@ -360,6 +368,16 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                         "optim.use_distributed_optimizer=true, optim.cpu_offload_fraction or a smaller "
                         "train.micro_batch_tokens")
     tp, pp, first, last, cp, offload, recompute, mem = found
+    if choose and pp > 1 and not first and spec.num_layers % (2 * pp) == 0:
+        # two virtual stages per rank halve the bubble for a few more micro-batches' activations in
+        # flight: taken where they still fit
+        flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), replace(cfg.train, recompute=recompute), tp,
+                                 on_gpu=True, transformer_engine=True)
+        interleaved = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), -(-tokens // cp),
+                                     cfg.optim.use_distributed_optimizer, ep=ep, flags=flags, optimizer_offload=offload,
+                                     vpp=2)
+        if interleaved.total <= learner_budget:
+            vpp, mem = 2, interleaved
     resident = mem.weights + LEARNER_RESIDENT_GIB  # colocated: what the learner keeps during the rollouts
     utilization = cfg.rollout.gpu_memory_utilization
     if colocate and choose:
@@ -422,7 +440,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                 learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp * cp), etp, rollout_gpus // etp, mem, em,
                 notes,
                 ep, spec.active_parameters / 1e9, colocate, utilization if colocate else 0.0, offload, **phases,
-                first_stage_layers=first, last_stage_layers=last, recompute=recompute, cp=cp)
+                first_stage_layers=first, last_stage_layers=last, recompute=recompute, cp=cp, vpp=vpp)
 
 
 def challenger_engine_tp(cfg: SpiceConfig) -> int:
@@ -524,7 +542,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
                             forwards=1, recomputed_params=recomputed, full_recompute=recompute == "full",
                             micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / plan.dp, steps=steps)
     learner = learner_seconds(spec, work_done, plan.learner.weights, plan.learner_gpus, plan.tp, plan.pp, plan.dp,
-                              cfg.cluster.gpus_per_node, t, cp=plan.cp)
+                              cfg.cluster.gpus_per_node, t, vpp=plan.vpp, cp=plan.cp)
     train = sum(learner.values())
     if plan.learner.all_to_all_gib:
         train += all_to_all_seconds(learner_tokens / cfg.train.micro_batch_tokens / plan.dp,

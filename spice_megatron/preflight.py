@@ -109,12 +109,13 @@ def looks_like_local_path(model: str) -> bool:
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int = 1,
-                 flags: dict[str, str] | None = None, first_stage_layers: int = 0, last_stage_layers: int = 0) -> None:
+                 flags: dict[str, str] | None = None, first_stage_layers: int = 0, last_stage_layers: int = 0,
+                 vpp: int = 1) -> None:
     """The layout against the model's dimensions; `flags` renames config fields to a tool's flags."""
     from spice_megatron.policy.model import check_parallel_layout
 
     try:
-        check_parallel_layout(spec, tp, pp, ep, etp, first_stage_layers, last_stage_layers)
+        check_parallel_layout(spec, tp, pp, ep, etp, first_stage_layers, last_stage_layers, vpp)
     except ConfigError as e:
         field, _, rest = str(e).partition(": ")
         raise ConfigError(f"{(flags or {}).get(field, field)}: {rest}") from None

@@ -584,6 +584,7 @@ def test_choose_splits_long_sequences_over_context_parallel_ranks_when_nothing_e
     assert half.cp == 1  # half the tokens fit without it
     fixed = resolve_recipe("qwen3_32b", long + [f"parallel.tensor_parallel={plan.tp}",
                                                 f"parallel.pipeline_parallel={plan.pp}", "parallel.context_parallel=2",
+                                                f"parallel.virtual_pipeline={plan.vpp}",
                                                 "train.recompute=full"])
     same = plan_layout(fixed)
     assert (same.cp, same.dp) == (2, plan.dp) and same.learner.total == pytest.approx(plan.learner.total)
@@ -610,3 +611,26 @@ def test_each_gpu_part_has_its_links_and_engines_span_two_nodes_only_when_none_f
     assert plan.engine_tp == 16 and plan.gpus == 128
     assert any("engine TP=16 spans 2 nodes" in n and "rollout.engines" in n for n in plan.notes)
     assert plan_layout(get_recipe("qwen3_32b"), choose=True).engine_tp <= 8
+
+
+def test_virtual_pipeline_stages_halve_the_bubble_and_choose_takes_them_where_they_fit(capsys):
+    """Llama-3-70B with every layer recomputed: --choose lays out TP=8 x PP=2 and, since its 80 layers
+    split into 2 x 2 chunks and the interleaved warm-up's activations still fit, two virtual stages;
+    the bubble is half of one stage's, and a split that does not divide the layers is refused."""
+    from spice_megatron.cli import main
+
+    cfg = resolve_recipe("llama3_70b", ["train.recompute=full"])
+    plan = plan_layout(cfg, choose=True)
+    assert (plan.pp, plan.vpp) == (2, 2) and "VPP=2" in plan.describe()
+    layout = [f"parallel.tensor_parallel={plan.tp}", "parallel.pipeline_parallel=2", "train.recompute=full",
+              f"rollout.gpu_memory_utilization={plan.engine_utilization}"]
+    one, two = (resolve_recipe("llama3_70b", layout + [f"parallel.virtual_pipeline={v}"]) for v in (1, 2))
+    plans = [plan_layout(c) for c in (one, two)]
+    steps = [estimate_step_time(p, model_spec(c.run.model), c) for p, c in zip(plans, (one, two))]
+    assert steps[1]["train_bubble"] == pytest.approx(steps[0]["train_bubble"] / 2)
+    assert plans[1].learner.activations > plans[0].learner.activations
+    with pytest.raises(PlanError, match="parallel.virtual_pipeline: pipeline_parallel x virtual_pipeline = 2 x 3 "
+                                        "does not divide num_hidden_layers=80"):
+        plan_layout(resolve_recipe("llama3_70b", layout + ["parallel.virtual_pipeline=3"]))
+    assert main(["plan", "--recipe", "llama3_70b", "--choose", "train.recompute=full"]) == 0
+    assert "parallel.virtual_pipeline=2" in capsys.readouterr().out
