@@ -14,13 +14,12 @@ a fixed normaliser: each rank's sum over its own tokens is a part of it, and the
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.module import MegatronModule
 
 from spice_megatron.policy.batching import MicroBatch
+from spice_megatron.policy.shared_prefix import LocalCoreAttention
 
 
 def rank_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -59,7 +58,7 @@ def whole_sequence(local: torch.Tensor, cp: int, group) -> torch.Tensor:
     return out
 
 
-class ContextParallelAttention(MegatronModule):
+class ContextParallelAttention(LocalCoreAttention):
     """megatron's core-attention interface (q, k, v [s/CP, b, heads, head dim] -> [s/CP, b, heads x
     value dim]) over the whole sequence's keys; no parameters. Causal: a query sees the keys at or
     before its position."""
@@ -68,21 +67,11 @@ class ContextParallelAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
                  v_channels: int | None = None):
-        super().__init__(config=config)
+        super().__init__(config, layer_number, attention_dropout, softmax_scale, pg_collection, k_channels, v_channels)
         from megatron.core import parallel_state as ps
 
-        tp = pg_collection.tp.size() if pg_collection is not None else ps.get_tensor_model_parallel_world_size()
         self.cp_group = ps.get_context_parallel_group()
         self.cp, self.cp_rank = self.cp_group.size(), self.cp_group.rank()
-        self.heads = config.num_attention_heads // tp
-        self.groups = (config.num_query_groups or config.num_attention_heads) // tp
-        self.head_dim = k_channels or config.kv_channels
-        self.v_dim = v_channels or config.kv_channels
-        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
-        if config.apply_query_key_layer_scaling:
-            scale /= max(1, layer_number)
-        self.scale = scale
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):

@@ -61,22 +61,19 @@ def row_segments(structure: torch.Tensor) -> list[tuple[int, int, int, int]]:
     return segments
 
 
-class SharedPrefixAttention(MegatronModule):
-    """megatron's core-attention interface (q, k, v [s, b, heads, head dim] -> [s, b, heads x head
-    dim]) over a packed row's segments; no parameters."""
+class LocalCoreAttention(MegatronModule):
+    """What the project's core attentions (this one, context_parallel.py's) take from megatron's
+    core-attention interface: this TP rank's heads and KV groups, key and value head sizes, softmax
+    scale and dropout; no parameters."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa",
-                 k_channels: int | None = None, v_channels: int | None = None):
+    def __init__(self, config, layer_number: int, attention_dropout: float | None, softmax_scale: float | None,
+                 pg_collection, k_channels: int | None, v_channels: int | None):
         super().__init__(config=config)
         from megatron.core import parallel_state as ps
 
-        if getattr(config, "context_parallel_size", 1) != 1:
-            raise ValueError("train.shared_prefix: context parallelism splits the row's sequence; not supported")
         tp = pg_collection.tp.size() if pg_collection is not None else ps.get_tensor_model_parallel_world_size()
         self.heads = config.num_attention_heads // tp
-        self.groups = config.num_query_groups // tp
+        self.groups = (config.num_query_groups or config.num_attention_heads) // tp
         # multi-latent attention's keys (nope + rope dims) are wider than its values
         self.head_dim = k_channels or config.kv_channels
         self.v_dim = v_channels or config.kv_channels
@@ -85,6 +82,19 @@ class SharedPrefixAttention(MegatronModule):
             scale /= max(1, layer_number)
         self.scale = scale
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+
+class SharedPrefixAttention(LocalCoreAttention):
+    """megatron's core-attention interface (q, k, v [s, b, heads, head dim] -> [s, b, heads x head
+    dim]) over a packed row's segments; no parameters."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa",
+                 k_channels: int | None = None, v_channels: int | None = None):
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise ValueError("train.shared_prefix: context parallelism splits the row's sequence; not supported")
+        super().__init__(config, layer_number, attention_dropout, softmax_scale, pg_collection, k_channels, v_channels)
         self.kernel = kernel  # train.shared_prefix_kernel
         if kernel == "flex" and self.dropout:
             raise ValueError("train.shared_prefix_kernel: flex has no attention dropout; use sdpa")
