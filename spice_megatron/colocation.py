@@ -43,7 +43,8 @@ def offload_learner(learner) -> None:
     """Gradient buffers and optimizer state to host memory; the weights stay (the sync reads them)."""
     if not torch.cuda.is_available():
         return
-    learner.ddp.offload_grad_buffers()
+    for ddp in learner.ddp_chunks:  # one per model chunk (virtual pipeline stages)
+        ddp.offload_grad_buffers()
     optimizer_to(learner.optimizer, "cpu")
     torch.cuda.empty_cache()
 
@@ -51,7 +52,8 @@ def offload_learner(learner) -> None:
 def reload_learner(learner) -> None:
     if not torch.cuda.is_available():
         return
-    learner.ddp.restore_grad_buffers()
+    for ddp in learner.ddp_chunks:
+        ddp.restore_grad_buffers()
     optimizer_to(learner.optimizer, "cuda")
 
 
