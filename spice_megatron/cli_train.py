@@ -52,8 +52,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         argv = list(sys.argv[1:])
         if "--model" not in argv:
             argv += ["--model", cfg.run.model]
-        relaunch_with_torchrun(cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel,
-                               [sys.argv[0], *argv])
+        p = cfg.parallel  # one data-parallel replica: its TP x PP x CP ranks
+        relaunch_with_torchrun(p.tensor_parallel * p.pipeline_parallel * p.context_parallel, [sys.argv[0], *argv])
     from spice_megatron.policy.checkpoint import NoUsableCheckpoint
     from spice_megatron.trainer import EnginesLost, Interrupted, KillSwitch, train
 
