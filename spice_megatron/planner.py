@@ -265,7 +265,8 @@ def _tp_ok(spec: ModelSpec, tp: int) -> bool:
 
 
 def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = False, headroom: float = 0.9,
-                min_engine_kv_tokens: int = MIN_ENGINE_KV_TOKENS, colocate: bool | None = None) -> Plan:
+                min_engine_kv_tokens: int = MIN_ENGINE_KV_TOKENS, colocate: bool | None = None,
+                experts_across_nodes: bool = False) -> Plan:
     """Check the config's layout (cfg.parallel, cfg.rollout.engine_tensor_parallel) against the
     cluster, or with `choose` pick one; `colocate` (default: run.colocate) plans learner and engines
     on the same GPUs.
@@ -279,7 +280,9 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     share beside the learner's weights, its optimizer state on the host) and the weight sync (the
     engine's weights awake beside the learner's, and vLLM's IPC staging buffer). Choosing, the
     engine gets what the learner's weights leave, and if the step does not fit, a share of the
-    optimizer moves to the host (optim.cpu_offload_fraction)."""
+    optimizer moves to the host (optim.cpu_offload_fraction). A mixture of experts is spread over as
+    many GPUs of a stage as a node holds, or with `experts_across_nodes` over as many as the stage
+    has (fewer experts per GPU, the all-to-all over InfiniBand; compare_placements ranks both)."""
     cluster: ClusterConfig = cfg.cluster
     spec = spec or model_spec(cfg.run.model)
     colocate = cfg.run.colocate if colocate is None else colocate
@@ -337,8 +340,9 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                                         f"GPUs ({cluster.gpus_per_node} per node) or the model's head/layer counts")
                     continue
                 if spec.moe is not None and not fixed:
-                    # as many experts apart as a node holds: the all-to-all stays on NVLink
-                    ep = max(e for e in _powers_of_two(min(spec.moe.num_experts, cluster.gpus_per_node))
+                    # as many experts apart as a node holds (the all-to-all stays on NVLink), or as the stage has
+                    span = learner_gpus // pp if experts_across_nodes else cluster.gpus_per_node
+                    ep = max(e for e in _powers_of_two(min(spec.moe.num_experts, span))
                              if (learner_gpus // pp) % e == 0 and spec.moe.num_experts % e == 0)
                 if spec.moe is not None and ((learner_gpus // pp) % ep or spec.moe.num_experts % ep):
                     raise PlanError(f"parallel.expert_parallel: EP={ep} must divide num_experts="
@@ -594,15 +598,22 @@ def expected_longest(mean: float, cap: int, n: int) -> float:
 def compare_placements(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None
                        ) -> dict[str, tuple[Plan, dict[str, float]] | str]:
     """The recipe's cluster planned both ways, each layout chosen: {"colocated": (plan, step time),
-    "disaggregated": ...}, or the PlanError's message where a way does not fit."""
+    "disaggregated": ...}, or the PlanError's message where a way does not fit. A mixture of experts'
+    layout is the faster of its experts within a node and across a pipeline stage's nodes."""
     out: dict[str, tuple[Plan, dict[str, float]] | str] = {}
     for name, colocate in (("colocated", True), ("disaggregated", False)):
-        try:
-            plan = plan_layout(cfg, spec, choose=True, colocate=colocate)
-        except PlanError as e:
-            out[name] = str(e)
-            continue
-        out[name] = (plan, estimate_step_time(plan, spec, cfg, t))
+        tried: list[tuple[Plan, dict[str, float]]] = []
+        for across in ([False, True] if spec.moe is not None else [False]):
+            try:
+                plan = plan_layout(cfg, spec, choose=True, colocate=colocate, experts_across_nodes=across)
+            except PlanError as e:
+                out.setdefault(name, str(e))
+                continue
+            tried.append((plan, estimate_step_time(plan, spec, cfg, t)))
+        # experts across nodes where that is clearly faster (by more than the model's resolution, 5%)
+        if tried:
+            within = tried[0]
+            out[name] = max(tried, key=lambda x: x[1]["tokens_per_s_per_gpu"] / (1.05 if x is not within else 1.0))
     return out
 
 

@@ -595,7 +595,7 @@ def test_choose_splits_long_sequences_over_context_parallel_ranks_when_nothing_e
         resolve_recipe("qwen3_32b", ["parallel.context_parallel=2", "train.shared_prefix=on"]).validate()
 
 
-def test_each_gpu_part_has_its_links_and_engines_span_two_nodes_only_when_none_fits_in_one():
+def test_each_gpu_part_has_its_links_and_engines_and_experts_span_nodes_where_that_pays():
     """B200's NVLink 5 doubles the in-node collectives' bandwidth; H200 nodes have H100's links.
     Qwen3-235B colocated on 128 H100s: no engine within a node leaves a KV cache beside the learner,
     so --choose takes TP=16 engines and says that the project's launchers do not start them."""
@@ -611,6 +611,14 @@ def test_each_gpu_part_has_its_links_and_engines_span_two_nodes_only_when_none_f
     assert plan.engine_tp == 16 and plan.gpus == 128
     assert any("engine TP=16 spans 2 nodes" in n and "rollout.engines" in n for n in plan.notes)
     assert plan_layout(get_recipe("qwen3_32b"), choose=True).engine_tp <= 8
+    # the experts across the stage's nodes: ranked by the planned iteration against experts in a node
+    from spice_megatron.planner import compare_placements
+
+    spread, step = compare_placements(cfg, model_spec(cfg.run.model))["colocated"]
+    within = estimate_step_time(plan, model_spec(cfg.run.model), cfg)
+    assert spread.ep > cfg.cluster.gpus_per_node and plan.ep <= cfg.cluster.gpus_per_node
+    assert step["tokens_per_s_per_gpu"] > 1.05 * within["tokens_per_s_per_gpu"]
+    assert any(f"EP={spread.ep} spans nodes" in n for n in spread.notes)
 
 
 def test_virtual_pipeline_stages_halve_the_bubble_and_choose_takes_them_where_they_fit(capsys):
