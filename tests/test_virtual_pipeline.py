@@ -1,5 +1,5 @@
-"""Virtual pipeline stages (parallel.virtual_pipeline, megatron's interleaved 1F1B): the same
-log-probs, step, checkpoint and HF export as one stage (gloo, CPU)."""
+"""Virtual pipeline stages (parallel.virtual_pipeline, megatron's interleaved 1F1B) and uneven
+stages: the same log-probs, step, checkpoint and HF export as one stage (gloo, CPU)."""
 import pytest
 import torch
 
@@ -64,3 +64,16 @@ def test_virtual_pipeline_layouts_are_checked_and_micro_batch_counts_rounded():
         ParallelConfig(pipeline_parallel=2, virtual_pipeline=2, first_stage_layers=1).validate()
     mbs = make_microbatches(batch(), 1, 0, 16, count_multiple=4)
     assert len(mbs) == 4 and sum(int(mb.loss_mask.sum()) for mb in mbs) == sum(len(s.completion_ids) for s in batch())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_uneven_stages_checkpoint_and_export_as_one_stage(tmp_path):
+    """3 layers at PP=2 as 1 + 2 (parallel.first_stage_layers): the HF import, a step, the export and
+    a checkpoint that resumes at PP=1 x DP=2, as one stage computes them."""
+    model = make_tiny_hf_model(str(tmp_path / "m"), tiny_hf_config("qwen3", num_layers=3), seed=4)
+    train = {"max_gen_len": 8, "micro_batch_tokens": 16}
+    (ref,) = run_ranks(step_checkpoint_resume, 1, model, {}, str(tmp_path / "c1"), {}, train, batch, tmp_path=tmp_path)
+    got = run_ranks(step_checkpoint_resume, 2, model, {"pipeline_parallel": 2, "first_stage_layers": 1},
+                    str(tmp_path / "c2"), {}, train, batch, tmp_path=tmp_path)[0]
+    assert_same_as_one_rank(got, ref)
