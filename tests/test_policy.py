@@ -645,13 +645,13 @@ def test_learner_refuses_samples_older_than_max_staleness():
 def test_mismatch_metrics_per_role_equal_the_direct_formulas():
     import math
 
-    from spice_megatron.policy.learner import _mismatch_by_role, _mismatch_metrics, _mismatch_rows
+    from spice_megatron.policy.mismatch import mismatch_by_role, mismatch_metrics, mismatch_rows
 
     lp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])
     engine = torch.tensor([[-1.5, -2.0, 0.0], [-2.0, -0.4, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    rows = _mismatch_rows(lp, None, engine, mask, 2.0).tolist()
-    got = _mismatch_metrics([_mismatch_by_role(rows, ["challenger", "reasoner"])])
+    rows = mismatch_rows(lp, None, engine, mask, 2.0).tolist()
+    got = mismatch_metrics([mismatch_by_role(rows, ["challenger", "reasoner"])])
     k3 = lambda d: math.exp(d) - 1 - d  # noqa: E731
     assert got["challenger/logprob_gap_mean"] == pytest.approx(0.25)
     assert got["challenger/logprob_gap_max"] == pytest.approx(0.5)

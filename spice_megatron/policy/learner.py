@@ -22,6 +22,7 @@ from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
 from spice_megatron.policy.context_parallel import rank_micro_batch, whole_sequence
+from spice_megatron.policy.mismatch import mismatch_by_role, mismatch_metrics, mismatch_rows
 from spice_megatron.policy.model import (ModelSpec, build_policy_model, have_transformer_engine, model_spec_from_hf,
                                          resolve_shared_prefix)
 from spice_megatron.policy.packing import minibatch_split, packed_microbatches, split_units_data_parallel
@@ -453,11 +454,11 @@ class Learner:
             run = mb.token_mask.sum().to(dev)
             scalars = torch.stack([loss.detach(), m["tokens"], m["clip_fraction"] * m["tokens"],
                                    m["approx_kl"] * m["tokens"], gap, rollout_mask.sum(), run]).float()
-            rows = _mismatch_rows(lp.detach(), old_lp, mb.rollout_logprobs.to(dev), rollout_mask, cfg.tis_cap)
+            rows = mismatch_rows(lp.detach(), old_lp, mb.rollout_logprobs.to(dev), rollout_mask, cfg.tis_cap)
             # one device-to-host copy per micro-batch for all of its metrics
             host = torch.cat([scalars, rows.reshape(-1).float()]).tolist()
             stats = dict(zip(("loss", "tokens", "clipped", "kl", "gap", "gap_tokens", "run"), host[:7]))
-            stats["mismatch"] = _mismatch_by_role([host[7 + 5 * i:12 + 5 * i] for i in range(len(mb.roles))], mb.roles)
+            stats["mismatch"] = mismatch_by_role([host[7 + 5 * i:12 + 5 * i] for i in range(len(mb.roles))], mb.roles)
             return loss * scale, stats
 
         # optim.lr=0 (a control run): Adam's update and its decoupled weight decay are both scaled by
@@ -490,43 +491,5 @@ class Learner:
             clip_fraction=sum(p["clipped"] for p in parts) / max(tokens, 1),
             approx_kl=sum(p["kl"] for p in parts) / max(tokens, 1),
             logprob_gap=sum(p["gap"] for p in parts) / gap_tokens if gap_tokens else None,
-            seconds=time.perf_counter() - t0, mismatch=_mismatch_metrics([p["mismatch"] for p in parts]),
+            seconds=time.perf_counter() - t0, mismatch=mismatch_metrics([p["mismatch"] for p in parts]),
             routing_differs=differs, router=router)
-
-
-def _mismatch_rows(lp: torch.Tensor, old_lp: torch.Tensor | None, engine_lp: torch.Tensor, mask: torch.Tensor,
-                   cap: float) -> torch.Tensor:
-    """Per sequence: [sum |lp - engine|, max |lp - engine|, sum of k3, tokens over the TIS cap, tokens],
-    over the sampled tokens the engine gave log-probs for. k3 = r - 1 - log r with r = pi / mu
-    estimates KL(engine || learner) from the engine's samples."""
-    diff = (lp - engine_lp) * mask
-    k3 = (torch.exp(diff) - 1 - diff) * mask
-    over = ((((lp if old_lp is None else old_lp) - engine_lp) > math.log(cap)).to(mask.dtype) * mask)
-    return torch.stack([diff.abs().sum(-1), diff.abs().amax(-1), k3.sum(-1), over.sum(-1), mask.sum(-1)], -1)
-
-
-def _mismatch_by_role(rows: list[list[float]], roles: list[str]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {}
-    for role, row in zip(roles, rows):
-        if row[4]:
-            _add_mismatch(out, role or "all", row)
-    return out
-
-
-def _add_mismatch(total: dict[str, list[float]], role: str, row: list[float]) -> None:
-    acc = total.setdefault(role, [0.0, 0.0, 0.0, 0.0, 0.0])
-    acc[0] += row[0]
-    acc[1] = max(acc[1], row[1])
-    acc[2] += row[2]
-    acc[3] += row[3]
-    acc[4] += row[4]
-
-
-def _mismatch_metrics(parts: list[dict[str, list[float]]]) -> dict[str, float]:
-    total: dict[str, list[float]] = {}
-    for part in parts:
-        for role, row in part.items():
-            _add_mismatch(total, role, row)
-    return {f"{role}/{key}": value for role, (abs_sum, abs_max, k3, over, n) in total.items()
-            for key, value in (("logprob_gap_mean", abs_sum / n), ("logprob_gap_max", abs_max),
-                               ("k3_kl", k3 / n), ("tis_capped", over / n))}
