@@ -217,8 +217,8 @@ class Plan:
         lines = [
             f"model {self.model}: {self.params_billion:.2f}B parameters{active}",
             f"cluster: {self.nodes} node(s) x {self.gpus_per_node} GPUs of {self.gpu_memory_gib:.0f} GiB",
-            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp > 1 else "")
-            + (f" CP={self.cp}" if self.cp > 1 else "")
+            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp}"
+            + (f" VPP={self.vpp}" if self.vpp > 1 else "") + (f" CP={self.cp}" if self.cp > 1 else "")
             + f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
             + (f", stages of {self.first_stage_layers} / .. / {self.last_stage_layers} layers"
                if self.first_stage_layers else "")
@@ -432,9 +432,9 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     if tp > 1 and cluster.nodes > 1:
         notes.append("TP stays within a node; PP and DP cross nodes")
     if etp > cluster.gpus_per_node:
-        notes.append(f"engine TP={etp} spans {etp // cluster.gpus_per_node} nodes: slurm/rollout_node.sh and the colocated "
-                     "launch start engines within a node; start these with vLLM's multi-node serving and pass "
-                     "rollout.engines")
+        notes.append(f"engine TP={etp} spans {etp // cluster.gpus_per_node} nodes: slurm/rollout_node.sh and the "
+                     "colocated launch start engines within a node; start these with vLLM's multi-node serving and "
+                     "pass rollout.engines")
     if ep > cluster.gpus_per_node:
         notes.append(f"EP={ep} spans nodes: the experts' all-to-all crosses the inter-node fabric")
     if tokens > cfg.train.micro_batch_tokens:

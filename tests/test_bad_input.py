@@ -92,7 +92,8 @@ CASES = [
     Case("train_pp_layers", "spice", "train --model {d}/ok --output-dir {d}/run parallel.pipeline_parallel=3",
          "parallel.pipeline_parallel", "a layout the model's layers do not divide"),
     Case("train_vpp_layers", "spice", "train --model {d}/ok --output-dir {d}/run parallel.pipeline_parallel=2 "
-         "parallel.virtual_pipeline=3", "parallel.virtual_pipeline", "virtual pipeline stages the layers do not divide"),
+         "parallel.virtual_pipeline=3", "parallel.virtual_pipeline",
+         "virtual pipeline stages the layers do not divide"),
     Case("train_cp_shared_prefix", "spice", "train --model {d}/ok --output-dir {d}/run parallel.context_parallel=2 "
          "train.shared_prefix=on", "parallel.context_parallel", "context parallelism with shared-prefix rows"),
     Case("train_recipe", "spice", "train --recipe nope", "--recipe 'nope'", "an unknown recipe"),

@@ -445,7 +445,8 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype, ep
     return MLATransformerConfig(**kwargs)
 
 
-def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: str = "sdpa", vp_stage: int | None = None):
+def layer_spec(spec: ModelSpec, tconfig, shared_prefix: bool = False, kernel: str = "sdpa",
+               vp_stage: int | None = None):
     """megatron's layer spec for the family (Transformer Engine's on GPU); `shared_prefix`: with
     the core attention of shared-prefix packed rows (policy/shared_prefix.py), through `kernel`."""
     from megatron.core.models.gpt import gpt_layer_specs
