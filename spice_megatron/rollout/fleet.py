@@ -47,6 +47,7 @@ class EngineStats:
     attested: bool = False  # proved it holds the job's token since its last failure (nothing is sent before)
     workers: int = 1  # vLLM workers (engine tensor parallel size): each one receives weights
     in_flight: int = 0  # sequences (prompts x n) of its requests not answered yet
+    posted: int = 0  # of them, those whose request has been sent (the others wait for room: MAX_POSTED_SEQUENCES)
     requests: int = 0
     failures: int = 0
     tokens: int = 0
@@ -104,14 +105,24 @@ def plan_requests(num_prompts: int, n: int, engines: int, cap: int) -> list[Requ
     return plan
 
 
+# Sequences posted to one engine at a time; a request beyond them waits here until answers make room.
+# A request's timeout then measures the engine's work on it, not its wait behind a whole batch in the
+# engine's queue: 1,408 sequences posted at once to one CPU engine under load timed out after 600 s,
+# and the engine, alive, was taken for dead. vLLM runs at most max_num_seqs (256 to 1,024 by default)
+# at once: this keeps it full.
+MAX_POSTED_SEQUENCES = 1024
+
+
 class RolloutFleet:
     def __init__(self, urls: list[str], token: str, request_timeout: float = 600.0, max_attempts: int = 3,
-                 chunk_size: int = 64):
+                 chunk_size: int = 64, max_posted_sequences: int = MAX_POSTED_SEQUENCES):
         if not urls:
             raise FleetError("rollout.engines: at least one engine address is needed")
         self.token, self.request_timeout, self.max_attempts, self.chunk_size = token, request_timeout, max_attempts, chunk_size
         self.engines = [EngineStats(u.rstrip("/")) for u in urls]
         self._lock = threading.Lock()
+        self.max_posted_sequences = max_posted_sequences
+        self._room = threading.Condition(self._lock)
         # Many chunks in flight per engine: the engine merges those that wait into one submission. A
         # streamed iteration has a request per document in flight (threads start only when used).
         self._pool = ThreadPoolExecutor(max_workers=max(256, 8 * len(urls)), thread_name_prefix="spice-fleet")
@@ -194,9 +205,18 @@ class RolloutFleet:
             return engine
 
     def _post_generate(self, engine: EngineStats, prompts: list, spec: SamplingSpec) -> list[list[Completion]]:
+        sequences = len(prompts) * spec.n
+        with self._room:  # a request alone is always posted, however large
+            self._room.wait_for(lambda: engine.posted == 0 or engine.posted + sequences <= self.max_posted_sequences)
+            engine.posted += sequences
         t0 = time.perf_counter()
-        out = unpack_completions(self._control(engine, "/generate",
-                                               {"prompts": prompts, "sampling": spec.to_json(), "packed": True}))
+        try:
+            out = unpack_completions(self._control(engine, "/generate",
+                                                   {"prompts": prompts, "sampling": spec.to_json(), "packed": True}))
+        finally:
+            with self._room:
+                engine.posted -= sequences
+                self._room.notify_all()
         dt = time.perf_counter() - t0
         with self._lock:
             engine.requests += 1
