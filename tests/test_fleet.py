@@ -8,12 +8,14 @@ from spice_megatron.rollout.types import Completion, SamplingSpec, pack_completi
 
 
 def test_requests_beyond_an_engines_room_wait_unposted_and_every_prompt_is_answered(monkeypatch):
-    """1,000 sequences to one engine with room for 64: at most 64 posted at once (a request's timeout
-    runs from its post, not from the batch's start), every prompt answered, in order."""
-    fleet = RolloutFleet(["http://engine"], "token", chunk_size=16, max_posted_sequences=64)
+    """1,000 sequences to one engine whose vLLM runs 32 at once: at most twice that posted at a time (a
+    request's timeout runs from its post, not from the batch's start), every prompt answered, in order."""
+    fleet = RolloutFleet(["http://engine"], "token", chunk_size=16)
     engine, peak, lock = fleet.engines[0], [0], threading.Lock()
 
     def control(e, path, body, method="POST", timeout=None):
+        if path == "/status":
+            return {"status": "ok", "workers": 1, "max_num_seqs": 32}
         with lock:
             peak[0] = max(peak[0], e.posted)
         time.sleep(0.01)
@@ -22,6 +24,7 @@ def test_requests_beyond_an_engines_room_wait_unposted_and_every_prompt_is_answe
                                  for p in body["prompts"]])
 
     monkeypatch.setattr(fleet, "_control", control)
+    assert fleet.health()["http://engine"] is not None and engine.room == 64
     try:
         out = fleet.generate([f"p{i}" for i in range(250)], SamplingSpec(n=4, max_tokens=4, seed=1))
     finally:

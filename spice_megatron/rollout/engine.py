@@ -116,6 +116,8 @@ class VLLMEngine:
                        weight_transfer_config={"backend": "spice_ipc" if weight_transfer == "ipc" else weight_transfer},
                        **extra)
         self.engine = self.llm.llm_engine
+        # the sequences vLLM's scheduler runs at once: what the fleet posts to this engine at a time
+        self.max_num_seqs = int(self.engine.vllm_config.scheduler_config.max_num_seqs)
         self.engine.set_weight_version("0")
         self.capture = None
         if self.returns_routing and on_cpu:  # the CPU stand-in for vLLM's routed_experts (routing_capture.py)

@@ -47,7 +47,8 @@ class EngineStats:
     attested: bool = False  # proved it holds the job's token since its last failure (nothing is sent before)
     workers: int = 1  # vLLM workers (engine tensor parallel size): each one receives weights
     in_flight: int = 0  # sequences (prompts x n) of its requests not answered yet
-    posted: int = 0  # of them, those whose request has been sent (the others wait for room: MAX_POSTED_SEQUENCES)
+    posted: int = 0  # of them, those whose request has been sent (the others wait for room)
+    room: int = 0  # sequences posted at a time: twice vLLM's max_num_seqs from /status (0: not known yet)
     requests: int = 0
     failures: int = 0
     tokens: int = 0
@@ -105,11 +106,12 @@ def plan_requests(num_prompts: int, n: int, engines: int, cap: int) -> list[Requ
     return plan
 
 
-# Sequences posted to one engine at a time; a request beyond them waits here until answers make room.
-# A request's timeout then measures the engine's work on it, not its wait behind a whole batch in the
-# engine's queue: 1,408 sequences posted at once to one CPU engine under load timed out after 600 s,
-# and the engine, alive, was taken for dead. vLLM runs at most max_num_seqs (256 to 1,024 by default)
-# at once: this keeps it full.
+# Sequences posted to one engine at a time, where its /status does not say how many vLLM's scheduler
+# runs at once (max_num_seqs: then twice that, a queue as deep as what runs, so that a slot a finished
+# sequence frees is filled at once); a request beyond them waits here until answers make room. A
+# request's timeout then measures the engine's work on it and one queue's worth, not its wait behind
+# a whole batch: 1,408 sequences posted at once to one CPU engine under load timed out after 600 s,
+# and the engine, alive, was taken for dead.
 MAX_POSTED_SEQUENCES = 1024
 
 
@@ -152,6 +154,7 @@ class RolloutFleet:
         e.healthy = status is not None
         if status is not None:
             e.workers = int(status.get("workers", 1))
+            e.room = 2 * int(status.get("max_num_seqs", 0))
         return status
 
     def _control(self, engine: EngineStats, path: str, body: dict | None, method: str = "POST",
@@ -207,7 +210,8 @@ class RolloutFleet:
     def _post_generate(self, engine: EngineStats, prompts: list, spec: SamplingSpec) -> list[list[Completion]]:
         sequences = len(prompts) * spec.n
         with self._room:  # a request alone is always posted, however large
-            self._room.wait_for(lambda: engine.posted == 0 or engine.posted + sequences <= self.max_posted_sequences)
+            room = engine.room or self.max_posted_sequences
+            self._room.wait_for(lambda: engine.posted == 0 or engine.posted + sequences <= room)
             engine.posted += sequences
         t0 = time.perf_counter()
         try:

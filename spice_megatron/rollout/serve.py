@@ -128,7 +128,8 @@ def build_app(engine, token: str, limits: RequestLimits = RequestLimits()) -> Fa
     @app.get("/status")
     def status():
         return {"status": "ok", "version": version_label(engine.version), "model": engine.model_dir,
-                "workers": engine.workers, "weight_transfer": engine.weight_transfer, "paused": engine.paused,
+                "workers": engine.workers, "max_num_seqs": engine.max_num_seqs,
+                "weight_transfer": engine.weight_transfer, "paused": engine.paused,
                 "updating": engine.updating, "steps": engine.steps, "admissions": engine.admissions,
                 "sleeping": sorted(engine.sleeping), "sleeps": engine.sleeps, "wakes": engine.wakes,
                 "requests_while_asleep": engine.requests_while_asleep, **state}
