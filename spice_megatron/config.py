@@ -391,6 +391,8 @@ class RolloutConfig:
     token_file: str = ""
     max_model_len: int = 4096
     kv_cache_gib: float = 1.0  # per local CPU engine
+    # seconds one /generate request may take once posted: the fleet posts at most twice an engine's
+    # max_num_seqs sequences at a time (rollout/fleet.py), so a request waits behind one queue at most
     request_timeout: float = 900.0
     health_timeout: float = 1800.0  # how long to wait for the engines to come up (large models load slowly)
     # sequences (prompts x n) per /generate request at most; a phase is cut into one near-equal unit
