@@ -550,8 +550,9 @@ def test_distributed_optimizer_checkpoints_ask_for_a_supported_sharding():
     from spice_megatron.policy.checkpoint import _sharded_state, optimizer_metadata
 
     optimizer = _DistOptimizerStandIn()
+    model = SimpleNamespace(sharded_state_dict=lambda: {})
     learner = SimpleNamespace(optimizer=optimizer, optim_cfg=OptimConfig(use_distributed_optimizer=True),
-                              layout=None, model=SimpleNamespace(sharded_state_dict=lambda: {}))
+                              layout=None, model=model, chunks=[model])
     assert learner.optim_cfg.checkpoint_sharding == "dp_reshardable"  # routine saves: no gather
     assert _sharded_state(learner, False, True, False, "dp_reshardable")["optimizer"] == {
         "param_state_sharding_type": "dp_reshardable"}
