@@ -193,8 +193,10 @@ def test_the_ablation_pairs_arms_with_spice_on_the_same_items_and_words_its_verd
     for f in (fig,):
         f.pop("item_correct"), f.pop("spice_item_correct")
     table = ab.markdown_table({"arms": {"spice": {"verdict": "reference", "seeds": [{**fig, "paired": (0, 0, 0)}]},
-                                        "ungrounded": {"verdict": "SPICE better", "seeds": [fig]}}})
+                                        "ungrounded": {"verdict": "SPICE better", "seeds": [fig],
+                                                       "diff": pooled["diff"]}}})
     assert "| ungrounded | 1 | 10.0 (" in table and "| -20.0 (" in table and "SPICE better |" in table
+    assert "| ungrounded | pooled | - | -20.0 (" in table
 
 
 def test_a_stopped_check_stops_its_run_before_it_exits(tmp_path):

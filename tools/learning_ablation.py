@@ -137,6 +137,9 @@ def markdown_table(summary: dict) -> str:
             rows.append(f"| {arm} | {s['seed']} | {s['accuracy']:.1f} ({s['ci'][0]:.1f}-{s['ci'][1]:.1f}) | "
                         + ("-" if arm == "spice" else f"{d:+.1f} ({lo:+.1f} to {hi:+.1f})") + " | "
                         + ("-" if ch is None else f"{ch:.3f}") + f" | {a['verdict']} |")
+        if arm != "spice":  # the interval the verdict reads: every seed's items, paired
+            d, lo, hi = a["diff"]
+            rows.append(f"| {arm} | pooled | - | {d:+.1f} ({lo:+.1f} to {hi:+.1f}) | - | {a['verdict']} |")
     return "\n".join(rows)
 
 
