@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,10 +35,13 @@ class WeightSync:
     a `WeightSource` over the learner (bridge/transfer.py), the trainer engine of the backend
     `rollout.weight_transfer`, and the fleet's HTTP client for vLLM's control plane (driver only)."""
 
-    def __init__(self, cfg: SpiceConfig, learner, driver, control):
+    def __init__(self, cfg: SpiceConfig, learner, driver, control, after_restart: Callable[[], None] = lambda: None):
         from spice_megatron.bridge.transfer import MegatronStageSource
 
         self.cfg, self.learner, self.driver, self.control = cfg, learner, driver, control
+        # restarted engines start fully awake: colocated, they must hold their weights alone again
+        # before the retry sends them (Colocation.before_sync), as after any other restart
+        self.after_restart = after_restart
         self.source = MegatronStageSource(learner, control)
         self.host = broadcast_from_driver(_sync_host(cfg) if driver else "", control)
         self.transfer = None  # the trainer engine, until the group must be formed again
@@ -67,6 +71,7 @@ class WeightSync:
                             version, error or "on another learner rank")
             broadcast_from_driver(self.driver.restart_dead_engines() if self.driver else None, self.control)
             self.reform()
+            self.after_restart()
         raise AssertionError("unreachable")
 
     def _init_transfer(self):

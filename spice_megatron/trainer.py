@@ -145,7 +145,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     elif is_driver:
         driver = Driver(cfg, tokenizer, state.get("driver"), abandon_when=lambda: os.path.exists(stop_file))
     colocation = Colocation(cfg, learner, driver, control)
-    weights = WeightSync(cfg, learner, driver, control)
+    weights = WeightSync(cfg, learner, driver, control, after_restart=colocation.before_sync)
     deliver = BatchDelivery(learner, control)
     if state["version"] > 0:  # engines start from the base model: bring them to the checkpoint's weights
         colocation.before_sync()

@@ -37,15 +37,23 @@ def _same_run(out: str, reference: str) -> None:
 
 def test_a_colocated_run_takes_turns_and_equals_the_disaggregated_one(setup, straight):
     """Phased (run.streamed=false) here, against the streamed disaggregated run: colocation and
-    the schedule change when things run, never what. (The killed colocated run below streams.)"""
+    the schedule change when things run, never what. (The killed colocated run below streams.)
+    The engine also exits in the middle of receiving version 3: restarted awake, it is put back to
+    holding its weights alone before the retry sends them, and the run still ends the same."""
     model, corpus, root = setup
-    out = str(root / "colocated")
-    rc, text = spice_train(model, corpus, out, *COLOCATE, "run.streamed=false")
+    out, marker = str(root / "colocated"), root / "colocated_sync_fault"
+    os.environ["SPICE_FAULT_DIE_IN_SYNC"] = f"3:{marker}"
+    try:
+        rc, text = spice_train(model, corpus, out, *COLOCATE, "run.streamed=false")
+    finally:
+        del os.environ["SPICE_FAULT_DIE_IN_SYNC"]
     assert rc == 0, text[-3000:]
+    assert "weight sync of version 3 failed" in text and marker.exists()
     phases = _phases(out)
     assert sorted(phases) == [1, 2, 3, 4]
+    retried = ORDER[:6] + ["engines_weights_awake"] + ORDER[6:]
     for iteration, rows in phases.items():
-        assert [r["phase"] for r in rows] == ORDER, iteration
+        assert [r["phase"] for r in rows] == (retried if iteration == 3 else ORDER), iteration
         assert all(r.get("requests_while_asleep", 0) == 0 for r in rows)
         times = [r["time"] for r in rows]
         assert times == sorted(times)
@@ -53,6 +61,7 @@ def test_a_colocated_run_takes_turns_and_equals_the_disaggregated_one(setup, str
     # carry the weights version the sync before them delivered
     metrics = records(os.path.join(out, "metrics.jsonl"))
     assert [m["rollout_version"] for m in metrics] == [0, 1, 2, 3]
+    assert [m["weight_sync/retries"] for m in metrics] == [0, 0, 1, 0]
     for key in ("time/engines_sleep", "time/engines_wake", "time/learner_reload", "time/learner_offload"):
         assert all(key in m for m in metrics), key
     _same_run(out, straight)
