@@ -49,6 +49,17 @@ def positive_int(value: str) -> int:
     return n
 
 
+def non_negative_int(value: str) -> int:
+    """An argparse type: an integer >= 0 (0: not set)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return n
+
+
 def debugging(argv: list[str] | None = None) -> bool:
     argv = sys.argv[1:] if argv is None else argv
     return os.environ.get("SPICE_DEBUG", "") not in ("", "0") or "-v" in argv or "--verbose" in argv

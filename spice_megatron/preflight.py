@@ -118,11 +118,14 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int = 1,
         check_parallel_layout(spec, tp, pp, ep, etp, first_stage_layers, last_stage_layers, vpp)
     except ConfigError as e:
         field, _, rest = str(e).partition(": ")
+        for name, flag in (flags or {}).items():  # the hints name fields too
+            rest = rest.replace(name, flag)
         raise ConfigError(f"{(flags or {}).get(field, field)}: {rest}") from None
 
 
 CONVERT_FLAGS = {"parallel.tensor_parallel": "--tp", "parallel.pipeline_parallel": "--pp",
-                 "parallel.expert_parallel": "--ep", "parallel.expert_tensor_parallel": "--etp"}
+                 "parallel.expert_parallel": "--ep", "parallel.expert_tensor_parallel": "--etp",
+                 "parallel.first_stage_layers / last_stage_layers": "--first-stage-layers / --last-stage-layers"}
 
 
 def check_checkpoint(ckpt: str, flag: str = "--ckpt") -> str:

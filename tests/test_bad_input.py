@@ -64,6 +64,8 @@ CASES = [
     Case("hf_tp_heads", "convert_from_hf", "--hf {d}/heads3 --out {d}/out --tp 2", "--tp",
          "TP that does not divide the attention heads"),
     Case("hf_pp_layers", "convert_from_hf", "--hf {d}/ok --out {d}/out --pp 3", "--pp", "PP that does not divide the layers"),
+    Case("hf_uneven_stages", "convert_from_hf", "--hf {d}/ok --out {d}/out --pp 2 --first-stage-layers 2",
+         "--first-stage-layers / --last-stage-layers", "uneven pipeline stages that leave a stage no layer"),
     Case("hf_ep_dense", "convert_from_hf", "--hf {d}/ok --out {d}/out --ep 2", "--ep", "EP for a model without experts"),
     Case("hf_tp_zero", "convert_from_hf", "--hf {d}/ok --out {d}/out --tp 0", "--tp", "a layout size below 1"),
     Case("hf_out_exists", "convert_from_hf", "--hf {d}/ok --out {d}/existing", "--out {d}/existing",

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spice_megatron.entry import ArgumentParser, positive_int, run_entry_point  # noqa: E402
+from spice_megatron.entry import ArgumentParser, non_negative_int, positive_int, run_entry_point  # noqa: E402
 
 
 def main() -> int:
@@ -25,6 +25,10 @@ def main() -> int:
     ap.add_argument("--tp", type=positive_int, default=1)
     ap.add_argument("--pp", type=positive_int, default=1)
     ap.add_argument("--ep", type=positive_int, default=1, help="expert parallelism (mixture-of-experts models)")
+    ap.add_argument("--first-stage-layers", type=non_negative_int, default=0,
+                    help="uneven pipeline stages: layers on the first stage (0: an even split)")
+    ap.add_argument("--last-stage-layers", type=non_negative_int, default=0,
+                    help="uneven pipeline stages: layers on the last stage (0: an even split)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="default: the learner's dtype")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks with errors")
@@ -35,7 +39,8 @@ def main() -> int:
 
     step = check_checkpoint(args.ckpt)
     check_layout(model_spec_from_hf(os.path.join(os.path.dirname(step), "hf")), args.tp, args.pp, args.ep,
-                 flags=CONVERT_FLAGS)
+                 flags=CONVERT_FLAGS, first_stage_layers=args.first_stage_layers,
+                 last_stage_layers=args.last_stage_layers)
     if not under_launcher():
         refuse_existing_output(args.out, args.overwrite)
     relaunch_with_torchrun(args.pp * math.lcm(args.tp, args.ep))
@@ -43,7 +48,8 @@ def main() -> int:
 
     from spice_megatron.bridge.convert import convert_to_hf
 
-    convert_to_hf(args.ckpt, args.out, args.tp, args.pp, args.dtype, args.ep)
+    convert_to_hf(args.ckpt, args.out, args.tp, args.pp, args.dtype, args.ep, args.first_stage_layers,
+                  args.last_stage_layers)
     if dist.get_rank() == 0:
         print(f"wrote {args.out}")
     dist.destroy_process_group()

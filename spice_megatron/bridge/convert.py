@@ -111,15 +111,18 @@ def save_hf_checkpoint(learner, out_dir: str, metadata_dir: str, bucket_bytes: i
     return weight_map
 
 
-def convert_from_hf(hf_dir: str, out: str, tp: int, pp: int, ep: int = 1) -> str:
+def convert_from_hf(hf_dir: str, out: str, tp: int, pp: int, ep: int = 1, first_stage_layers: int = 0,
+                    last_stage_layers: int = 0) -> str:
     """HF directory -> a model-only Megatron checkpoint root (with the HF metadata kept in hf/).
-    `ep`: expert parallelism for a mixture-of-experts model (the world is pp x lcm(tp, ep)).
+    `ep`: expert parallelism for a mixture-of-experts model (the world is pp x lcm(tp, ep));
+    `first_stage_layers` / `last_stage_layers`: uneven pipeline stages (0: an even split).
     Written to OUT.partial and renamed to `out` when complete (an existing `out` is replaced)."""
     from spice_megatron.policy.checkpoint import save_checkpoint
     from spice_megatron.policy.learner import Learner
 
-    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp, expert_parallel=ep), OptimConfig(),
-                              PolicyTrainConfig(dtype="fp32"))
+    parallel = ParallelConfig(tp, pp, expert_parallel=ep, first_stage_layers=first_stage_layers,
+                              last_stage_layers=last_stage_layers)
+    learner = Learner.from_hf(hf_dir, parallel, OptimConfig(), PolicyTrainConfig(dtype="fp32"))
     partial = _fresh_partial(out)
     path = save_checkpoint(learner, partial, step=0, model_only=True, keep_last=0)
     if dist.get_rank() == 0:
@@ -129,8 +132,10 @@ def convert_from_hf(hf_dir: str, out: str, tp: int, pp: int, ep: int = 1) -> str
     return os.path.join(out, os.path.basename(path))
 
 
-def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None, ep: int = 1) -> None:
-    """A checkpoint (root or step directory) -> HF safetensors directory, at any TP x PP (x EP).
+def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str | None = None, ep: int = 1,
+                  first_stage_layers: int = 0, last_stage_layers: int = 0) -> None:
+    """A checkpoint (root or step directory) -> HF safetensors directory, at any TP x PP (x EP, in
+    even or uneven stages: the checkpoint's keys carry global layer numbers).
     Written to OUT.partial and renamed to `out_dir` when complete."""
     from spice_megatron.policy.checkpoint import load_checkpoint
     from spice_megatron.policy.learner import Learner
@@ -139,8 +144,9 @@ def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
 
     step_dir = check_checkpoint(ckpt)
     meta = os.path.join(os.path.dirname(step_dir), HF_META_DIR)
-    learner = Learner(model_spec_from_hf(meta), ParallelConfig(tp, pp, expert_parallel=ep), OptimConfig(),
-                      PolicyTrainConfig(dtype="fp32"))
+    parallel = ParallelConfig(tp, pp, expert_parallel=ep, first_stage_layers=first_stage_layers,
+                              last_stage_layers=last_stage_layers)
+    learner = Learner(model_spec_from_hf(meta), parallel, OptimConfig(), PolicyTrainConfig(dtype="fp32"))
     load_checkpoint(learner, step_dir, model_only=True)
     partial = _fresh_partial(out_dir)
     save_hf_checkpoint(learner, partial, meta, dtype={"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[dtype])
