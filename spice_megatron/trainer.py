@@ -102,28 +102,41 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
         return _train(cfg, layout.rank == 0, control, resume, eval_hook, resume_after_kill_switch)
 
 
-def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: EvalHook | None,
-           resume_after_kill_switch: bool) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
+def _log_iteration(cfg: SpiceConfig, driver, eval_hook: EvalHook | None, iteration: int, batch: RolloutBatch,
+                   steps: list, stats: dict[str, float], progress) -> str:
+    """Step 7 on the driver: the evaluation when one is due (added to `stats`), the metrics and the
+    audit trail, the progress bar, the kill switch. Returns why the kill switch stops the run ("":
+    it does not)."""
+    if eval_hook and cfg.run.eval_every and iteration % cfg.run.eval_every == 0:
+        t_eval = time.perf_counter()
+        stats.update({f"eval/{k}": v for k, v in eval_hook(iteration, driver.fleet).items()})
+        stats["time/eval"] = time.perf_counter() - t_eval
+    driver.log(iteration, stats, batch.records)
+    progress.update(1)
+    progress.set_postfix(valid=f"{stats['valid_task_rate']:.2f}", pass_rate=f"{stats['reasoner_pass_rate']:.2f}",
+                         loss=f"{stats.get('train/loss', 0.0):.4f}")
+    try:
+        driver.check_kill_switch(stats, steps[-1].loss if steps else 0.0, steps[-1].grad_norm if steps else 0.0)
+    except KillSwitch as e:
+        return str(e)
+    return ""
 
-    from spice_megatron.bridge.convert import copy_hf_metadata, save_hf_checkpoint, write_training_prompts
-    from spice_megatron.context_budget import check_context_budget_once
-    from spice_megatron.policy.checkpoint import HF_META_DIR, latest_checkpoint, read_trainer_state, resumable_checkpoint, save_checkpoint
+
+def _load_learner(cfg: SpiceConfig, is_driver: bool, control, resume: bool, resume_after_kill_switch: bool,
+                  tokenizer, ckpt_root: str, kill_marker: str) -> tuple[Any, dict[str, Any], str | None]:
+    """The learner: the base model (HF -> Megatron), or on resume the newest checkpoint that matches
+    its manifest and loads (a damaged one is named and the one before it used); a run the kill
+    switch stopped is refused unless `resume_after_kill_switch`. Returns the learner, the trainer
+    state to continue from and the checkpoint it came from."""
+    from spice_megatron.bridge.convert import copy_hf_metadata, write_training_prompts
+    from spice_megatron.policy.checkpoint import HF_META_DIR, latest_checkpoint, read_trainer_state, resumable_checkpoint
     from spice_megatron.policy.learner import Learner
 
-    ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
-    check_context_budget_once(cfg, tokenizer)  # before the learner loads and the engines start (the CLI may have)
-
-    # --- The learner: the base model (HF -> Megatron), or on resume the newest checkpoint that
-    # matches its manifest and loads (a damaged one is named and the one before it used).
     newest = latest_checkpoint(ckpt_root) if resume else None
     try:
         stopped = read_trainer_state(newest).get("kill_switch") if newest else None
     except (OSError, ValueError):  # a damaged checkpoint: the resume below names it and passes it over
         stopped = None
-    kill_marker = os.path.join(cfg.run.output_dir, KILL_SWITCH_FILE)
     if stopped and not resume_after_kill_switch:
         write_marker(kill_marker, stopped, is_driver)
         raise KillSwitch(f"not resuming: the kill switch stopped this run at {os.path.basename(newest)} ({stopped}); "
@@ -138,6 +151,24 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     if is_driver:
         copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
         write_training_prompts(cfg, os.path.join(ckpt_root, HF_META_DIR))
+    return learner, state, latest
+
+
+def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: EvalHook | None,
+           resume_after_kill_switch: bool) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from spice_megatron.bridge.convert import save_hf_checkpoint
+    from spice_megatron.context_budget import check_context_budget_once
+    from spice_megatron.policy.checkpoint import HF_META_DIR, save_checkpoint
+
+    ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")
+    kill_marker = os.path.join(cfg.run.output_dir, KILL_SWITCH_FILE)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
+    check_context_budget_once(cfg, tokenizer)  # before the learner loads and the engines start (the CLI may have)
+    learner, state, latest = _load_learner(cfg, is_driver, control, resume, resume_after_kill_switch, tokenizer,
+                                           ckpt_root, kill_marker)
     stop_file = os.path.join(cfg.run.output_dir, STOP_FILE)
     driver: Driver | DriverProcess | None = None
     if is_driver and cfg.run.driver == "process":
@@ -264,26 +295,11 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
             iteration += 1
             # 7. logs, kill switch, checkpoint
             stop = ""
-            if driver:
-                stats = {**_iteration_stats(batch, steps, sync, version - 1), **routing_volume, **colocation.stats(),
-                         **overlap}
-                stats["time/wait_for_rollouts"] = t_wait
-                stats["time/iteration"] = time.perf_counter() - t_iter
-                stats["time/elapsed"] = time.perf_counter() - t_start  # since this process started training
-                if eval_hook and cfg.run.eval_every and iteration % cfg.run.eval_every == 0:
-                    t_eval = time.perf_counter()
-                    stats.update({f"eval/{k}": v for k, v in eval_hook(iteration, driver.fleet).items()})
-                    stats["time/eval"] = time.perf_counter() - t_eval
-                driver.log(iteration, stats, batch.records)
-                progress.update(1)
-                progress.set_postfix(valid=f"{stats['valid_task_rate']:.2f}", pass_rate=f"{stats['reasoner_pass_rate']:.2f}",
-                                     loss=f"{stats.get('train/loss', 0.0):.4f}")
-                summary = stats
-                try:
-                    driver.check_kill_switch(stats, steps[-1].loss if steps else 0.0,
-                                             steps[-1].grad_norm if steps else 0.0)
-                except KillSwitch as e:
-                    stop = str(e)
+            if driver:  # time/elapsed: since this process started training
+                summary = {**_iteration_stats(batch, steps, sync, version - 1), **routing_volume, **colocation.stats(),
+                           **overlap, "time/wait_for_rollouts": t_wait, "time/iteration": time.perf_counter() - t_iter,
+                           "time/elapsed": time.perf_counter() - t_start}
+                stop = _log_iteration(cfg, driver, eval_hook, iteration, batch, steps, summary, progress)
             # rank 0 decides for all: its kill switch, and its Ctrl-C / SIGTERM
             stop, interrupted = _broadcast((stop, stop_request.requested_after(iteration)) if driver else None, control)
             if driver and off_policy and not (stop or interrupted) and iteration + 1 < cfg.run.iterations:
