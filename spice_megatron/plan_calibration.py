@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from spice_megatron.config import ParallelConfig, PolicyTrainConfig
 from spice_megatron.plan_costs import (GiB, LearnerWork, Throughput, all_to_all_seconds, decode_phase,
                                          learner_seconds)
-from spice_megatron.planner import engine_memory, learner_memory, model_spec
+from spice_megatron.plan_memory import engine_memory, learner_memory
+from spice_megatron.planner import model_spec
 from spice_megatron.policy.activation_memory import activation_flags
 
 NEMO_RL_ENGINE_MEMORY_UTILIZATION = 0.6  # grpo_math_1B.yaml: vllm_cfg.gpu_memory_utilization

@@ -13,7 +13,8 @@ import torch
 from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, CPU_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES,
                      PAPER_RECIPES, get_recipe, recipe_names, resolve_recipe)
 from spice_megatron.config import ConfigError, apply_overrides
-from spice_megatron.planner import PlanError, Throughput, estimate_step_time, learner_memory, model_spec, plan_layout
+from spice_megatron.plan_memory import learner_memory
+from spice_megatron.planner import PlanError, Throughput, estimate_step_time, model_spec, plan_layout
 
 
 @pytest.mark.parametrize("name", PAPER_RECIPES)

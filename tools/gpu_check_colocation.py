@@ -118,7 +118,7 @@ def check_long_prefix_row(work: str) -> tuple[bool | None, str]:
     the step's time at pad_to=128 against pad_to=1, and its peak memory above the resting state
     against the planner's activations + logits for the row; on a GPU the flex kernel beside sdpa.
     On CPU (the smoke run) the verdict is the log-probs' equality at both paddings, not a time."""
-    from spice_megatron.planner import learner_memory
+    from spice_megatron.plan_memory import learner_memory
     from spice_megatron.policy.batching import TrainSequence
 
     on_gpu = torch.cuda.is_available()
