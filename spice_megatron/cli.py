@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 
 from spice_megatron.config import GPU_PARTS
-from spice_megatron.entry import ArgumentParser, UserError, call_entry_point, require_dir
+from spice_megatron.entry import ArgumentParser, UserError, call_entry_point, positive_int, require_dir
 from spice_megatron.preflight import looks_like_local_path
 
 
@@ -61,7 +61,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     """Check a recipe's layout against a cluster (or choose one) and estimate its step time."""
     from recipes import resolve_recipe
     from spice_megatron.planner import (choose_plan, compare_placements, estimate_step_time, model_spec,
-                                        plan_layout)
+                                        plan_layout, rank_layouts)
     from spice_megatron.policy.model import resolve_shared_prefix
 
     cfg = resolve_recipe(args.recipe, args.overrides)
@@ -87,10 +87,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       train=replace(cfg.train, max_staleness=0) if plan.colocated else cfg.train)
     step = estimate_step_time(plan, spec, cfg)
     unshared = estimate_step_time(plan, spec, replace(cfg, train=replace(cfg.train, shared_prefix="off")))
+    ranked = rank_layouts(cfg, spec) if args.rank else []
     if args.json:
         print(json.dumps({"plan": plan.as_dict(), "step_seconds": step, "step_seconds_unshared": unshared,
                           "placements": {k: v if isinstance(v, str) else {"plan": v[0].as_dict(), "step_seconds": v[1]}
-                                         for k, v in placements.items()}}, indent=2))
+                                         for k, v in placements.items()},
+                          **({"ranked": [{"plan": p.as_dict(), "step_seconds": st} for p, st in ranked[:args.rank]]}
+                             if args.rank else {})}, indent=2))
         return 0
     print(plan.describe())
     print(f"estimated seconds per iteration (B={cfg.selfplay.batch_docs}, G={cfg.selfplay.group_size}; "
@@ -135,18 +138,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"{f' EP={p.ep}' if p.ep > 1 else ''}, "
               f"{p.engines} engines x TP={p.engine_tp})")
     if args.choose:
-        print(f"to use it: parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
-              + (f"parallel.first_stage_layers={plan.first_stage_layers} "
-                 f"parallel.last_stage_layers={plan.last_stage_layers} " if plan.first_stage_layers else "")
-              + (f"train.recompute={plan.recompute} " if plan.recompute != cfg.train.recompute else "")
-              + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")
-              + (f"parallel.context_parallel={plan.cp} train.shared_prefix=off " if plan.cp > 1 else "")
-              + (f"parallel.virtual_pipeline={plan.vpp} " if plan.vpp > 1 else "")
-              + f"rollout.engine_tensor_parallel={plan.engine_tp}"
-              + (f" run.colocate=true train.max_staleness=0 rollout.weight_transfer=ipc "
-                 f"rollout.gpu_memory_utilization={plan.engine_utilization}" if plan.colocated else " run.colocate=false")
-              + (f" optim.cpu_offload_fraction={plan.optimizer_offload}" if plan.optimizer_offload else ""))
+        print(f"to use it: {_plan_overrides(plan, cfg)}")
+    if args.rank:
+        print(f"the {min(args.rank, len(ranked))} fastest of {len(ranked)} learner layouts that fit, both placements "
+              "(planned on-policy; differences of a few percent are below the model's resolution: docs/layouts.md):")
+        for i, (p, st) in enumerate(ranked[:args.rank], 1):
+            print(f"  {i}. {st['tokens_per_s_per_gpu']:7,.0f} tokens/s/GPU, {st['total']:6.1f} s, learner "
+                  f"{p.learner.total:5.1f} GiB/GPU: {_plan_overrides(p, cfg)}")
     return 0
+
+
+def _plan_overrides(plan, cfg) -> str:
+    """The recipe overrides that lay a run out as `plan` says."""
+    return (f"parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
+            + (f"parallel.first_stage_layers={plan.first_stage_layers} "
+               f"parallel.last_stage_layers={plan.last_stage_layers} " if plan.first_stage_layers else "")
+            + (f"train.recompute={plan.recompute} " if plan.recompute != cfg.train.recompute else "")
+            + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")
+            + (f"parallel.context_parallel={plan.cp} train.shared_prefix=off " if plan.cp > 1 else "")
+            + (f"parallel.virtual_pipeline={plan.vpp} " if plan.vpp > 1 else "")
+            + f"rollout.engine_tensor_parallel={plan.engine_tp}"
+            + (f" run.colocate=true train.max_staleness=0 rollout.weight_transfer=ipc "
+               f"rollout.gpu_memory_utilization={plan.engine_utilization}" if plan.colocated else " run.colocate=false")
+            + (f" optim.cpu_offload_fraction={plan.optimizer_offload}" if plan.optimizer_offload else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("--choose", action="store_true",
                     help="choose the layout (TP/PP/EP, engine TP) and the placement (colocated when one node is all "
                          "there is or when it is faster) instead of checking the recipe's")
+    sl.add_argument("--rank", type=positive_int, metavar="N",
+                    help="also list the N fastest of every learner layout that fits (TP, PP, CP, VPP, recompute, "
+                         "experts within or across nodes; colocated and disaggregated), each with its overrides")
     sl.add_argument("--json", action="store_true")
     sl.add_argument("overrides", nargs="*", help="config overrides key=value")
     sl.set_defaults(func=_cmd_plan)

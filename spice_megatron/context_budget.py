@@ -12,6 +12,7 @@ rejects a prompt that alone reaches it, which would stop the run. So:
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from spice_megatron.config import ConfigError, SelfPlayConfig, SpiceConfig
@@ -85,6 +86,7 @@ def check_context_budget_once(cfg: SpiceConfig, tokenizer) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=8)  # the planner asks once per layout it tries: a tokenizer load each took 0.6 s
 def _planning_tokenizer(model: str):
     """The tokenizer of run.model for planning without its weights: a local directory's, the
     bundled Qwen3 tokenizer for a Qwen3 hub id (one vocabulary for the family), else None."""

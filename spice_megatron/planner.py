@@ -144,9 +144,22 @@ def _tp_ok(spec: ModelSpec, tp: int) -> bool:
     return not (spec.num_heads % tp or spec.num_kv_heads % tp or spec.ffn_hidden_size % tp or spec.vocab_size % tp)
 
 
+@dataclass(frozen=True)
+class LearnerLayout:
+    """One learner layout for `plan_layout(..., learner=)`: what rank_layouts tries one by one."""
+
+    tp: int
+    pp: int
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
+    cp: int = 1
+    vpp: int = 1
+    recompute: str = "off"
+
+
 def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = False, headroom: float = 0.9,
                 min_engine_kv_tokens: int = MIN_ENGINE_KV_TOKENS, colocate: bool | None = None,
-                experts_across_nodes: bool = False) -> Plan:
+                experts_across_nodes: bool = False, learner: LearnerLayout | None = None) -> Plan:
     """Check the config's layout (cfg.parallel, cfg.rollout.engine_tensor_parallel) against the
     cluster, or with `choose` pick one; `colocate` (default: run.colocate) plans learner and engines
     on the same GPUs.
@@ -162,7 +175,8 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     engine gets what the learner's weights leave, and if the step does not fit, a share of the
     optimizer moves to the host (optim.cpu_offload_fraction). A mixture of experts is spread over as
     many GPUs of a stage as a node holds, or with `experts_across_nodes` over as many as the stage
-    has (fewer experts per GPU, the all-to-all over InfiniBand; compare_placements ranks both)."""
+    has (fewer experts per GPU, the all-to-all over InfiniBand; compare_placements ranks both).
+    With `learner` (and `choose`), the learner takes that layout and everything else is chosen."""
     cluster: ClusterConfig = cfg.cluster
     spec = spec or model_spec(cfg.run.model)
     colocate = cfg.run.colocate if colocate is None else colocate
@@ -204,6 +218,14 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     vpp = cfg.parallel.virtual_pipeline if fixed else 1
     offloads = [cfg.optim.cpu_offload_fraction] if fixed or not colocate else [0.0, 0.25, 0.5, 0.75, 1.0]
     recomputes = [cfg.train.recompute] + (["full"] if choose and cfg.train.recompute != "full" else [])
+    if learner is not None:
+        try:
+            check_parallel_layout(spec, learner.tp, learner.pp, 1, 1, learner.first_stage_layers,
+                                  learner.last_stage_layers, learner.vpp)
+        except ConfigError as e:
+            raise PlanError(f"{e}: the learner refuses this layout") from None
+        candidates = [(learner.tp, learner.pp, learner.first_stage_layers, learner.last_stage_layers)]
+        cps, recomputes, vpp = [learner.cp], [learner.recompute], learner.vpp
     tried = []
 
     def fits() -> tuple[int, int, int, int, int, float, str, LearnerMemory] | None:
@@ -252,7 +274,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                         "optim.use_distributed_optimizer=true, optim.cpu_offload_fraction or a smaller "
                         "train.micro_batch_tokens")
     tp, pp, first, last, cp, offload, recompute, mem = found
-    if choose and pp > 1 and not first and spec.num_layers % (2 * pp) == 0:
+    if choose and learner is None and pp > 1 and not first and spec.num_layers % (2 * pp) == 0:
         # two virtual stages per rank halve the bubble for a few more micro-batches' activations in
         # flight: taken where they still fit
         flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), replace(cfg.train, recompute=recompute), tp,
@@ -401,7 +423,7 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
                     + answers * (t.question_tokens + t.reasoner_gen_tokens))
     learner_tokens = train_tokens
-    if resolve_shared_prefix(spec, cfg.train, cfg.parallel.context_parallel).use_shared_prefix:
+    if resolve_shared_prefix(spec, cfg.train, plan.cp).use_shared_prefix:  # the plan's CP (--choose may add it)
         prompts = 1.0 if sp.protocol == "compact" else t.paper_challenger_prompts
         challenger_prompts = docs * min(prompts, sp.group_size) if sp.challenger_group == "document" \
             else challenger_trained
@@ -495,6 +517,43 @@ def compare_placements(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None =
             within = tried[0]
             out[name] = max(tried, key=lambda x: x[1]["tokens_per_s_per_gpu"] / (1.05 if x is not within else 1.0))
     return out
+
+
+def rank_layouts(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None,
+                 placements: tuple[bool, ...] = (True, False)) -> list[tuple[Plan, dict[str, float]]]:
+    """Every learner layout the learner accepts that fits the cluster (TP within a node, PP in even
+    or uneven stages, CP, VPP, the recipe's recompute or full, a mixture's experts within a node or
+    across a stage's nodes), colocated and disaggregated, each with the rest chosen as --choose
+    chooses it; fastest first (planned tokens/s/GPU on-policy). `--choose` takes the first layout
+    that fits; this is what it would be measured against."""
+    learner_gpus = {True: cfg.cluster.nodes * cfg.cluster.gpus_per_node,
+                    False: cfg.cluster.split()[0] * cfg.cluster.gpus_per_node if cfg.cluster.nodes > 1 else
+                    max(1, cfg.cluster.gpus_per_node // 2)}
+    recomputes = sorted({cfg.train.recompute, "full"})
+    cps = [1] + ([2, 4] if cfg.train.shared_prefix != "on" else [])
+    ranked, seen = [], set()
+    for colocate in placements:
+        for tp in (t_ for t_ in _powers_of_two(min(8, cfg.cluster.gpus_per_node)) if _tp_ok(spec, t_)):
+            for pp in range(1, spec.num_layers + 1):
+                stages = _stages(spec.num_layers, pp)
+                if stages is None or learner_gpus[colocate] % (tp * pp):
+                    continue
+                vpps = [1, 2] if pp > 1 and stages == (0, 0) and spec.num_layers % (2 * pp) == 0 else [1]
+                for cp, vpp, recompute, across in ((c, v, r, a) for c in cps for v in vpps for r in recomputes
+                                                   for a in ([False, True] if spec.moe is not None else [False])):
+                    if learner_gpus[colocate] % (tp * pp * cp):
+                        continue
+                    layout = LearnerLayout(tp, pp, *stages, cp=cp, vpp=vpp, recompute=recompute)
+                    try:
+                        plan = plan_layout(cfg, spec, choose=True, colocate=colocate, experts_across_nodes=across,
+                                           learner=layout)
+                    except PlanError:
+                        continue
+                    key = (colocate, layout, plan.ep)
+                    if key not in seen:
+                        seen.add(key)
+                        ranked.append((plan, estimate_step_time(plan, spec, cfg, t)))
+    return sorted(ranked, key=lambda x: -x[1]["tokens_per_s_per_gpu"])
 
 
 def choose_plan(cfg: SpiceConfig, both: dict[str, tuple[Plan, dict[str, float]] | str]) -> Plan:

@@ -596,6 +596,35 @@ def test_choose_splits_long_sequences_over_context_parallel_ranks_when_nothing_e
         resolve_recipe("qwen3_32b", ["parallel.context_parallel=2", "train.shared_prefix=on"]).validate()
 
 
+def test_rank_layouts_lists_every_fitting_layout_fastest_first_and_choose_is_among_them(capsys):
+    """`spice plan --rank N`: every learner layout the learner accepts that fits, both placements,
+    fastest first; --choose's plan is one of them and none ranks below it by more than the ranking
+    says; a CP layout counts its sequences unshared (shared-prefix rows are off under CP)."""
+    from spice_megatron.cli import main
+    from spice_megatron.planner import choose_plan, compare_placements, rank_layouts
+    from spice_megatron.policy.model import check_parallel_layout
+
+    for name in ("qwen3_32b", "qwen3_30b_a3b"):
+        cfg = resolve_recipe(name, [])
+        spec = model_spec(cfg.run.model)
+        ranked = rank_layouts(cfg, spec)
+        speeds = [st["tokens_per_s_per_gpu"] for _, st in ranked]
+        assert len(ranked) > 10 and speeds == sorted(speeds, reverse=True), name
+        assert {p.colocated for p, _ in ranked} == {True, False} and any(p.cp > 1 for p, _ in ranked), name
+        for p, st in ranked:
+            check_parallel_layout(spec, p.tp, p.pp, p.ep, 1, p.first_stage_layers, p.last_stage_layers, p.vpp)
+            assert p.learner.total <= 0.9 * cfg.cluster.gpu_memory_gib and st["total"] > 0, (name, p)
+        chosen = choose_plan(cfg, compare_placements(cfg, spec))
+        best = estimate_step_time(chosen, spec, cfg)["tokens_per_s_per_gpu"]
+        assert speeds[0] >= best - 1e-6 and any(v == pytest.approx(best) for v in speeds), name
+        unshared = next(st for p, st in ranked if p.cp > 1)
+        shared = next(st for p, st in ranked if p.cp == 1)
+        assert unshared["learner_tokens"] > shared["learner_tokens"], name  # the CP plan trains every prompt
+    assert main(["plan", "--recipe", "qwen3_32b", "--rank", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "the 3 fastest of" in out and out.count("tokens/s/GPU, ") >= 3 and "  3. " in out
+
+
 def test_each_gpu_part_has_its_links_and_engines_and_experts_span_nodes_where_that_pays():
     """B200's NVLink 5 doubles the in-node collectives' bandwidth; H200 nodes have H100's links.
     Qwen3-235B colocated on 128 H100s: no engine within a node leaves a KV cache beside the learner,

@@ -200,6 +200,29 @@ def families_table() -> str:
     return "\n".join(rows)
 
 
+def ranked_layouts_table() -> str:
+    """`spice plan --recipe qwen3_32b --rank 6` on the recipe's cluster, beside what --choose takes."""
+    from recipes import get_recipe
+    from spice_megatron.planner import choose_plan, compare_placements, estimate_step_time, model_spec, rank_layouts
+
+    cfg = get_recipe("qwen3_32b")
+    spec = model_spec(cfg.run.model)
+    ranked = rank_layouts(cfg, spec)
+    chosen = choose_plan(cfg, compare_placements(cfg, spec))
+    rows = ["| rank | placement | learner | engines | learner GiB/GPU | s/iteration | tokens/s/GPU |",
+            "|---|---|---|---|---|---|---|"]
+
+    def row(label: str, p, st: dict) -> str:
+        layout = (f"TP={p.tp} PP={p.pp}" + (f" VPP={p.vpp}" if p.vpp > 1 else "") + (f" CP={p.cp}" if p.cp > 1 else "")
+                  + f" DP={p.dp}" + (f", recompute {p.recompute}" if p.recompute != "off" else ""))
+        return (f"| {label} | {'colocated' if p.colocated else 'disaggregated'} | {layout} | {p.engines} x TP={p.engine_tp} "
+                f"| {p.learner.total:.1f} | {st['total']:.1f} | {st['tokens_per_s_per_gpu']:,.0f} |")
+
+    rows += [row(str(i), p, st) for i, (p, st) in enumerate(ranked[:6], 1)]
+    rows.append(row(f"`--choose` (of {len(ranked)})", chosen, estimate_step_time(chosen, spec, cfg)))
+    return "\n".join(rows)
+
+
 ABLATION_SUMMARY = os.path.join(ROOT, "docs", "data", "ablation_summary.json")
 
 
@@ -222,7 +245,8 @@ TABLES: dict[str, Callable[[], str]] = {"recipes": recipes_table, "step_time": s
                                         "run_defaults": run_defaults, "train_defaults": train_defaults,
                                         "bad_inputs": bad_inputs_table, "ablation": ablation_table,
                                         "families": families_table, "calibration": calibration_table,
-                                        "recipes_vs_published": recipes_vs_published_table}
+                                        "recipes_vs_published": recipes_vs_published_table,
+                                        "ranked_layouts": ranked_layouts_table}
 
 
 def doc_files() -> list[str]:
