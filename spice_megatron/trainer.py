@@ -102,58 +102,6 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
         return _train(cfg, layout.rank == 0, control, resume, eval_hook, resume_after_kill_switch)
 
 
-def _log_iteration(cfg: SpiceConfig, driver, eval_hook: EvalHook | None, iteration: int, batch: RolloutBatch,
-                   steps: list, stats: dict[str, float], progress) -> str:
-    """Step 7 on the driver: the evaluation when one is due (added to `stats`), the metrics and the
-    audit trail, the progress bar, the kill switch. Returns why the kill switch stops the run ("":
-    it does not)."""
-    if eval_hook and cfg.run.eval_every and iteration % cfg.run.eval_every == 0:
-        t_eval = time.perf_counter()
-        stats.update({f"eval/{k}": v for k, v in eval_hook(iteration, driver.fleet).items()})
-        stats["time/eval"] = time.perf_counter() - t_eval
-    driver.log(iteration, stats, batch.records)
-    progress.update(1)
-    progress.set_postfix(valid=f"{stats['valid_task_rate']:.2f}", pass_rate=f"{stats['reasoner_pass_rate']:.2f}",
-                         loss=f"{stats.get('train/loss', 0.0):.4f}")
-    try:
-        driver.check_kill_switch(stats, steps[-1].loss if steps else 0.0, steps[-1].grad_norm if steps else 0.0)
-    except KillSwitch as e:
-        return str(e)
-    return ""
-
-
-def _load_learner(cfg: SpiceConfig, is_driver: bool, control, resume: bool, resume_after_kill_switch: bool,
-                  tokenizer, ckpt_root: str, kill_marker: str) -> tuple[Any, dict[str, Any], str | None]:
-    """The learner: the base model (HF -> Megatron), or on resume the newest checkpoint that matches
-    its manifest and loads (a damaged one is named and the one before it used); a run the kill
-    switch stopped is refused unless `resume_after_kill_switch`. Returns the learner, the trainer
-    state to continue from and the checkpoint it came from."""
-    from spice_megatron.bridge.convert import copy_hf_metadata, write_training_prompts
-    from spice_megatron.policy.checkpoint import HF_META_DIR, latest_checkpoint, read_trainer_state, resumable_checkpoint
-    from spice_megatron.policy.learner import Learner
-
-    newest = latest_checkpoint(ckpt_root) if resume else None
-    try:
-        stopped = read_trainer_state(newest).get("kill_switch") if newest else None
-    except (OSError, ValueError):  # a damaged checkpoint: the resume below names it and passes it over
-        stopped = None
-    if stopped and not resume_after_kill_switch:
-        write_marker(kill_marker, stopped, is_driver)
-        raise KillSwitch(f"not resuming: the kill switch stopped this run at {os.path.basename(newest)} ({stopped}); "
-                         "pass --resume-after-kill-switch to continue it anyway")
-    learner = Learner.from_hf(cfg.run.model, cfg.parallel, cfg.optim, cfg.train, pad_id=tokenizer.pad_token_id or 0)
-    latest, loaded = resumable_checkpoint(learner, ckpt_root, control) if resume else (None, {})
-    state: dict[str, Any] = {"iteration": 0, "version": 0, **loaded}
-    if resume and latest is None and is_driver:
-        log.warning("--resume: no checkpoint under %s; starting from the base model", ckpt_root)
-    if cfg.run.colocate:  # the learner's optimizer state leaves the GPUs before the engines start on them
-        offload_learner(learner)
-    if is_driver:
-        copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
-        write_training_prompts(cfg, os.path.join(ckpt_root, HF_META_DIR))
-    return learner, state, latest
-
-
 def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: EvalHook | None,
            resume_after_kill_switch: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
@@ -319,3 +267,55 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     if cfg.run.export_hf:
         save_hf_checkpoint(learner, os.path.join(cfg.run.output_dir, "hf_final"), os.path.join(ckpt_root, HF_META_DIR))
     return summary
+
+
+def _log_iteration(cfg: SpiceConfig, driver, eval_hook: EvalHook | None, iteration: int, batch: RolloutBatch,
+                   steps: list, stats: dict[str, float], progress) -> str:
+    """Step 7 on the driver: the evaluation when one is due (added to `stats`), the metrics and the
+    audit trail, the progress bar, the kill switch. Returns why the kill switch stops the run ("":
+    it does not)."""
+    if eval_hook and cfg.run.eval_every and iteration % cfg.run.eval_every == 0:
+        t_eval = time.perf_counter()
+        stats.update({f"eval/{k}": v for k, v in eval_hook(iteration, driver.fleet).items()})
+        stats["time/eval"] = time.perf_counter() - t_eval
+    driver.log(iteration, stats, batch.records)
+    progress.update(1)
+    progress.set_postfix(valid=f"{stats['valid_task_rate']:.2f}", pass_rate=f"{stats['reasoner_pass_rate']:.2f}",
+                         loss=f"{stats.get('train/loss', 0.0):.4f}")
+    try:
+        driver.check_kill_switch(stats, steps[-1].loss if steps else 0.0, steps[-1].grad_norm if steps else 0.0)
+    except KillSwitch as e:
+        return str(e)
+    return ""
+
+
+def _load_learner(cfg: SpiceConfig, is_driver: bool, control, resume: bool, resume_after_kill_switch: bool,
+                  tokenizer, ckpt_root: str, kill_marker: str) -> tuple[Any, dict[str, Any], str | None]:
+    """The learner: the base model (HF -> Megatron), or on resume the newest checkpoint that matches
+    its manifest and loads (a damaged one is named and the one before it used); a run the kill
+    switch stopped is refused unless `resume_after_kill_switch`. Returns the learner, the trainer
+    state to continue from and the checkpoint it came from."""
+    from spice_megatron.bridge.convert import copy_hf_metadata, write_training_prompts
+    from spice_megatron.policy.checkpoint import HF_META_DIR, latest_checkpoint, read_trainer_state, resumable_checkpoint
+    from spice_megatron.policy.learner import Learner
+
+    newest = latest_checkpoint(ckpt_root) if resume else None
+    try:
+        stopped = read_trainer_state(newest).get("kill_switch") if newest else None
+    except (OSError, ValueError):  # a damaged checkpoint: the resume below names it and passes it over
+        stopped = None
+    if stopped and not resume_after_kill_switch:
+        write_marker(kill_marker, stopped, is_driver)
+        raise KillSwitch(f"not resuming: the kill switch stopped this run at {os.path.basename(newest)} ({stopped}); "
+                         "pass --resume-after-kill-switch to continue it anyway")
+    learner = Learner.from_hf(cfg.run.model, cfg.parallel, cfg.optim, cfg.train, pad_id=tokenizer.pad_token_id or 0)
+    latest, loaded = resumable_checkpoint(learner, ckpt_root, control) if resume else (None, {})
+    state: dict[str, Any] = {"iteration": 0, "version": 0, **loaded}
+    if resume and latest is None and is_driver:
+        log.warning("--resume: no checkpoint under %s; starting from the base model", ckpt_root)
+    if cfg.run.colocate:  # the learner's optimizer state leaves the GPUs before the engines start on them
+        offload_learner(learner)
+    if is_driver:
+        copy_hf_metadata(cfg.run.model, os.path.join(ckpt_root, HF_META_DIR))
+        write_training_prompts(cfg, os.path.join(ckpt_root, HF_META_DIR))
+    return learner, state, latest
