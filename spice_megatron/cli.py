@@ -60,8 +60,8 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Check a recipe's layout against a cluster (or choose one) and estimate its step time."""
     from recipes import resolve_recipe
-    from spice_megatron.planner import (choose_plan, compare_placements, estimate_step_time, model_spec,
-                                        plan_layout, rank_layouts)
+    from spice_megatron.plan_choice import choose_plan, compare_placements, rank_layouts
+    from spice_megatron.planner import estimate_step_time, model_spec, plan_layout
     from spice_megatron.policy.model import resolve_shared_prefix
 
     cfg = resolve_recipe(args.recipe, args.overrides)

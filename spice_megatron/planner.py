@@ -124,11 +124,11 @@ class Plan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def _powers_of_two(limit: int) -> list[int]:
+def powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(0, int(math.log2(limit)) + 1)]
 
 
-def _stages(num_layers: int, pp: int) -> tuple[int, int] | None:
+def end_stage_layers(num_layers: int, pp: int) -> tuple[int, int] | None:
     """(first, last) stage layers for PP stages: (0, 0) when PP divides the layers; otherwise the
     middle stages take ceil(layers / PP) each and the first and last share the rest (NeMo-RL's
     Qwen3-235B: 11, 12 x 6, 11); None when that leaves either of them empty or above the middle's."""
@@ -140,7 +140,7 @@ def _stages(num_layers: int, pp: int) -> tuple[int, int] | None:
     return (first, last) if pp >= 2 and 1 <= first and last <= middle else None
 
 
-def _tp_ok(spec: ModelSpec, tp: int) -> bool:
+def tp_divides_model(spec: ModelSpec, tp: int) -> bool:
     return not (spec.num_heads % tp or spec.num_kv_heads % tp or spec.ffn_hidden_size % tp or spec.vocab_size % tp)
 
 
@@ -209,8 +209,9 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
             raise PlanError(f"{e}: the learner refuses this layout") from None
     candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.first_stage_layers,
                     cfg.parallel.last_stage_layers)] if fixed else
-                  sorted(((tp, pp, *_stages(spec.num_layers, pp)) for tp in _powers_of_two(min(8, cluster.gpus_per_node))
-                          for pp in range(1, spec.num_layers + 1) if _stages(spec.num_layers, pp) is not None),
+                  sorted(((tp, pp, *end_stage_layers(spec.num_layers, pp))
+                          for tp in powers_of_two(min(8, cluster.gpus_per_node)) for pp in range(1, spec.num_layers + 1)
+                          if end_stage_layers(spec.num_layers, pp) is not None),
                          key=lambda x: (x[0] * x[1], x[1], x[2])))
     # context parallelism when nothing fits without it: it splits the activations, not the weights,
     # exchanges K/V in every layer and turns shared-prefix rows off
@@ -236,7 +237,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         for cp, recompute, offload in ((c, r, o) for c in cps for r in recomputes for o in offloads):
             train = replace(cfg.train, recompute=recompute)
             for tp, pp, first, last in candidates:
-                if learner_gpus % (tp * pp * cp) or not _tp_ok(spec, tp) or tp > cluster.gpus_per_node:
+                if learner_gpus % (tp * pp * cp) or not tp_divides_model(spec, tp) or tp > cluster.gpus_per_node:
                     if fixed:
                         raise PlanError(f"parallel: TP={tp} x PP={pp} x CP={cp} does not fit {learner_gpus} learner "
                                         f"GPUs ({cluster.gpus_per_node} per node) or the model's head/layer counts")
@@ -244,7 +245,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                 if spec.moe is not None and not fixed:
                     # as many experts apart as a node holds (the all-to-all stays on NVLink), or as the stage has
                     span = learner_gpus // pp if experts_across_nodes else cluster.gpus_per_node
-                    ep = max(e for e in _powers_of_two(min(spec.moe.num_experts, span))
+                    ep = max(e for e in powers_of_two(min(spec.moe.num_experts, span))
                              if (learner_gpus // pp) % e == 0 and spec.moe.num_experts % e == 0)
                 if spec.moe is not None and ((learner_gpus // pp) % ep or spec.moe.num_experts % ep):
                     raise PlanError(f"parallel.expert_parallel: EP={ep} must divide num_experts="
@@ -295,7 +296,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                         f"{(budget - resident) / cluster.gpu_memory_gib:.2f} (`spice plan --choose` picks it)")
     # engines inside a node first; TP=16 (two nodes, its all-reduces over InfiniBand) when none fits
     engine_tps = [cfg.rollout.engine_tensor_parallel] if fixed else [
-        t for t in _powers_of_two(min(16, 2 * cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0]
+        t for t in powers_of_two(min(16, 2 * cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0]
     for etp in engine_tps:
         em = engine_memory(spec, etp, cluster.gpu_memory_gib, utilization, cfg.rollout.max_model_len)
         if em.kv_tokens >= min_engine_kv_tokens and em.max_sequences >= 1 and rollout_gpus % etp == 0:
@@ -495,79 +496,6 @@ def expected_longest(mean: float, cap: int, n: int) -> float:
     long tail) and cut at the max tokens, so the longest of n is about mean x H(n), at most `cap`.
     A round of a whole batch (hundreds of outputs) reaches the cap; one document's 8 often do not."""
     return min(float(cap), mean * sum(1.0 / k for k in range(1, max(1, int(n)) + 1)))
-
-
-def compare_placements(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None
-                       ) -> dict[str, tuple[Plan, dict[str, float]] | str]:
-    """The recipe's cluster planned both ways, each layout chosen: {"colocated": (plan, step time),
-    "disaggregated": ...}, or the PlanError's message where a way does not fit. A mixture of experts'
-    layout is the faster of its experts within a node and across a pipeline stage's nodes."""
-    out: dict[str, tuple[Plan, dict[str, float]] | str] = {}
-    for name, colocate in (("colocated", True), ("disaggregated", False)):
-        tried: list[tuple[Plan, dict[str, float]]] = []
-        for across in ([False, True] if spec.moe is not None else [False]):
-            try:
-                plan = plan_layout(cfg, spec, choose=True, colocate=colocate, experts_across_nodes=across)
-            except PlanError as e:
-                out.setdefault(name, str(e))
-                continue
-            tried.append((plan, estimate_step_time(plan, spec, cfg, t)))
-        # experts across nodes where that is clearly faster (by more than the model's resolution, 5%)
-        if tried:
-            within = tried[0]
-            out[name] = max(tried, key=lambda x: x[1]["tokens_per_s_per_gpu"] / (1.05 if x is not within else 1.0))
-    return out
-
-
-def rank_layouts(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None,
-                 placements: tuple[bool, ...] = (True, False)) -> list[tuple[Plan, dict[str, float]]]:
-    """Every learner layout the learner accepts that fits the cluster (TP within a node, PP in even
-    or uneven stages, CP, VPP, the recipe's recompute or full, a mixture's experts within a node or
-    across a stage's nodes), colocated and disaggregated, each with the rest chosen as --choose
-    chooses it; fastest first (planned tokens/s/GPU on-policy). `--choose` takes the first layout
-    that fits; this is what it would be measured against."""
-    learner_gpus = {True: cfg.cluster.nodes * cfg.cluster.gpus_per_node,
-                    False: cfg.cluster.split()[0] * cfg.cluster.gpus_per_node if cfg.cluster.nodes > 1 else
-                    max(1, cfg.cluster.gpus_per_node // 2)}
-    recomputes = sorted({cfg.train.recompute, "full"})
-    cps = [1] + ([2, 4] if cfg.train.shared_prefix != "on" else [])
-    ranked, seen = [], set()
-    for colocate in placements:
-        for tp in (t_ for t_ in _powers_of_two(min(8, cfg.cluster.gpus_per_node)) if _tp_ok(spec, t_)):
-            for pp in range(1, spec.num_layers + 1):
-                stages = _stages(spec.num_layers, pp)
-                if stages is None or learner_gpus[colocate] % (tp * pp):
-                    continue
-                vpps = [1, 2] if pp > 1 and stages == (0, 0) and spec.num_layers % (2 * pp) == 0 else [1]
-                for cp, vpp, recompute, across in ((c, v, r, a) for c in cps for v in vpps for r in recomputes
-                                                   for a in ([False, True] if spec.moe is not None else [False])):
-                    if learner_gpus[colocate] % (tp * pp * cp):
-                        continue
-                    layout = LearnerLayout(tp, pp, *stages, cp=cp, vpp=vpp, recompute=recompute)
-                    try:
-                        plan = plan_layout(cfg, spec, choose=True, colocate=colocate, experts_across_nodes=across,
-                                           learner=layout)
-                    except PlanError:
-                        continue
-                    key = (colocate, layout, plan.ep)
-                    if key not in seen:
-                        seen.add(key)
-                        ranked.append((plan, estimate_step_time(plan, spec, cfg, t)))
-    return sorted(ranked, key=lambda x: -x[1]["tokens_per_s_per_gpu"])
-
-
-def choose_plan(cfg: SpiceConfig, both: dict[str, tuple[Plan, dict[str, float]] | str]) -> Plan:
-    """`spice plan --choose`, from `compare_placements`: colocated when one node is all there is or
-    when it is faster (tokens per second per GPU, on-policy), else disaggregated; PlanError when
-    neither fits."""
-    fits = {k: v for k, v in both.items() if not isinstance(v, str)}
-    if not fits:
-        raise PlanError("; ".join(f"{k}: {v}" for k, v in both.items()))
-    if "colocated" in fits and (cfg.cluster.nodes == 1 or "disaggregated" not in fits or
-                                fits["colocated"][1]["tokens_per_s_per_gpu"] >=
-                                fits["disaggregated"][1]["tokens_per_s_per_gpu"]):
-        return fits["colocated"][0]
-    return fits["disaggregated"][0]
 
 
 # NeMo-RL's published GRPO throughput, Llama-3.1-8B-Instruct on 2 nodes of 8 H100s (its performance

@@ -554,11 +554,12 @@ def test_choose_explores_uneven_pipeline_stages_and_full_recompute(capsys):
     """94 layers: PP=8 only as stages of 11, 12 x 6, 11; on 80 GB H100s Qwen3-235B-A22B's learner
     fits only with every layer recomputed, and --choose says which overrides give its layout."""
     from spice_megatron.cli import main
-    from spice_megatron.planner import _stages
+    from spice_megatron.planner import end_stage_layers
 
-    assert _stages(94, 8) == (11, 11) and _stages(93, 2) == (46, 47) and _stages(36, 4) == (0, 0)
-    assert _stages(10, 4) == (2, 2) and _stages(10, 6) == (1, 1)
-    assert _stages(10, 7) is None  # five middle stages of 2 leave nothing for the first and last
+    assert end_stage_layers(94, 8) == (11, 11) and end_stage_layers(93, 2) == (46, 47)
+    assert end_stage_layers(36, 4) == (0, 0)
+    assert end_stage_layers(10, 4) == (2, 2) and end_stage_layers(10, 6) == (1, 1)
+    assert end_stage_layers(10, 7) is None  # five middle stages of 2 leave nothing for the first and last
     cfg = get_recipe("qwen3_235b_a22b")
     cfg.train.recompute = "off"
     plan = plan_layout(cfg, choose=True)
@@ -601,7 +602,7 @@ def test_rank_layouts_lists_every_fitting_layout_fastest_first_and_choose_is_amo
     fastest first; --choose's plan is one of them and none ranks below it by more than the ranking
     says; a CP layout counts its sequences unshared (shared-prefix rows are off under CP)."""
     from spice_megatron.cli import main
-    from spice_megatron.planner import choose_plan, compare_placements, rank_layouts
+    from spice_megatron.plan_choice import choose_plan, compare_placements, rank_layouts
     from spice_megatron.policy.model import check_parallel_layout
 
     for name in ("qwen3_32b", "qwen3_30b_a3b"):
@@ -642,7 +643,7 @@ def test_each_gpu_part_has_its_links_and_engines_and_experts_span_nodes_where_th
     assert any("engine TP=16 spans 2 nodes" in n and "rollout.engines" in n for n in plan.notes)
     assert plan_layout(get_recipe("qwen3_32b"), choose=True).engine_tp <= 8
     # the experts across the stage's nodes: ranked by the planned iteration against experts in a node
-    from spice_megatron.planner import compare_placements
+    from spice_megatron.plan_choice import compare_placements
 
     spread, step = compare_placements(cfg, model_spec(cfg.run.model))["colocated"]
     within = estimate_step_time(plan, model_spec(cfg.run.model), cfg)

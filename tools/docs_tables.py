@@ -63,7 +63,8 @@ def recipes_table() -> str:
 def placements_table() -> str:
     """Colocated beside disaggregated on each recipe's own cluster (`spice plan` prints the same)."""
     from recipes import get_recipe
-    from spice_megatron.planner import compare_placements, model_spec
+    from spice_megatron.plan_choice import compare_placements
+    from spice_megatron.planner import model_spec
 
     rows = ["| recipe | nodes | placement | learner | engines | s/iteration | tokens/s/GPU |", "|---|---|---|---|---|---|---|"]
     for name in ("qwen3_8b", "qwen3_8b_1node", "qwen3_30b_a3b", "qwen3_30b_a3b_1node"):
@@ -122,7 +123,8 @@ def recipes_vs_published_table() -> str:
     planner's choice there), beside the published tokens/s/GPU (spice_megatron/plan_calibration.py)."""
     from recipes import get_recipe
     from spice_megatron.plan_calibration import PUBLISHED_RUNS
-    from spice_megatron.planner import PlanError, choose_plan, compare_placements, estimate_step_time, model_spec
+    from spice_megatron.plan_choice import choose_plan, compare_placements
+    from spice_megatron.planner import PlanError, estimate_step_time, model_spec
 
     rows = ["| model | NeMo-RL (GPUs) | recipe | as laid out: GPUs, tokens/s/GPU | on NeMo-RL's GPU count |",
             "|---|---|---|---|---|"]
@@ -203,7 +205,8 @@ def families_table() -> str:
 def ranked_layouts_table() -> str:
     """`spice plan --recipe qwen3_32b --rank 6` on the recipe's cluster, beside what --choose takes."""
     from recipes import get_recipe
-    from spice_megatron.planner import choose_plan, compare_placements, estimate_step_time, model_spec, rank_layouts
+    from spice_megatron.plan_choice import choose_plan, compare_placements, rank_layouts
+    from spice_megatron.planner import estimate_step_time, model_spec
 
     cfg = get_recipe("qwen3_32b")
     spec = model_spec(cfg.run.model)
