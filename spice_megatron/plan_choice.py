@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from spice_megatron.config import SpiceConfig
 from spice_megatron.plan_costs import Throughput
-from spice_megatron.planner import (LearnerLayout, Plan, PlanError, end_stage_layers, estimate_step_time, plan_layout,
-                                    powers_of_two, tp_divides_model)
+from spice_megatron.planner import (LearnerLayout, Plan, PlanError, end_stage_layers, estimate_step_time, gpu_split,
+                                    plan_layout, powers_of_two, tp_divides_model)
 from spice_megatron.policy.model import ModelSpec
 
 
@@ -39,9 +39,7 @@ def rank_layouts(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None,
     across a stage's nodes), colocated and disaggregated, each with the rest chosen as --choose
     chooses it; fastest first (planned tokens/s/GPU on-policy). `--choose` takes the first layout
     that fits; this is what it would be measured against."""
-    learner_gpus = {True: cfg.cluster.nodes * cfg.cluster.gpus_per_node,
-                    False: cfg.cluster.split()[0] * cfg.cluster.gpus_per_node if cfg.cluster.nodes > 1 else
-                    max(1, cfg.cluster.gpus_per_node // 2)}
+    learner_gpus = {colocate: gpu_split(cfg.cluster, colocate)[0] for colocate in placements}
     recomputes = sorted({cfg.train.recompute, "full"})
     cps = [1] + ([2, 4] if cfg.train.shared_prefix != "on" else [])
     ranked, seen = [], set()

@@ -124,6 +124,18 @@ class Plan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+def gpu_split(cluster: ClusterConfig, colocate: bool) -> tuple[int, int]:
+    """(learner GPUs, rollout GPUs): colocated, both are every GPU; one node is split in half;
+    otherwise the learner and rollout nodes' GPUs (cluster.split)."""
+    if colocate:
+        return (cluster.nodes * cluster.gpus_per_node,) * 2
+    if cluster.nodes == 1:
+        learner = max(1, cluster.gpus_per_node // 2)
+        return learner, cluster.gpus_per_node - learner
+    learner_nodes, rollout_nodes = cluster.split()
+    return learner_nodes * cluster.gpus_per_node, rollout_nodes * cluster.gpus_per_node
+
+
 def powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(0, int(math.log2(limit)) + 1)]
 
@@ -180,14 +192,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     cluster: ClusterConfig = cfg.cluster
     spec = spec or model_spec(cfg.run.model)
     colocate = cfg.run.colocate if colocate is None else colocate
-    learner_nodes, rollout_nodes = cluster.split()
-    if colocate:
-        learner_gpus = rollout_gpus = cluster.nodes * cluster.gpus_per_node
-    elif cluster.nodes == 1:
-        learner_gpus = max(1, cluster.gpus_per_node // 2)
-        rollout_gpus = cluster.gpus_per_node - learner_gpus
-    else:
-        learner_gpus, rollout_gpus = learner_nodes * cluster.gpus_per_node, rollout_nodes * cluster.gpus_per_node
+    learner_gpus, rollout_gpus = gpu_split(cluster, colocate)
     if rollout_gpus < 1:
         raise PlanError(f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs leave no GPU for rollout engines")
     budget = cluster.gpu_memory_gib * headroom
