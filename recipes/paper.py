@@ -6,8 +6,20 @@ from __future__ import annotations
 
 import os
 
-from spice_megatron.config import (GPU_PARTS, ClusterConfig, CorpusConfig, OptimConfig, ParallelConfig, PolicyTrainConfig,
-                                   RolloutConfig, RunConfig, SelfPlayConfig, SourceConfig, SpiceConfig)
+from recipes.registry import BASELINE, COLOCATED, FAMILY, LARGE, MOE, PAPER, recipe
+from spice_megatron.config import (
+    GPU_PARTS,
+    ClusterConfig,
+    CorpusConfig,
+    OptimConfig,
+    ParallelConfig,
+    PolicyTrainConfig,
+    RolloutConfig,
+    RunConfig,
+    SelfPlayConfig,
+    SourceConfig,
+    SpiceConfig,
+)
 
 # The paper's corpus (SPICE.md, corrected): raw documents, 50% Nemotron-CC-Math and 50% general
 # documents from DCLM, a 20,000-document pool. Streamed from the hub by `spice prepare --recipe NAME`
@@ -76,11 +88,13 @@ def paper_config(name: str, model: str, *, nodes: int, learner_nodes: int, tp: i
                                 trajectories_per_update=128, importance_sampling="on", tis_cap=2.0),
         rollout=RolloutConfig(max_model_len=MAX_MODEL_LEN, engine_tensor_parallel=engine_tp, request_timeout=3600.0,
                               chunk_size=256, bucket_mb=1024),
-        cluster=ClusterConfig(nodes=nodes, gpus_per_node=8, gpu_memory_gib=GPU_PARTS[gpu][0], learner_nodes=learner_nodes,
+        cluster=ClusterConfig(nodes=nodes, gpus_per_node=8, gpu_memory_gib=GPU_PARTS[gpu][0],
+                              learner_nodes=learner_nodes,
                               gpu=gpu),
     )
 
 
+@recipe(PAPER)
 def qwen3_4b() -> SpiceConfig:
     cfg = paper_config("qwen3_4b", "Qwen/Qwen3-4B-Base", nodes=2, learner_nodes=1, tp=1, pp=1, engine_tp=1,
                        template="qwen3")
@@ -90,25 +104,31 @@ def qwen3_4b() -> SpiceConfig:
     return cfg
 
 
+@recipe(PAPER)
 def qwen3_8b() -> SpiceConfig:
-    return paper_config("qwen3_8b", "Qwen/Qwen3-8B-Base", nodes=2, learner_nodes=1, tp=2, pp=1, engine_tp=1, template="qwen3")
+    return paper_config("qwen3_8b", "Qwen/Qwen3-8B-Base", nodes=2, learner_nodes=1, tp=2, pp=1, engine_tp=1,
+                        template="qwen3")
 
 
+@recipe(PAPER)
 def octothinker_3b() -> SpiceConfig:
     return paper_config("octothinker_3b", "OctoThinker/OctoThinker-3B-Hybrid-Base", nodes=2, learner_nodes=1,
                         tp=1, pp=1, engine_tp=1, template="octothinker")
 
 
+@recipe(PAPER)
 def octothinker_8b() -> SpiceConfig:
     return paper_config("octothinker_8b", "OctoThinker/OctoThinker-8B-Hybrid-Base", nodes=2, learner_nodes=1,
                         tp=2, pp=1, engine_tp=1, template="octothinker")
 
 
+@recipe(LARGE)
 def qwen3_14b() -> SpiceConfig:
     return paper_config("qwen3_14b", "Qwen/Qwen3-14B-Base", nodes=4, learner_nodes=2, tp=4, pp=1, engine_tp=2,
                         template="qwen3")
 
 
+@recipe(LARGE)
 def qwen3_32b() -> SpiceConfig:
     """Colocated on 4 nodes (NeMo-RL's GPU count for Qwen3-32B): TP=8 PP=1 DP=4 learner, 8 engines x
     TP=4 on the same GPUs; by the calibrated planner ~690 tokens/s/GPU against ~450 for a
@@ -118,6 +138,7 @@ def qwen3_32b() -> SpiceConfig:
                                   template="qwen3"), "qwen3_32b", 0.77, nodes=4)
 
 
+@recipe(LARGE)
 def llama3_70b() -> SpiceConfig:
     """Colocated on 8 nodes: TP=8 x PP=8 learner (10 layers a stage), 16 engines x TP=4 on the same
     GPUs at 0.84 of each; by the calibrated planner ~275 tokens/s/GPU against ~155 for 16 nodes split
@@ -128,6 +149,7 @@ def llama3_70b() -> SpiceConfig:
 
 
 # Base models beyond the paper's, as reasoning-RL work starts from them (same algorithm and settings).
+@recipe(FAMILY)
 def qwen2_5_7b() -> SpiceConfig:
     """Qwen2.5-7B base (the architecture of Qwen2.5-Math and DeepSeek-R1-Distill-Qwen too), laid out
     like qwen3_8b: one learner node at TP=2 (4 KV heads: TP 1, 2 or 4), one node of TP=1 engines.
@@ -136,6 +158,7 @@ def qwen2_5_7b() -> SpiceConfig:
                         template="chat")
 
 
+@recipe(FAMILY)
 def glm4_5_air() -> SpiceConfig:
     """GLM-4.5-Air base (106B, 12B active) on 10 nodes of 80 GB: 8 learner nodes at TP=8 (within a
     node), PP=2 (46 layers), EP=16 (the experts' Adam state over 64 GPUs is 19 GiB each; on 4
@@ -146,6 +169,7 @@ def glm4_5_air() -> SpiceConfig:
                                         pp=2, ep=16, engine_tp=4, template="chat"))
 
 
+@recipe(FAMILY)
 def deepseek_v3() -> SpiceConfig:
     """DeepSeek-V3-Base (671B, 37B active) on 40 nodes of 80 GB. 61 layers divide no even pipeline
     (uneven stages, parallel.first/last_stage_layers, wait for a planner that models the bubble),
@@ -154,7 +178,7 @@ def deepseek_v3() -> SpiceConfig:
     GiB at TP=8). 1.34 TB of bf16 weights need engines wider than a node: 2 engines x TP=32 (four
     nodes each, vLLM's multi-node tensor parallelism; slurm/rollout_node.sh starts one engine per
     node, so a cluster starts these engines itself and passes rollout.engines). The FP8 checkpoint
-    is dequantized on import; engines load the bf16 export (tools/convert_to_hf.py)."""
+    is dequantized on import; engines serve its bf16 copy (`spice convert bf16`, rollout.model)."""
     cfg = _engine_experts(paper_config("deepseek_v3", "deepseek-ai/DeepSeek-V3-Base", nodes=40, learner_nodes=32,
                                        tp=8, pp=1, ep=256, engine_tp=32, template="chat"))
     cfg.train.recompute = "full"
@@ -173,10 +197,12 @@ def _engine_experts(cfg: SpiceConfig) -> SpiceConfig:
     return cfg
 
 
+@recipe(MOE)
 def qwen3_30b_a3b() -> SpiceConfig:
     """Colocated on 4 nodes (NeMo-RL's GPU count for Qwen3-30B-A3B): TP=4 with sequence parallelism
     and EP=8 inside each node (the experts' all-to-all stays on NVLink), DP=8; 16 engines x TP=2 on
-    the same GPUs. By the calibrated planner ~875 tokens/s/GPU against ~655 for 4 nodes split 2 + 2.
+    the same GPUs: faster than 4 nodes split 2 + 2 by the calibrated planner (`spice plan --recipe
+    qwen3_30b_a3b` prints both placements; docs/layouts.md's table).
     Activations are planned at the longest sequence, a challenger's 8,395 tokens."""
     return colocated(_engine_experts(paper_config("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B-Base", nodes=4, learner_nodes=0,
                                                   tp=4, pp=1, ep=8, engine_tp=2, template="qwen3")),
@@ -191,6 +217,7 @@ def _recompute_core_attention(cfg: SpiceConfig) -> SpiceConfig:
     return cfg
 
 
+@recipe(MOE)
 def qwen3_30b_a3b_multinode() -> SpiceConfig:
     """Colocated on 6 nodes: TP=4 x EP=8 inside each node, DP=12 (twelve expert-data-parallel
     replicas shard the experts' optimizer state); 24 engines x TP=2 on the same GPUs (~680
@@ -200,6 +227,7 @@ def qwen3_30b_a3b_multinode() -> SpiceConfig:
         engine_tp=2, template="qwen3")), "qwen3_30b_a3b_multinode", 0.77, nodes=6)
 
 
+@recipe(MOE)
 def qwen3_235b_a22b() -> SpiceConfig:
     """H100 nodes (80 GB): 16 learner nodes at TP=4 (sequence parallel) x PP=8 x EP=16, the 94 layers
     in uneven stages (11 on the first and last, 12 on the six between, as NeMo-RL lays it out), every
@@ -215,6 +243,7 @@ def qwen3_235b_a22b() -> SpiceConfig:
     return cfg
 
 
+@recipe(MOE)
 def qwen3_235b_a22b_h200() -> SpiceConfig:
     """H200 nodes (141 GB): 16 learner nodes, TP=4 within a node for attention, PP=2 (94 layers),
     EP=16 (the all-to-all crosses two nodes); 8 engine nodes of one TP=8 engine each (470 GB of bf16
@@ -246,10 +275,12 @@ def strong_challenger(cfg: SpiceConfig, challenger_model: str = STRONG_CHALLENGE
     return cfg
 
 
+@recipe(BASELINE)
 def qwen3_4b_strong_challenger() -> SpiceConfig:
     return strong_challenger(qwen3_4b())
 
 
+@recipe(BASELINE)
 def qwen3_8b_strong_challenger() -> SpiceConfig:
     return strong_challenger(qwen3_8b())
 
@@ -271,17 +302,20 @@ def colocated(cfg: SpiceConfig, name: str, engine_memory_share: float, nodes: in
     return cfg
 
 
+@recipe(COLOCATED)
 def qwen3_4b_1node() -> SpiceConfig:
     """TP=1, DP=8 learner; 8 engines x TP=1 with 0.77 of each GPU during the rollouts."""
     return colocated(qwen3_4b(), "qwen3_4b_1node", 0.77)
 
 
+@recipe(COLOCATED)
 def qwen3_8b_1node() -> SpiceConfig:
     """TP=2, DP=4 learner; 8 engines x TP=1 with 0.77 of each GPU (`spice plan`: ~2,000 tokens/s/GPU
     against ~1,000 for qwen3_8b's two nodes)."""
     return colocated(qwen3_8b(), "qwen3_8b_1node", 0.77)
 
 
+@recipe(COLOCATED)
 def qwen3_30b_a3b_1node() -> SpiceConfig:
     """TP=4 with EP=8 on one node: one expert-data-parallel replica holds every expert's Adam state,
     which does not fit beside the step's activations and the sleeping engines' ~7 GiB on 80 GB, so

@@ -30,20 +30,30 @@ Why these settings (measured with the base model, docs/learning.md):
   frontier (0 < pass rate < 1) where it has one; the paper draws among all its valid tasks. At 4-6
   documents an iteration most random draws are tasks nobody solves (zero advantage): in the lr 1e-5
   check seed 4321's reasoner trained on 0-2 frontier groups an iteration while 1-5 documents had one.
-- Two documents x G=8 per iteration: the main job's three iterations fit in about 8 minutes on 2
-  slow cores (the learner's fp32 step on ~16 challenger sequences of ~340 tokens and up to 16
-  reasoner ones dominates: at three documents an iteration took ~190 s, 150 of them the step); the
-  learning check takes 6 per iteration.
+- Two documents x G=8 per iteration: the main job's three iterations took 1 min 32 s on 2 cores
+  (the newcomer review of 2026-12; the learner's fp32 step on ~16 challenger sequences of ~340
+  tokens and up to 16 reasoner ones dominates); the learning check takes 6 per iteration.
 """
 from __future__ import annotations
 
 import os
 
-from spice_megatron.config import (CorpusConfig, OptimConfig, ParallelConfig, PolicyTrainConfig, RolloutConfig,
-                                   RunConfig, SelfPlayConfig, SourceConfig, SpiceConfig)
+from recipes.registry import CPU, recipe
+from spice_megatron.config import (
+    CorpusConfig,
+    OptimConfig,
+    ParallelConfig,
+    PolicyTrainConfig,
+    RolloutConfig,
+    RunConfig,
+    SelfPlayConfig,
+    SourceConfig,
+    SpiceConfig,
+)
 from spice_megatron.story_corpus import PROMPT_DIR, REASONER_STOP
 
 
+@recipe(CPU)
 def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_cpu") -> SpiceConfig:
     data_dir = data_dir or os.environ.get("SPICE_DATA_DIR", "data")
     challenger_tokens, reasoner_tokens, temperature = 80, 24, 0.5
@@ -68,6 +78,7 @@ def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_c
     )
 
 
+@recipe(CPU)
 def tiny_cpu_deepseek() -> SpiceConfig:
     """The CPU demo's loop on a random tiny DeepSeek-V3-architecture model (offline_assets.tiny_deepseek_dir:
     latent attention with YaRN, sigmoid group-limited routing with a correction bias, a shared expert)

@@ -8,11 +8,13 @@
 #
 # Settings (environment, with defaults):
 #   MODEL_DIR         HF directory of the base model, as seen inside the container (required)
+#   ROLLOUT_MODEL_DIR the directory the engines serve (default: MODEL_DIR); an FP8 MODEL_DIR needs its
+#                     bf16 copy here (spice convert bf16; docs/checkpoints.md)
 #   CONTAINER_IMAGE   the learner's enroot/pyxis image: NGC PyTorch + megatron-core (+ TE, apex) + this
-#                     package (tools/containers/learner.Dockerfile); unset or "none": no container, the
+#                     package (tools/env/containers/learner.Dockerfile); unset or "none": no container, the
 #                     job's own Python environment (sbatch exports the submitting shell's PATH)
 #   ROLLOUT_CONTAINER_IMAGE  the engines' image: vLLM 0.32 + this package (default: CONTAINER_IMAGE;
-#                     tools/containers/rollout.Dockerfile). vLLM pins its own torch, which breaks
+#                     tools/env/containers/rollout.Dockerfile). vLLM pins its own torch, which breaks
 #                     an NGC image's TE/apex builds, hence two images.
 #   SPICE_DATA_DIR    holds staged/RECIPE, the corpus staged by `spice prepare --recipe RECIPE` on a
 #                     node with hub access (default: $SPICE_HOME/data); jobs run with HF_HUB_OFFLINE=1
@@ -94,11 +96,40 @@ if [[ ! -O $OUTPUT_DIR ]] || [[ -n $(find "$OUTPUT_DIR" -maxdepth 0 -perm /022 2
        "$(stat -c %a "$OUTPUT_DIR")): a resume would run what others put there; not starting (chmod go-w it if it is yours)" >&2
   exit 2
 fi
-# The code every node runs: writable by others, it would run as this user on every node.
-unsafe_code=$(find "$SPICE_HOME/spice_megatron" "$SPICE_HOME/recipes" "$SPICE_HOME/slurm" -perm /022 -print -quit 2>/dev/null || true)
+# Every directory above one the job trusts: root's or this user's, writable by nobody else unless
+# sticky with the next one down this user's; otherwise another user could swap it after the checks.
+unsafe_ancestor() {  # prints the first unsafe directory above $1 (resolved), nothing if none
+  local path dir child
+  path=$(readlink -f "$1")
+  child=$path
+  dir=$(dirname "$path")
+  while :; do
+    if [[ -e $dir ]]; then
+      local owner mode
+      owner=$(stat -c %u "$dir") mode=$(stat -c %a "$dir")
+      if [[ $owner != 0 && $owner != "$(id -u)" ]]; then echo "$dir (owned by $(stat -c %U "$dir"))"; return; fi
+      if (( 8#$mode & 8#022 )) && ! { (( 8#$mode & 8#1000 )) && [[ ! -e $child || -O $child ]]; }; then
+        echo "$dir (mode $mode)"; return
+      fi
+    fi
+    [[ $dir == / ]] && return
+    child=$dir
+    dir=$(dirname "$dir")
+  done
+}
+for trusted in "$OUTPUT_DIR" "$SPICE_HOME"; do
+  bad=$(unsafe_ancestor "$trusted")
+  if [[ -n $bad ]]; then
+    echo "spice: $trusted lies under $bad, which another user could change: not starting" >&2
+    exit 2
+  fi
+done
+# The code every node runs: another user's, or writable by others, it would run as this user on every node.
+unsafe_code=$(find "$SPICE_HOME/spice_megatron" "$SPICE_HOME/recipes" "$SPICE_HOME/slurm" \
+  \( -perm /022 -o ! -user "$(id -u)" \) -print -quit 2>/dev/null || true)
 if [[ -n $unsafe_code ]]; then
-  echo "spice: $unsafe_code is writable by group or others: the job would run what they put there; not starting" \
-       "(chmod -R go-w $SPICE_HOME)" >&2
+  echo "spice: $unsafe_code is another user's or writable by group or others: the job would run what they put" \
+       "there; not starting (chmod -R go-w $SPICE_HOME; use a copy of your own)" >&2
   exit 2
 fi
 LOG_DIR=$OUTPUT_DIR/logs/slurm_${SLURM_JOB_ID}_restart${RESTART}
@@ -170,7 +201,8 @@ export SPICE_ENGINES_PER_NODE=$(( GPUS_PER_NODE / ENGINE_TP ))
 export SPICE_ROLLOUT_PORT=$ROLLOUT_PORT SPICE_ENGINE_TP=$ENGINE_TP SPICE_MAX_MODEL_LEN=$MAX_MODEL_LEN
 # mixture-of-experts recipes: vLLM's expert parallelism inside each engine (ENGINE_EP=1 in the sbatch)
 if [[ "${ENGINE_EP:-0}" == 1 ]]; then export SPICE_ENGINE_EXPERT_PARALLEL=1; fi
-export SPICE_MODEL=$MODEL_DIR SPICE_LOG_DIR=$LOG_DIR SPICE_GPUS_PER_NODE=$GPUS_PER_NODE
+ROLLOUT_MODEL_DIR=${ROLLOUT_MODEL_DIR:-$MODEL_DIR}
+export SPICE_MODEL=$ROLLOUT_MODEL_DIR SPICE_LOG_DIR=$LOG_DIR SPICE_GPUS_PER_NODE=$GPUS_PER_NODE
 export SPICE_WEIGHT_TRANSFER=${WEIGHT_TRANSFER:-spice}
 # the engines' share of each GPU (vLLM's gpu_memory_utilization); colocated, what the learner's
 # resident weights leave (the recipe's rollout.gpu_memory_utilization, ENGINE_MEMORY_SHARE in the sbatch)
@@ -267,11 +299,11 @@ srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "
   "${learner_container[@]}" \
   --output="$LOG_DIR/learner_%N_%n.out" --kill-on-bad-exit=1 \
   env CUDA_DEVICE_MAX_CONNECTIONS=1 \
-  python -m torch.distributed.run --nnodes="$LEARNER_NODES" --nproc-per-node="$GPUS_PER_NODE" \
+  python -m spice_megatron.torchrun --nnodes="$LEARNER_NODES" --nproc-per-node="$GPUS_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$head_ip:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
-  -m spice_megatron.cli train --recipe "$RECIPE" --model "$MODEL_DIR" --output-dir "$OUTPUT_DIR" --resume \
+  -m spice_megatron.cli train --recipe "$RECIPE" --model "$MODEL_DIR" --output "$OUTPUT_DIR" --resume \
   cluster.nodes=${#NODES[@]} cluster.learner_nodes="$(( COLOCATE == 1 ? 0 : LEARNER_NODES ))" \
-  rollout.weight_transfer="$SPICE_WEIGHT_TRANSFER" "$@" &
+  rollout.weight_transfer="$SPICE_WEIGHT_TRANSFER" rollout.model="$ROLLOUT_MODEL_DIR" "$@" &
 learner_pid=$!
 set +e
 wait "$learner_pid"

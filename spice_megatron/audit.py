@@ -50,6 +50,16 @@ def with_document_texts(records: Iterator[dict]) -> Iterator[dict]:
         yield r
 
 
+def counted_from_one(records: Iterator[dict]) -> Iterator[dict]:
+    """The records with iterations counted from 1, as the metrics count them: a trail written before
+    2026-12-06 counted from 0 (its first record says iteration 0) and is read shifted by one."""
+    shift = None
+    for r in records:
+        if shift is None:
+            shift = 1 if r.get("iteration") == 0 else 0
+        yield {**r, "iteration": r["iteration"] + shift} if shift and isinstance(r.get("iteration"), int) else r
+
+
 def iterations(records: Iterator[dict]) -> Iterator[list[dict]]:
     """The records grouped by iteration, in the order written (one iteration's records at a time)."""
     group: list[dict] = []

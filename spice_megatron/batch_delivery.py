@@ -3,7 +3,9 @@ used. The routing is most of a MoE batch's bytes ([tokens, decoder layers, top-k
 Qwen3-30B-A3B, 48 x 8 uint8 per token, ~3.8 GB an iteration at the paper's batch), and a
 data-parallel replica runs only its share of the sequences: each replica gets the routing of the
 sequences its micro-batches hold (Learner.routing_destinations), none for the sequences no replica
-trains. A dense batch is broadcast as it is.
+trains. A streamed chunk of complete documents goes to the old-log-prob forward, which runs every
+sequence of it (advantages are not known yet): its routing goes by that forward's split
+(`forward_only`). A dense batch is broadcast as it is.
 """
 from __future__ import annotations
 
@@ -28,15 +30,18 @@ class BatchDelivery:
         self.dp_of_rank: list[int] = [0] * dist.get_world_size(group)
         dist.all_gather_object(self.dp_of_rank, learner.layout.dp_rank, group=group)
 
-    def __call__(self, seqs: list[TrainSequence] | None) -> tuple[list[TrainSequence] | None, dict[str, float]]:
+    def __call__(self, seqs: list[TrainSequence] | None, forward_only: bool = False
+                 ) -> tuple[list[TrainSequence] | None, dict[str, float]]:
         """(this rank's copy of the batch, the routing volume on rank 0: bytes from the engines, bytes
-        sent to the learner ranks, sequences whose routing no rank needed)."""
+        sent to the learner ranks, sequences whose routing no rank needed). `forward_only`: the
+        sequences go to Learner.compute_logprobs (every one runs), not to train_on_batch."""
         routed = dist.get_rank() == 0 and bool(seqs) and any(x.routed_experts is not None for x in seqs)
         if not broadcast_from_driver(routed, self.group):
             return broadcast_from_driver(seqs, self.group), {}
         payloads, stats = None, {}
         if dist.get_rank() == 0:
-            dest = self.learner.routing_destinations(seqs)
+            dest = (self.learner.forward_destinations(seqs) if forward_only
+                    else self.learner.routing_destinations(seqs))
             per_dp = {dp: [x if dp in dest[i] or x.routed_experts is None
                            else dataclasses.replace(x, routed_experts=None) for i, x in enumerate(seqs)]
                       for dp in set(self.dp_of_rank)}

@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from spice_megatron.entry import UserError
 from spice_megatron.preflight import looks_like_local_path
+
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate a model on benchmarks; writes results.md, results.json and items.jsonl."""
@@ -42,10 +44,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(args.judge_tokenizer)
-        judge = LLMJudge(RolloutFleet(args.judge_engines.split(","), os.environ.get("SPICE_ROLLOUT_TOKEN", "")), tokenizer)
+        from spice_megatron.wire.auth import read_token
+
+        judge = LLMJudge(RolloutFleet(args.judge_engines.split(","), read_token()), tokenizer)
     try:
-        report, paths = run_evaluation(args.model, names, args.output, args.data, args.source, args.limit or None,
-                                       settings, engines=args.engines.split(",") if args.engines else None,
+        report, paths = run_evaluation(args.model, names, args.output, args.data, args.benchmark_source,
+                                       args.limit or None, settings,
+                                       engines=args.engines.split(",") if args.engines else None,
                                        judge=judge, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
@@ -67,7 +72,7 @@ def cmd_curves(args: argparse.Namespace) -> int:
     from spice_megatron.eval.analysis import plot_training_curves
 
     path = _run_file(args.run, "metrics.jsonl")
-    out = args.out or os.path.join(os.path.dirname(path), "training_curves.png")
+    out = args.output or os.path.join(os.path.dirname(path), "training_curves.png")
     try:
         print(f"written: {plot_training_curves(path, out)}")
     except ValueError as e:
@@ -114,14 +119,24 @@ def cmd_coevolution(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     """Print audit records of a run, filtered; each traces to its document and weights version. A
     valid challenger task is shown with its document and the reasoner's answers (--full: raw JSON)."""
-    from spice_megatron.audit import IterationIndex, iterations, leaks, one_line, task_block, with_document_texts
+    from spice_megatron.audit import (
+        IterationIndex,
+        counted_from_one,
+        iterations,
+        leaks,
+        one_line,
+        task_block,
+        with_document_texts,
+    )
     from spice_megatron.run_log import read_jsonl
 
     path = _run_file(args.run, "audit.jsonl")
-    shown = 0
-    for group in iterations(with_document_texts(read_jsonl(path))):
+    shown, seen_iterations, seen_kinds = 0, set(), set()
+    for group in iterations(with_document_texts(counted_from_one(read_jsonl(path)))):
         indexed = IterationIndex(group)
         for k, r in enumerate(group):
+            seen_iterations.add(r.get("iteration"))
+            seen_kinds.add(r.get("kind"))
             if ((args.kind and r.get("kind") != args.kind) or (args.doc and r.get("doc_id") != args.doc)
                     or (args.iteration is not None and r.get("iteration") != args.iteration)
                     or (args.version is not None and r.get("weights_version") != args.version)
@@ -139,7 +154,21 @@ def cmd_audit(args: argparse.Namespace) -> int:
             shown += 1
             if args.limit and shown >= args.limit:
                 return 0
+    unknown = []
+    if args.iteration is not None and args.iteration not in seen_iterations:
+        unknown.append(f"--iteration {args.iteration} (this run's audit has iterations {_span(seen_iterations)})")
+    if args.kind and args.kind not in seen_kinds:
+        unknown.append(f"--kind {args.kind} (this run's records are "
+                       f"{', '.join(sorted(map(str, seen_kinds))) or 'none'})")
+    if unknown:
+        print(f"no record matches: {'; '.join(unknown)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _span(values: set) -> str:
+    numbers = sorted(v for v in values if isinstance(v, int))
+    return f"{numbers[0]}-{numbers[-1]}" if numbers else "none"
 
 
 def _shown_in_task_block(answer: dict, group: list[dict], args: argparse.Namespace) -> bool:

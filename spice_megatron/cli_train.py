@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from spice_megatron.entry import UserError
 
+CONFIG_RECORDED_ENV = "SPICE_CONFIG_RECORDED"
+
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run SPICE: the recipe's config, overridden by key=value pairs."""
-    from spice_megatron import offline_data
-    from spice_megatron.launch import global_rank, relaunch_with_torchrun, rollout_urls_from_env, under_launcher
-
     from recipes import resolve_recipe
+    from spice_megatron import offline_data
+    from spice_megatron.run_config import record_run_config
+    from spice_megatron.torchrun import global_rank, relaunch_with_torchrun, rollout_urls_from_env, under_launcher
 
     cfg = resolve_recipe(args.recipe, args.overrides, args.general_corpus)
-    if args.output_dir:
-        cfg.run.output_dir = args.output_dir
+    resuming = args.resume or args.resume_after_kill_switch
+    if args.output:
+        cfg.run.output_dir = args.output
     if args.model:
         cfg.run.model = args.model
     if args.corpus:
@@ -28,6 +32,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from spice_megatron.corpus import resolve_sources
 
     resolve_sources(cfg.corpus, args.recipe)  # before any rank starts: a missing staging step is named at once
+    if args.resume and not args.resume_after_kill_switch:  # a requeue's refusal comes before any other
+        from spice_megatron.run_control import kill_switch_refusal
+
+        refusal = kill_switch_refusal(cfg.run.output_dir, not under_launcher() or global_rank() == 0)
+        if refusal:
+            print(f"kill switch: {refusal}", file=sys.stderr)
+            return 3
     if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
         cfg.rollout.engines = rollout_urls_from_env()
     if not under_launcher():  # one-machine conveniences, done once before any rank starts
@@ -49,13 +60,19 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         check_context_budget_once(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
         offline_data.prepare_for(cfg.corpus.sources)
+        print(record_run_config(cfg, args.recipe, args.overrides, resuming, args.force_config), flush=True)
+        os.environ[CONFIG_RECORDED_ENV] = "1"  # the ranks it starts do not record it again
         argv = list(sys.argv[1:])
         if "--model" not in argv:
             argv += ["--model", cfg.run.model]
         p = cfg.parallel  # one data-parallel replica: its TP x PP x CP ranks
         relaunch_with_torchrun(p.tensor_parallel * p.pipeline_parallel * p.context_parallel, [sys.argv[0], *argv])
+    elif global_rank() == 0 and not os.environ.get(CONFIG_RECORDED_ENV):  # ranks a cluster launcher started
+        print(record_run_config(cfg, args.recipe, args.overrides, resuming, args.force_config), flush=True)
+    from spice_megatron.driver import EnginesLost, KillSwitch
     from spice_megatron.policy.checkpoint import NoUsableCheckpoint
-    from spice_megatron.trainer import EnginesLost, Interrupted, KillSwitch, train
+    from spice_megatron.run_control import Interrupted
+    from spice_megatron.trainer import train
 
     try:
         eval_hook = _eval_hook(args, cfg)
@@ -77,26 +94,39 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if summary and global_rank() == 0:
-        keys = ["weights_version", "valid_task_rate", "attempts_per_doc", "reasoner_pass_rate", "challenger_reward_mean",
-                "train/loss", "train/grad_norm", "train/logprob_gap", "weight_sync/seconds", "time/iteration"]
+        from spice_megatron.metric_names import SUMMARY
+
         print("\nSPICE run finished: " + cfg.run.output_dir)
-        for k in keys:
-            if k in summary:
-                print(f"  {k:24s} {summary[k]:.4f}")
+        for k in SUMMARY:
+            if isinstance(summary.get(k), (int, float)):
+                print(f"  {k:28s} {summary[k]:.4f}")
         print(f"  metrics: {cfg.run.output_dir}/metrics.jsonl, TensorBoard: {cfg.run.output_dir}/tensorboard, "
               f"audit: {cfg.run.output_dir}/audit.jsonl, HF checkpoint: {cfg.run.output_dir}/hf_final")
         print(f"  plots: spice curves {cfg.run.output_dir}; evaluation: spice eval --model {cfg.run.output_dir}")
         print(_moved_line(os.path.join(cfg.run.output_dir, "metrics.jsonl")))
-        print("  evidence of learning: tools/learning_check.py --selfplay (both roles against a frozen control) and "
-              "tools/learning_check.py (the reasoner on fixed tasks); docs/learning.md")
+        print("  what each metric means: docs/metrics.md")
+        from spice_megatron.run_clean import footprint_line
+
+        print(footprint_line(cfg.run.output_dir))
+        print("  evidence of learning: tools/checks/learning_check.py --selfplay (both roles against a frozen control) "
+              "and tools/checks/learning_check.py (the reasoner on fixed tasks); docs/learning.md")
     return 0
 
 
 def check_model_and_layout(cfg) -> None:
-    """A local model directory's files and the learner's layout against its dimensions. A hub id is
-    left to the download, which names what it cannot fetch."""
+    """A local model directory's files and the learner's layout against its dimensions, and the
+    engines' directory (one the weight sync can fill). A hub id is left to the download, which
+    names what it cannot fetch."""
+    from spice_megatron.bridge.dequantize import check_engine_model
     from spice_megatron.preflight import check_hf_model, check_layout, looks_like_local_path
 
+    if cfg.rollout.model and looks_like_local_path(cfg.run.model):
+        served, trained = check_hf_model(cfg.rollout.model, "rollout.model"), check_hf_model(cfg.run.model, "run.model")
+        if dataclasses.replace(served, hf_config={}) != dataclasses.replace(trained, hf_config={}):
+            raise UserError(f"rollout.model={cfg.rollout.model}: not the architecture of run.model={cfg.run.model} "
+                            "(the engines must serve a copy of the learner's model)")
+    if not cfg.rollout.engines:
+        check_engine_model(cfg.engine_model, "rollout.model" if cfg.rollout.model else "run.model")
     if not looks_like_local_path(cfg.run.model):
         return
     p = cfg.parallel
@@ -105,8 +135,8 @@ def check_model_and_layout(cfg) -> None:
                  last_stage_layers=p.last_stage_layers, vpp=p.virtual_pipeline)
 
 
-MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasoner_pass_rate"),
-         ("challenger reward", "challenger_reward_mean"), ("frontier share", "challenger/frontier_share"))
+MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasoner/pass_rate"),
+         ("challenger task reward", "challenger/task_reward_mean"), ("frontier share", "challenger/frontier_share"))
 
 
 def _moved_line(metrics_path: str) -> str:
@@ -117,14 +147,15 @@ def _moved_line(metrics_path: str) -> str:
     if len(metrics) < 2:
         return "  moved: one iteration only"
     first, last = metrics[0], metrics[-1]
-    parts = [f"{label} {first[key]:.2f} -> {last[key]:.2f}" for label, key in MOVED if key in first and key in last]
+    parts = [f"{label} {first[key]:.2f} -> {last[key]:.2f}" for label, key in MOVED
+             if isinstance(first.get(key), (int, float)) and isinstance(last.get(key), (int, float))]
     return f"  moved (iteration {first['iteration']} -> {last['iteration']}): " + ", ".join(parts)
 
 
 def _eval_hook(args: argparse.Namespace, cfg):
     """The trainer's evaluation hook on the driver (None without evaluations): the benchmarks
     through the training fleet, then the challenger's tasks on fixed documents."""
-    from spice_megatron.launch import global_rank
+    from spice_megatron.torchrun import global_rank
 
     if not cfg.run.eval_every or global_rank() != 0 or not (args.eval_benchmarks or args.eval_challenger_docs):
         return None
@@ -140,7 +171,7 @@ def _eval_hook(args: argparse.Namespace, cfg):
         settings = EvalSettings(max_tokens=cfg.selfplay.reasoner_max_tokens, seed=cfg.run.seed,
                                 template=cfg.selfplay.template, prompt_dir=cfg.selfplay.prompt_dir,
                                 stop=tuple(cfg.selfplay.reasoner_stop))
-        hooks.append(training_eval_hook(benchmark_names(args.eval_benchmarks), args.eval_data, tokenizer, settings,
+        hooks.append(training_eval_hook(benchmark_names(args.eval_benchmarks), args.data, tokenizer, settings,
                                         args.eval_limit or None, os.path.join(cfg.run.output_dir, "eval")))
     if args.eval_challenger_docs:
         from spice_megatron.eval.challenger_eval import challenger_eval_hook, read_documents

@@ -29,6 +29,7 @@ import time
 import torch
 
 from spice_megatron.config import SpiceConfig
+from spice_megatron.interfaces import RolloutDriver
 from spice_megatron.policy.parallel import broadcast_from_driver
 
 log = logging.getLogger("spice.colocation")
@@ -99,7 +100,7 @@ class Colocation:
     """The phases above; every method is called on every learner rank (the engines' control
     plane from the driver, global rank 0). Disabled (run.colocate false): each does nothing."""
 
-    def __init__(self, cfg: SpiceConfig, learner, driver, control):
+    def __init__(self, cfg: SpiceConfig, learner, driver: RolloutDriver | None, control):
         self.enabled, self.level = cfg.run.colocate, cfg.rollout.sleep_level
         self.learner, self.driver, self.control = learner, driver, control
         self.path = os.path.join(cfg.run.output_dir, PHASES_FILE)
@@ -133,7 +134,8 @@ class Colocation:
         awake = ""
         if self.driver is not None:
             slept = self.driver.fleet.sleep(self.level)
-            self._stats.update({"time/engines_sleep": slept["seconds"], "colocate/engine_gib_freed": slept["freed_gib"]})
+            self._stats.update({"time/engines_sleep": slept["seconds"],
+                                "colocate/engine_gib_freed": slept["freed_gib"]})
             self._phase("engines_asleep", **slept)
             awake = self._stop_awake_engines(slept["not_asleep"])
         # no learner rank claims memory before the engines free it

@@ -76,7 +76,8 @@ def check_context_budget_once(cfg: SpiceConfig, tokenizer) -> bool:
     import json
 
     sp = cfg.selfplay
-    key = hashlib.sha256(json.dumps([type(tokenizer).__name__, len(tokenizer), cfg.rollout.max_model_len, cfg.corpus.max_doc_tokens, sp.protocol,
+    key = hashlib.sha256(json.dumps([type(tokenizer).__name__, len(tokenizer), cfg.rollout.max_model_len,
+                                     cfg.corpus.max_doc_tokens, sp.protocol,
                                      sp.challenger, sp.template, sp.prompt_dir, sp.challenger_max_tokens,
                                      sp.selection_max_tokens]).encode()).hexdigest()[:16]
     if os.environ.get(CHECKED_ENV) == key:

@@ -20,8 +20,8 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from spice_megatron.entry import UserError
 from spice_megatron.config import CorpusConfig, SourceConfig
+from spice_megatron.entry import UserError
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from spice_megatron.config import SelfPlayConfig
 from spice_megatron.corpus import Document
 from spice_megatron.loss import CHALLENGER
 from spice_megatron.protocol import ChallengerPrompts, parse_generation, parse_selection
-from spice_megatron.rollout.types import Completion, SamplingSpec
 from spice_megatron.tasks import ParseResult, parse_challenger_output
 from spice_megatron.templates import reasoner_prompt
+from spice_megatron.wire.types import Completion, SamplingSpec
 
 # prompts, sampling -> for each prompt, sampling.n completions
 GenerateFn = Callable[[list[str], SamplingSpec], list[list[Completion]]]

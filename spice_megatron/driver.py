@@ -4,7 +4,6 @@ started, verification, rewards and the logs. `Driver.selfplay` is steps 1-4 of o
 broadcasts to every learner rank."""
 from __future__ import annotations
 
-import base64
 import dataclasses
 import functools
 import logging
@@ -16,13 +15,13 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from spice_megatron.audit import compact_documents
+from spice_megatron.bridge.dequantize import QuantizedEngineModel, check_engine_model
 from spice_megatron.config import SpiceConfig
+from spice_megatron.interfaces import RolloutBatch
+from spice_megatron.metric_names import CHALLENGER_REWARD, VALID_TASK_RATE
 from spice_megatron.policy.batching import TrainSequence
 from spice_megatron.rollout.fleet import FleetError, NoEngineLeft, RolloutFleet
 from spice_megatron.templates import prompt_token_ids
@@ -46,48 +45,14 @@ class KillSwitch(RuntimeError):
     """The run stopped itself (non-finite loss, no valid tasks, reward collapse)."""
 
 
-@dataclass
-class RolloutBatch:
-    """One iteration's rollouts: what the learner trains on and what is logged for it. At
-    staleness 1 a finished batch waits one iteration, so a checkpoint holds it (JSON)."""
-
-    iteration: int
-    version: int  # the engines' weights when its rollouts started
-    stats: dict[str, float]
-    records: list[dict]
-    seqs: list[TrainSequence]
-
-    def to_json(self) -> dict:
-        seqs = []
-        for x in self.seqs:
-            d = dataclasses.asdict(x)
-            if x.routed_experts is not None:  # [tokens, layers, k] in its own dtype: base64, not lists
-                r = np.ascontiguousarray(x.routed_experts)
-                d["routed_experts"] = {"shape": list(r.shape), "dtype": r.dtype.name,
-                                       "data": base64.b64encode(r.tobytes()).decode("ascii")}
-            seqs.append(d)
-        # the other fields as they are: asdict(self) would deep-copy every sequence only to drop it
-        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seqs"}, "seqs": seqs}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "RolloutBatch":
-        seqs = []
-        for x in d["seqs"]:
-            r = x.get("routed_experts")
-            if r is not None:  # a checkpoint from before the dtype was kept has int16 under "int16"
-                data, dtype = (r["data"], r["dtype"]) if "data" in r else (r["int16"], "int16")
-                x = {**x, "routed_experts": np.frombuffer(base64.b64decode(data), np.dtype(dtype)).reshape(r["shape"])}
-            seqs.append(TrainSequence(**x))
-        return cls(d["iteration"], d["version"], d["stats"], d["records"], seqs)
-
-
 class Driver:
     """Rank 0's side of the loop: corpus, rollout fleet, verifier, logs."""
 
     def __init__(self, cfg: SpiceConfig, tokenizer, resume_state: dict | None,
                  abandon_when: Callable[[], bool] | None = None):
-        from spice_megatron.corpus import Corpus, DocumentSampler
         from spice_megatron.audit import written_document_hashes
+        from spice_megatron.corpus import Corpus, DocumentSampler
+        from spice_megatron.metric_names import declared_names, run_kinds
         from spice_megatron.run_log import JsonlLog, MetricsLogger, read_jsonl
         from spice_megatron.verify import AnswerVerifier
 
@@ -104,10 +69,16 @@ class Driver:
         self.engines: list = []
         token = self._job_token(cfg)
         self.token = token
-        urls = list(cfg.rollout.engines) or self._start_local_engines(cfg.run.model, cfg.rollout.local_engines)
+        if not cfg.rollout.engines:
+            check_engine_model(cfg.engine_model, "rollout.model" if cfg.rollout.model else "run.model")
+        urls = list(cfg.rollout.engines) or self._start_local_engines(cfg.engine_model, cfg.rollout.local_engines)
         self.fleet = RolloutFleet(urls, token, cfg.rollout.request_timeout, chunk_size=cfg.rollout.chunk_size)
         self.fleet.wait_until_healthy(cfg.rollout.health_timeout)
         for url, health in self.fleet.health().items():
+            if health and health.get("quantization"):
+                raise QuantizedEngineModel(f"engine {url} serves {health.get('model')} quantized "
+                                           f"({health['quantization']}): the weight sync sends bf16 tensors it cannot "
+                                           "load; serve a bf16 copy (spice convert bf16)")
             if health and health.get("weight_transfer", cfg.rollout.weight_transfer) != cfg.rollout.weight_transfer:
                 raise RuntimeError(f"engine {url} receives weights through {health['weight_transfer']!r}, the learner "
                                    f"sends through rollout.weight_transfer={cfg.rollout.weight_transfer!r}: start both "
@@ -134,7 +105,7 @@ class Driver:
             self.sampler.load_state_dict(state["sampler"])
             self.rng.setstate(_tuple_state(state["rng"]))
         self.metrics = MetricsLogger(out, state.get("metrics_offset"), cfg.run.wandb_project, cfg.run.name,
-                                     dataclasses.asdict(cfg))
+                                     dataclasses.asdict(cfg), declared_names(cfg.selfplay.group_size, run_kinds(cfg)))
         self.audit = JsonlLog(os.path.join(out, "audit.jsonl"), state.get("audit_offset"))
         # the documents whose text the trail holds (audit.compact_documents): read back on resume
         self.documents_written = (written_document_hashes(read_jsonl(self.audit.path))
@@ -153,7 +124,7 @@ class Driver:
         """Engines started elsewhere share the job's secret (its launcher makes a fresh one per attempt);
         engines this run starts get a fresh one, which lives only in this process and theirs."""
         from spice_megatron.config import ConfigError
-        from spice_megatron.rollout.auth import read_token
+        from spice_megatron.wire.auth import read_token
 
         if not (cfg.rollout.engines or cfg.rollout.challenger_engines):
             return secrets.token_hex(16)
@@ -325,18 +296,21 @@ class Driver:
         docs = self.sampler.next_batch(self.cfg.selfplay.batch_docs)
         self._ids.clear()  # prompts hold this iteration's documents: do not keep them for the whole run
         seed = self.cfg.run.seed * 100_003 + iteration
+        # the audit trail counts iterations from 1 as the metrics do; `iteration` (from 0) seeds the sampling
         sp = self.cfg.selfplay
         if sp.challenger == "tasks":
             result = run_fixed_tasks(docs, self.generate, self.verifier, sp, self.tokenizer, weights_version=version,
-                                     iteration=iteration, seed=seed)
+                                     iteration=iteration + 1, seed=seed)
         else:
             # streamed: a document's request stays whole on one engine (its prompt in that engine's
             # prefix cache); the other documents' requests feed the other engines
             streamed = self.cfg.run.streamed
             generate = functools.partial(self.generate, one_engine=streamed)
-            fixed = functools.partial(self.fixed_challenger_generate, one_engine=streamed) if self.challenger_fleet else None
+            fixed = functools.partial(self.fixed_challenger_generate,
+                                      one_engine=streamed) if self.challenger_fleet else None
             result = run_iteration(docs, generate, self.verifier, sp, self.rng, self.tokenizer,
-                                   weights_version=version, iteration=iteration, seed=seed, challenger_generate=fixed,
+                                   weights_version=version, iteration=iteration + 1, seed=seed,
+                                   challenger_generate=fixed,
                                    max_model_len=self.cfg.rollout.max_model_len, token_ids=self.prompt_ids,
                                    streamed=streamed, on_document=None if on_sequences is None else (
                                        lambda done: on_sequences([self._train_sequence(role, prompt, c, 0.0)
@@ -366,11 +340,11 @@ class Driver:
         run = self.cfg.run
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise KillSwitch(f"non-finite loss ({loss}) or gradient norm ({grad_norm})")
-        self.low_valid_streak = self.low_valid_streak + 1 if stats["valid_task_rate"] < run.min_valid_task_rate else 0
+        self.low_valid_streak = self.low_valid_streak + 1 if stats[VALID_TASK_RATE] < run.min_valid_task_rate else 0
         if self.low_valid_streak >= run.patience:
             raise KillSwitch(f"valid-task rate below {run.min_valid_task_rate} for {run.patience} iterations")
         self.low_reward_streak = (self.low_reward_streak + 1
-                                  if stats["challenger/reward_mean"] < run.min_challenger_reward else 0)
+                                  if stats[CHALLENGER_REWARD] < run.min_challenger_reward else 0)
         if self.low_reward_streak >= run.patience:
             raise KillSwitch(f"challenger reward below {run.min_challenger_reward} for {run.patience} iterations")
 

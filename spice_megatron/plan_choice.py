@@ -4,10 +4,17 @@
 from __future__ import annotations
 
 from spice_megatron.config import SpiceConfig
+from spice_megatron.families import ModelSpec
 from spice_megatron.plan_costs import Throughput
-from spice_megatron.planner import (LearnerLayout, Plan, PlanError, end_stage_layers, estimate_step_time, gpu_split,
-                                    plan_layout, powers_of_two, tp_divides_model)
-from spice_megatron.policy.model import ModelSpec
+from spice_megatron.plan_learner import (
+    LearnerLayout,
+    PlanError,
+    end_stage_layers,
+    gpu_split,
+    powers_of_two,
+    tp_divides_model,
+)
+from spice_megatron.planner import Plan, estimate_step_time, plan_layout
 
 
 def compare_placements(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from spice_megatron.config import GPU_PARTS
-from spice_megatron.policy.model import ModelSpec
+from spice_megatron.families import ModelSpec
 
 GiB = 1024**3
 
@@ -113,6 +113,7 @@ class LearnerWork:
     full_recompute: bool  # every layer again: its TP collectives too
     micro_batches: float  # per pipeline per optimizer step (the 1F1B bubble is (PP-1) of them)
     steps: int  # optimizer steps
+    moe_recompute: bool = False  # train.recompute_modules "moe": the experts' dispatch and combine run again
 
 
 def _forward_flops_per_token(spec: ModelSpec, work: LearnerWork) -> float:
@@ -134,12 +135,13 @@ def forward_pass_seconds(spec: ModelSpec, work: LearnerWork, gpus: int, t: Throu
 def learner_seconds(spec: ModelSpec, work: LearnerWork, weights_gib: float, gpus: int, tp: int, pp: int, dp: int,
                     gpus_per_node: int, t: Throughput, vpp: int = 1, cp: int = 1) -> dict[str, float]:
     """Seconds of the learner's iteration, term by term: matmul and attention FLOPs at the part's
-    peak x train_mfu (moe_train_mfu for a mixture-of-experts model); the pipeline bubble ((PP-1)/(VPP x micro-batches) of them); the TP/SP and CP
-    collectives of every pass (4 of a token's hidden state per layer: two all-gathers and two
-    reduce-scatters under sequence parallelism, or two all-reduces), not overlapped; and per
-    optimizer step the data-parallel all-gather of the updated bf16 weights (`weights_gib` per GPU;
-    the gradients' reduce-scatter overlaps the backward). A collective inside a node goes at NVLink's bandwidth,
-    one that spans nodes at InfiniBand's."""
+    peak x train_mfu (moe_train_mfu for a mixture-of-experts model); the pipeline bubble
+    ((PP-1)/(VPP x micro-batches) of them); the TP/SP and CP collectives of every pass (4 of a
+    token's hidden state per layer: two all-gathers and two reduce-scatters under sequence
+    parallelism, or two all-reduces), not overlapped; and per optimizer step the data-parallel
+    all-gather of the updated bf16 weights (`weights_gib` per GPU; the gradients' reduce-scatter
+    overlaps the backward). A collective inside a node goes at NVLink's bandwidth, one that spans
+    nodes at InfiniBand's."""
     passes = work.forwards + 3  # forward-only passes + forward and backward (2x)
     forward = _forward_flops_per_token(spec, work)
     per_token = forward * passes + 2 * work.recomputed_params
@@ -170,7 +172,10 @@ def learner_seconds(spec: ModelSpec, work: LearnerWork, weights_gib: float, gpus
 def all_to_all_seconds(micro_batches: float, per_micro_batch_gib: float, work: LearnerWork, inside_node: bool,
                        t: Throughput) -> float:
     """The experts' all-to-all, not overlapped with compute: `per_micro_batch_gib` is one micro-batch's
-    forward and backward (3 of a forward's); each forward-only pass and a full recompute add one more."""
-    passes = (3 + work.forwards + (1 if work.full_recompute else 0)) / 3
+    forward and backward (3 of a forward's); each forward-only pass and a recompute of the MoE layers
+    (full, or selective "moe") add one more. `inside_node`: megatron puts an EP group on consecutive
+    ranks (its expert grid's order tp-cp-ep-dp-pp, with ETP innermost), so EP x ETP <= a node's GPUs
+    stays on NVLink whatever TP is."""
+    passes = (3 + work.forwards + (1 if work.full_recompute or work.moe_recompute else 0)) / 3
     bandwidth = t.all_to_all_gb_s if inside_node else t.inter_node_gb_s
     return micro_batches * per_micro_batch_gib * passes * GiB / (bandwidth * 1e9)

@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass
 
 from spice_megatron.config import ParallelConfig, PolicyTrainConfig
+from spice_megatron.families import ModelSpec
 from spice_megatron.plan_costs import GiB
 from spice_megatron.policy.activation_memory import ActivationFlags, activation_flags, activation_terms
-from spice_megatron.policy.model import ModelSpec
 
 
 @dataclass
@@ -67,7 +67,15 @@ def learner_memory(spec: ModelSpec, tp: int, pp: int, dp: int, micro_batch_token
         dense = non_expert / spec.num_layers * layers_per_stage + embedding * (
             2 if pp == 1 and not spec.tied_embeddings else 1)
         expert_params = experts_total * layers_per_stage / spec.num_layers / (ep * etp)
-    dense /= tp
+    # under TE, latent attention's down-projections (TELinear "duplicated") and the routers are whole
+    # on every TP rank (megatron's multi_latent_attention.py; bridge/mapping.py maps them so)
+    whole = 0.0
+    if flags.transformer_engine and spec.mla is not None:
+        whole += spec.num_layers * h * ((spec.mla.q_lora_rank or 0) + spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim)
+    if flags.transformer_engine and moe is not None:
+        whole += moe.num_moe_layers * moe.num_experts * h
+    whole *= layers_per_stage / spec.num_layers
+    dense = (dense - whole) / tp + whole
     edp = max(1, tp * dp // (ep * etp))
     shard, expert_shard = (dp, edp) if distributed_optimizer else (1, 1)
     weights, grads = 2 * (dense + expert_params), 4 * (dense + expert_params)

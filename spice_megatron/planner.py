@@ -14,20 +14,36 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from spice_megatron.config import ClusterConfig, ConfigError, SpiceConfig
-from spice_megatron.entry import UserError
+from spice_megatron.config import ClusterConfig, SpiceConfig
+from spice_megatron.families import ModelSpec, model_spec_from_hf
 from spice_megatron.known_models import KNOWN_MODELS
-from spice_megatron.plan_costs import (GiB, LearnerWork, Throughput, all_to_all_seconds, decode_phase,
-                                         forward_pass_seconds, learner_seconds)
-from spice_megatron.plan_memory import (ENGINE_ASLEEP_GIB, LEARNER_RESIDENT_GIB, MIN_ENGINE_KV_TOKENS, EngineMemory,
-                                        LearnerMemory, engine_memory, learner_memory)
-from spice_megatron.policy.activation_memory import activation_flags
-from spice_megatron.policy.model import (ModelSpec, check_parallel_layout, model_spec_from_hf, pipeline_stage_layers,
-                                         resolve_shared_prefix)
-
-
-class PlanError(UserError, ValueError):
-    """No layout fits, or the requested one does not; the message carries the numbers."""
+from spice_megatron.plan_costs import (
+    GiB,
+    LearnerWork,
+    Throughput,
+    all_to_all_seconds,
+    decode_phase,
+    forward_pass_seconds,
+    learner_seconds,
+)
+from spice_megatron.plan_learner import (
+    LearnerLayout,
+    PlanError,
+    evaluate_learner,
+    first_fitting,
+    gpu_split,
+    learner_candidates,
+    powers_of_two,
+)
+from spice_megatron.plan_memory import (
+    ENGINE_ASLEEP_GIB,
+    LEARNER_RESIDENT_GIB,
+    MIN_ENGINE_KV_TOKENS,
+    EngineMemory,
+    LearnerMemory,
+    engine_memory,
+)
+from spice_megatron.policy.model import resolve_shared_prefix
 
 
 def model_spec(model: str) -> ModelSpec:
@@ -124,51 +140,6 @@ class Plan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def gpu_split(cluster: ClusterConfig, colocate: bool) -> tuple[int, int]:
-    """(learner GPUs, rollout GPUs): colocated, both are every GPU; one node is split in half;
-    otherwise the learner and rollout nodes' GPUs (cluster.split)."""
-    if colocate:
-        return (cluster.nodes * cluster.gpus_per_node,) * 2
-    if cluster.nodes == 1:
-        learner = max(1, cluster.gpus_per_node // 2)
-        return learner, cluster.gpus_per_node - learner
-    learner_nodes, rollout_nodes = cluster.split()
-    return learner_nodes * cluster.gpus_per_node, rollout_nodes * cluster.gpus_per_node
-
-
-def powers_of_two(limit: int) -> list[int]:
-    return [2**i for i in range(0, int(math.log2(limit)) + 1)]
-
-
-def end_stage_layers(num_layers: int, pp: int) -> tuple[int, int] | None:
-    """(first, last) stage layers for PP stages: (0, 0) when PP divides the layers; otherwise the
-    middle stages take ceil(layers / PP) each and the first and last share the rest (NeMo-RL's
-    Qwen3-235B: 11, 12 x 6, 11); None when that leaves either of them empty or above the middle's."""
-    if num_layers % pp == 0:
-        return 0, 0
-    middle = -(-num_layers // pp)
-    rest = num_layers - middle * (pp - 2)
-    first, last = rest // 2, rest - rest // 2
-    return (first, last) if pp >= 2 and 1 <= first and last <= middle else None
-
-
-def tp_divides_model(spec: ModelSpec, tp: int) -> bool:
-    return not (spec.num_heads % tp or spec.num_kv_heads % tp or spec.ffn_hidden_size % tp or spec.vocab_size % tp)
-
-
-@dataclass(frozen=True)
-class LearnerLayout:
-    """One learner layout for `plan_layout(..., learner=)`: what rank_layouts tries one by one."""
-
-    tp: int
-    pp: int
-    first_stage_layers: int = 0
-    last_stage_layers: int = 0
-    cp: int = 1
-    vpp: int = 1
-    recompute: str = "off"
-
-
 def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = False, headroom: float = 0.9,
                 min_engine_kv_tokens: int = MIN_ENGINE_KV_TOKENS, colocate: bool | None = None,
                 experts_across_nodes: bool = False, learner: LearnerLayout | None = None) -> Plan:
@@ -194,7 +165,8 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     colocate = cfg.run.colocate if colocate is None else colocate
     learner_gpus, rollout_gpus = gpu_split(cluster, colocate)
     if rollout_gpus < 1:
-        raise PlanError(f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs leave no GPU for rollout engines")
+        raise PlanError(f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs leave no GPU for rollout "
+                        "engines")
     budget = cluster.gpu_memory_gib * headroom
     learner_budget = budget - (ENGINE_ASLEEP_GIB if colocate else 0.0)
     # a sequence longer than the budget is a micro-batch of its own: activations are planned at it
@@ -202,94 +174,24 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
 
     longest, bound = longest_sequence(cfg)
     tokens = max(cfg.train.micro_batch_tokens, longest)
-    fixed = not choose
-    ep = cfg.parallel.expert_parallel if spec.moe is not None else 1
-    if fixed:  # what the learner would refuse is refused here, with its line
-        try:
-            check_parallel_layout(spec, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, ep,
-                                  cfg.parallel.expert_tensor_parallel if spec.moe is not None else 1,
-                                  cfg.parallel.first_stage_layers, cfg.parallel.last_stage_layers,
-                                  cfg.parallel.virtual_pipeline)
-        except ConfigError as e:
-            raise PlanError(f"{e}: the learner refuses this layout") from None
-    candidates = ([(cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.first_stage_layers,
-                    cfg.parallel.last_stage_layers)] if fixed else
-                  sorted(((tp, pp, *end_stage_layers(spec.num_layers, pp))
-                          for tp in powers_of_two(min(8, cluster.gpus_per_node)) for pp in range(1, spec.num_layers + 1)
-                          if end_stage_layers(spec.num_layers, pp) is not None),
-                         key=lambda x: (x[0] * x[1], x[1], x[2])))
-    # context parallelism when nothing fits without it: it splits the activations, not the weights,
-    # exchanges K/V in every layer and turns shared-prefix rows off
-    cps = [cfg.parallel.context_parallel] if fixed else [1] + ([2, 4] if cfg.train.shared_prefix != "on" else [])
-    vpp = cfg.parallel.virtual_pipeline if fixed else 1
-    offloads = [cfg.optim.cpu_offload_fraction] if fixed or not colocate else [0.0, 0.25, 0.5, 0.75, 1.0]
-    recomputes = [cfg.train.recompute] + (["full"] if choose and cfg.train.recompute != "full" else [])
-    if learner is not None:
-        try:
-            check_parallel_layout(spec, learner.tp, learner.pp, 1, 1, learner.first_stage_layers,
-                                  learner.last_stage_layers, learner.vpp)
-        except ConfigError as e:
-            raise PlanError(f"{e}: the learner refuses this layout") from None
-        candidates = [(learner.tp, learner.pp, learner.first_stage_layers, learner.last_stage_layers)]
-        cps, recomputes, vpp = [learner.cp], [learner.recompute], learner.vpp
-    tried = []
-
-    def fits() -> tuple[int, int, int, int, int, float, str, LearnerMemory] | None:
-        """The first layout that fits at the smallest optimizer offload that lets one fit, recomputing
-        every layer only when nothing fits without it, and splitting sequences over context-parallel
-        ranks only when nothing fits even then."""
-        nonlocal ep
-        for cp, recompute, offload in ((c, r, o) for c in cps for r in recomputes for o in offloads):
-            train = replace(cfg.train, recompute=recompute)
-            for tp, pp, first, last in candidates:
-                if learner_gpus % (tp * pp * cp) or not tp_divides_model(spec, tp) or tp > cluster.gpus_per_node:
-                    if fixed:
-                        raise PlanError(f"parallel: TP={tp} x PP={pp} x CP={cp} does not fit {learner_gpus} learner "
-                                        f"GPUs ({cluster.gpus_per_node} per node) or the model's head/layer counts")
-                    continue
-                if spec.moe is not None and not fixed:
-                    # as many experts apart as a node holds (the all-to-all stays on NVLink), or as the stage has
-                    span = learner_gpus // pp if experts_across_nodes else cluster.gpus_per_node
-                    ep = max(e for e in powers_of_two(min(spec.moe.num_experts, span))
-                             if (learner_gpus // pp) % e == 0 and spec.moe.num_experts % e == 0)
-                if spec.moe is not None and ((learner_gpus // pp) % ep or spec.moe.num_experts % ep):
-                    raise PlanError(f"parallel.expert_parallel: EP={ep} must divide num_experts="
-                                    f"{spec.moe.num_experts} and the {learner_gpus // pp} learner GPUs of a pipeline stage")
-                flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), train, tp, on_gpu=True,
-                                         transformer_engine=True)
-                stage = max(pipeline_stage_layers(spec.num_layers, pp, first, last))
-                # a rank runs 1/CP of each micro-batch; the optimizer shards over data x context ranks
-                mem = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), -(-tokens // cp),
-                                     cfg.optim.use_distributed_optimizer, ep=ep, flags=flags, optimizer_offload=offload,
-                                     stage_layers=stage, vpp=vpp)
-                if mem.total <= learner_budget:
-                    return tp, pp, first, last, cp, offload, recompute, mem
-                if offload == offloads[0] and recompute == recomputes[0] and cp == cps[0]:
-                    tried.append(f"TP={tp} PP={pp}" + (f" CP={cp}" if cp > 1 else "")
-                                 + f": {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads "
-                                 f"{mem.gradients:.1f}, optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, "
-                                 f"logits {mem.logits:.1f})")
-        return None
-
-    found = fits()
+    candidates = learner_candidates(cfg, spec, learner_gpus, choose, colocate, learner, experts_across_nodes)
+    found, mem, tried = first_fitting(cfg, spec, candidates, learner_gpus, tokens, learner_budget)
     if found is None:
         shown = "; ".join(tried[:4]) + (f"; ... {len(tried) - 4} more" if len(tried) > 4 else "")
-        beside = f" beside {rollout_gpus // max(1, cfg.rollout.engine_tensor_parallel)} sleeping engines" if colocate else ""
+        sleeping = rollout_gpus // max(1, cfg.rollout.engine_tensor_parallel)
+        beside = f" beside {sleeping} sleeping engines" if colocate else ""
         raise PlanError(f"learner: no layout fits {learner_budget:.1f} GiB per GPU ({headroom:.0%} of "
-                        f"{cluster.gpu_memory_gib:.0f}{beside}) on {learner_gpus} GPUs: {shown}. Use more learner nodes, "
-                        "optim.use_distributed_optimizer=true, optim.cpu_offload_fraction or a smaller "
+                        f"{cluster.gpu_memory_gib:.0f}{beside}) on {learner_gpus} GPUs: {shown}. Use more learner "
+                        "nodes, optim.use_distributed_optimizer=true, optim.cpu_offload_fraction or a smaller "
                         "train.micro_batch_tokens")
-    tp, pp, first, last, cp, offload, recompute, mem = found
-    if choose and learner is None and pp > 1 and not first and spec.num_layers % (2 * pp) == 0:
+    if choose and learner is None and found.pp > 1 and not found.first and spec.num_layers % (2 * found.pp) == 0:
         # two virtual stages per rank halve the bubble for a few more micro-batches' activations in
         # flight: taken where they still fit
-        flags = activation_flags(replace(cfg.parallel, tensor_parallel=tp), replace(cfg.train, recompute=recompute), tp,
-                                 on_gpu=True, transformer_engine=True)
-        interleaved = learner_memory(spec, tp, pp, learner_gpus // (tp * pp), -(-tokens // cp),
-                                     cfg.optim.use_distributed_optimizer, ep=ep, flags=flags, optimizer_offload=offload,
-                                     vpp=2)
+        interleaved = evaluate_learner(cfg, spec, replace(found, vpp=2), learner_gpus, tokens)
         if interleaved.total <= learner_budget:
-            vpp, mem = 2, interleaved
+            found, mem = replace(found, vpp=2), interleaved
+    tp, pp, first, last, cp, offload, recompute, ep, vpp = (found.tp, found.pp, found.first, found.last, found.cp,
+                                                           found.offload, found.recompute, found.ep, found.vpp)
     resident = mem.weights + LEARNER_RESIDENT_GIB  # colocated: what the learner keeps during the rollouts
     utilization = cfg.rollout.gpu_memory_utilization
     if colocate and choose:
@@ -300,7 +202,7 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                         f"{budget:.1f} GiB ({headroom:.0%}); at most "
                         f"{(budget - resident) / cluster.gpu_memory_gib:.2f} (`spice plan --choose` picks it)")
     # engines inside a node first; TP=16 (two nodes, its all-reduces over InfiniBand) when none fits
-    engine_tps = [cfg.rollout.engine_tensor_parallel] if fixed else [
+    engine_tps = [cfg.rollout.engine_tensor_parallel] if not choose else [
         t for t in powers_of_two(min(16, 2 * cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0]
     for etp in engine_tps:
         em = engine_memory(spec, etp, cluster.gpu_memory_gib, utilization, cfg.rollout.max_model_len)
@@ -309,8 +211,10 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     else:
         raise PlanError(f"rollout: with engine TP={engine_tps[-1]} the KV cache is {em.kv_cache:.1f} GiB per GPU "
                         f"(weights {em.weights:.1f} GiB of {cluster.gpu_memory_gib * utilization:.1f} "
-                        f"usable): {em.kv_tokens:,} tokens ({em.max_sequences} sequences of {cfg.rollout.max_model_len}), "
-                        f"fewer than {min_engine_kv_tokens:,} or than one sequence; raise rollout.engine_tensor_parallel "
+                        f"usable): {em.kv_tokens:,} tokens ({em.max_sequences} sequences of "
+                        f"{cfg.rollout.max_model_len}), "
+                        f"fewer than {min_engine_kv_tokens:,} or than one sequence; raise "
+                        "rollout.engine_tensor_parallel "
                         "or lower rollout.max_model_len" + (" (colocated: the learner's weights take their share "
                                                             "of every GPU)" if colocate else ""))
     notes = []
@@ -452,14 +356,15 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     steps = math.ceil((challenger_trained + answers) / per_update) if per_update else cfg.train.steps_per_batch
     work_done = LearnerWork(tokens=learner_tokens, mean_row_tokens=train_tokens / (challenger_trained + answers),
                             forwards=1, recomputed_params=recomputed, full_recompute=recompute == "full",
-                            micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / plan.dp, steps=steps)
+                            micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / plan.dp, steps=steps,
+                            moe_recompute=recompute == "selective" and "moe" in cfg.train.recompute_modules)
     learner = learner_seconds(spec, work_done, plan.learner.weights, plan.learner_gpus, plan.tp, plan.pp, plan.dp,
                               cfg.cluster.gpus_per_node, t, vpp=plan.vpp, cp=plan.cp)
     train = sum(learner.values())
     if plan.learner.all_to_all_gib:
         train += all_to_all_seconds(learner_tokens / cfg.train.micro_batch_tokens / plan.dp,
                                     plan.learner.all_to_all_gib, work_done,
-                                    plan.tp * plan.ep <= cfg.cluster.gpus_per_node, t)
+                                    plan.ep * cfg.parallel.expert_tensor_parallel <= cfg.cluster.gpus_per_node, t)
     if plan.optimizer_offload:  # the CPU's share of every optimizer step
         offloaded = plan.optimizer_offload * p / plan.learner_gpus  # parameters per GPU updated on the host
         train += steps * offloaded / t.cpu_adam_params_per_s

@@ -14,7 +14,7 @@ from spice_megatron.config import ConfigError
 from spice_megatron.entry import UserError, read_json, require_dir
 
 if TYPE_CHECKING:  # the model module imports torch: only the checks that need it pay for it
-    from spice_megatron.policy.model import ModelSpec
+    from spice_megatron.families import ModelSpec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -89,7 +89,7 @@ def check_hf_model(model_dir: str, flag: str = "--model") -> ModelSpec:
     with its shape. Returns the model's spec."""
     require_dir(model_dir, flag)
     from spice_megatron.bridge.mapping import expected_hf_shapes
-    from spice_megatron.policy.model import model_spec_from_hf
+    from spice_megatron.families import model_spec_from_hf
 
     spec = model_spec_from_hf(model_dir)
     tensors = checkpoint_tensors(model_dir)

@@ -31,9 +31,21 @@ import json
 import re
 from dataclasses import dataclass
 
-from spice_megatron.tasks import (CHALLENGER_INSTRUCTIONS, COMPACT_END, MAX_OUTPUT_CHARS, MAX_QUESTION_CHARS,
-                                  OPTION_LETTERS, ParseResult, Task, _parse_options, free_form_task, mcq_answer_marked,
-                                  parse_challenger_output, parse_letter, unfinished_think)
+from spice_megatron.tasks import (
+    CHALLENGER_INSTRUCTIONS,
+    COMPACT_END,
+    MAX_OUTPUT_CHARS,
+    MAX_QUESTION_CHARS,
+    OPTION_LETTERS,
+    ParseResult,
+    Task,
+    _parse_options,
+    free_form_task,
+    mcq_answer_marked,
+    parse_challenger_output,
+    parse_letter,
+    unfinished_think,
+)
 from spice_megatron.templates import conversation, read_prompt_file
 
 FREE_FORM_TYPES = {"integer": "integer", "expression": "expression", "string": "string"}
@@ -371,7 +383,8 @@ def _parse_free_form(text: str, selected: str, leak_check: str) -> ParseResult:
     stated = obj.get("answer_type")
     stated = FREE_FORM_TYPES.get(stated.strip().lower()) if isinstance(stated, str) else None
     if stated != selected:
-        return ParseResult(None, "answer_type_mismatch", {"selected": selected, "stated": str(obj.get("answer_type"))[:50]})
+        return ParseResult(None, "answer_type_mismatch", {"selected": selected,
+                                                          "stated": str(obj.get("answer_type"))[:50]})
     return free_form_task(question, answer, selected, MAX_STRING_WORDS, leak_check)
 
 

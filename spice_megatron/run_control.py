@@ -90,3 +90,25 @@ def write_marker(path: str, reason: str, is_driver: bool) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             f.write(reason + "\n")
+
+
+def kill_switch_refusal(output_dir: str, is_driver: bool) -> str:
+    """Why a plain resume of this run must not train on ("" when it may): the kill switch stopped it
+    at its newest checkpoint. The marker is written again for the job script (a requeue reads it)."""
+    from spice_megatron.policy.checkpoint import latest_checkpoint, read_trainer_state
+
+    newest = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
+    try:
+        stopped = read_trainer_state(newest).get("kill_switch") if newest else None
+    except (OSError, ValueError):  # a damaged checkpoint: the resume names it and passes it over
+        stopped = None
+    if not stopped:
+        return ""
+    write_marker(os.path.join(output_dir, KILL_SWITCH_FILE), stopped, is_driver)
+    return (f"not resuming: the kill switch stopped this run at {os.path.basename(newest)} ({stopped}); "
+            "pass --resume-after-kill-switch to continue it anyway")
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C, SIGTERM or a STOP file: the run saved a checkpoint and stopped (after its iteration,
+    or, for a STOP during the rollouts, dropping the iteration in progress)."""

@@ -6,7 +6,8 @@ the job's owner at its next resume (and the Slurm job reads its counters from th
 is trusted like code. So a run creates its directory private (0700; 0750 with
 run.group_readable), every rank writes under umask 077 (027), and a start or resume refuses a run
 directory, or anything under its checkpoints, that is owned by another user or writable by group
-or others: one line, before anything loads.
+or others, or under a parent another user controls: one line, before anything loads (and
+again right before a checkpoint loads).
 """
 from __future__ import annotations
 
@@ -36,7 +37,34 @@ def prepare_run_dir(path: str, group_readable: bool = False) -> None:
     check_run_dir(path)
 
 
+def check_ancestors(path: str, what: str = "run directory") -> None:
+    """Every directory above `path` (resolved) is root's or the user's and writable by no one else,
+    unless it is sticky (/tmp, shared scratch) and the next one down is the user's: otherwise
+    another user could swap the run directory (or its checkpoints) for their own between the checks
+    and the load (security review 2)."""
+    me = os.geteuid()
+    real = os.path.realpath(path)
+    parts = real.split(os.sep)
+    for depth in range(len(parts) - 1, 0, -1):
+        parent = os.sep.join(parts[:depth]) or os.sep
+        child = os.sep.join(parts[:depth + 1])
+        if not os.path.exists(parent):
+            continue  # made by this run (private)
+        st = os.stat(parent)
+        others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if st.st_uid not in (0, me):
+            raise UnsafeRunDir(f"{what} {path}: the directory above it, {parent}, is owned by {_owner(st.st_uid)}: "
+                               "they could replace what it holds; use a directory under one of your own")
+        sticky = bool(st.st_mode & stat.S_ISVTX)
+        mine_below = not os.path.lexists(child) or os.lstat(child).st_uid == me
+        if others_write and not (sticky and mine_below):
+            why = f"sticky, but {child} is not yours" if sticky else "not sticky"
+            raise UnsafeRunDir(f"{what} {path}: the directory above it, {parent}, is writable by others (mode "
+                               f"{stat.S_IMODE(st.st_mode):o}, {why}): they could replace what it holds")
+
+
 def check_run_dir(path: str) -> None:
+    check_ancestors(path)
     _check(path, os.stat(path), "run directory")  # the directory itself may be a link the user made
     for tree in CHECKED_TREES:
         top = os.path.join(path, tree)
@@ -47,6 +75,17 @@ def check_run_dir(path: str) -> None:
             for name in dirs + files:
                 p = os.path.join(root, name)
                 _check(p, os.lstat(p), "checkpoint")
+
+
+def check_checkpoint_tree(path: str) -> None:
+    """A checkpoint about to be loaded (training, `spice eval`, the converters): its ancestors, itself
+    and every file in it are the user's and writable by no one else."""
+    check_ancestors(path, "checkpoint")
+    _check(path, os.stat(path), "checkpoint")
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            _check(p, os.lstat(p), "checkpoint")
 
 
 def _owner(uid: int) -> str:

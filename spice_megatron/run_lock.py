@@ -153,7 +153,7 @@ def _in_use(path: str, holder: Holder | None, still: str = "") -> RunDirLocked:
     """The one line a refused run prints: the directory, its holder, the lock file, the remedy."""
     return RunDirLocked(f"{os.path.dirname(path) or '.'} is in use by another run{still}: "
                         f"{holder.describe() if holder else 'holder unreadable'} (lock file {path}); "
-                        "use another --output-dir, or stop that run first")
+                        "use another --output, or stop that run first")
 
 
 def earlier_attempt(holder: Holder | None, me: Holder) -> bool:

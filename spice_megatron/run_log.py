@@ -62,15 +62,20 @@ def _jsonable(x: Any) -> Any:
 
 class MetricsLogger:
     def __init__(self, out_dir: str, resume_at: int | None = None, wandb_project: str = "", run_name: str = "",
-                 config: dict | None = None):
+                 config: dict | None = None, declared: list[str] | None = None):
+        """`declared`: the names every row carries (metric_names.declared_names), null where an
+        iteration did not measure one; a name first measured later is carried from then on."""
         self.jsonl = JsonlLog(os.path.join(out_dir, "metrics.jsonl"), resume_at)
         from torch.utils.tensorboard import SummaryWriter
 
+        self.names = dict.fromkeys(["iteration", *(declared or [])])
         # a resumed run hides the events of iterations after its checkpoint (written before a kill,
         # or before a damaged checkpoint was passed over): TensorBoard shows each iteration once
         purge = None
         if resume_at is not None:
-            logged = [r.get("iteration", 0) for r in read_jsonl(self.jsonl.path)]
+            rows = list(read_jsonl(self.jsonl.path))
+            self.names.update(dict.fromkeys(k for r in rows for k in r))
+            logged = [r.get("iteration", 0) for r in rows]
             purge = (max(logged) if logged else 0) + 1
         self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=purge)
         self.wandb = None
@@ -91,10 +96,13 @@ class MetricsLogger:
                                     resume="allow", dir=out_dir)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.jsonl.write([{"iteration": step, **metrics}])
+        from spice_megatron.metric_names import tensorboard_tag
+
+        self.names.update(dict.fromkeys(metrics))
+        self.jsonl.write([{k: step if k == "iteration" else metrics.get(k) for k in self.names}])
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
-                self.tb.add_scalar(k, v, step)
+                self.tb.add_scalar(tensorboard_tag(k), v, step)
         self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)

@@ -34,10 +34,10 @@ from spice_megatron.loss import CHALLENGER, REASONER, role_advantages
 from spice_megatron.protocol import ChallengerPrompts
 from spice_megatron.rewards import at_frontier, challenger_reward, reasoner_reward
 from spice_megatron.rollout.schedule import RolloutSteps, run_phased, run_streamed
-from spice_megatron.rollout.types import Completion, SamplingSpec
-from spice_megatron.tasks import ParseResult, Task, answer_in_question, extract_boxed
+from spice_megatron.tasks import ANSWER_TYPES, INVALID_REASONS, ParseResult, Task, answer_in_question, extract_boxed
 from spice_megatron.templates import reasoner_prompt
 from spice_megatron.verify import AnswerVerifier, answer_key
+from spice_megatron.wire.types import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,6 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     else:
         run_phased(docs, steps)
     stats.update(steps.stats())
-    stats["rollout/streamed"] = float(streamed)
     return _assemble(docs, records, steps.counters, stats, cfg, tokenizer, weights_version, iteration, grounded,
                      train_challenger)
 
@@ -188,9 +187,8 @@ def _assemble(docs: list[DocumentRollout], records: list[dict], counters: Counte
     tasks = [a.parsed.task for _, a, _ in task_of]
     stats.update(_statistics(len(docs), [len(d.attempts) for d in docs], [d.group for d in docs], tasks, outcomes,
                              task_reward, samples, reasons, counters, cfg))
-    stats["challenger_mode"] = "self" if train_challenger else "model"
-    for r in records:
-        r["challenger_mode"] = stats["challenger_mode"]
+    for r in records:  # the audit trail says which challenger wrote each task (a setting: not a metric)
+        r["challenger_mode"] = "self" if train_challenger else "model"
     return IterationResult(samples, stats, records)
 
 
@@ -255,7 +253,6 @@ def run_fixed_tasks(pool_tasks: Sequence, generate: GenerateFn, verifier: Answer
     stats.update(_statistics(len(tasks), [0] * len(tasks), [], tasks, answered.outcomes, [], samples, Counter(),
                              Counter(), cfg))
     stats["valid_task_rate"] = 1.0  # every file task is a task: the kill switch's valid-task rule does not apply
-    stats["challenger_mode"] = "tasks"
     return IterationResult(samples, stats, records)
 
 
@@ -310,29 +307,29 @@ def _statistics(n_docs: int, attempts: list[int], groups: list[list[Attempt]], t
     s["valid_task_rate"] = with_task / n_docs if n_docs else 0.0
     s["attempts_per_doc"] = total_attempts / n_docs if n_docs else 0.0
     s["attempts_per_doc_max"] = float(max(attempts, default=0))
-    s["challenger_parse_rate"] = (total_attempts - sum(reasons.values())) / total_attempts if total_attempts else 0.0
+    s["challenger/parse_rate"] = (total_attempts - sum(reasons.values())) / total_attempts if total_attempts else 0.0
     s["tokens/challenger"] = float(counters["tokens/challenger"] + counters["tokens/challenger_selection"])
     if counters["selections"]:
         s["selection_valid_rate"] = counters["selections_valid"] / counters["selections"]
-    for reason, count in reasons.items():
-        s[f"invalid/{reason}"] = count / total_attempts
+    for reason in (*INVALID_REASONS, *sorted(set(reasons) - set(INVALID_REASONS))):  # every row the same names
+        s[f"invalid/{reason}"] = reasons[reason] / total_attempts if total_attempts else 0.0
     # challenger group composition (Algorithm 1: G per document, valid:invalid ratio kept)
     n_docs = n_docs or 1
     s["challenger/group_valid"] = sum(a.parsed.valid for g in groups for a in g) / n_docs
     s["challenger/group_invalid"] = sum(not a.parsed.valid for g in groups for a in g) / n_docs
     s["challenger/groups_without_task"] = float(len(groups) - with_task)
     types = Counter(t.answer_type for t in tasks)
-    for answer_type in ("multiple_choice", "integer", "expression", "string"):
+    for answer_type in ANSWER_TYPES:
         s[f"mix/{answer_type}"] = types[answer_type] / len(tasks) if tasks else 0.0
     hist = Counter(sum(o) for o in outcomes)
     for k in range(cfg.group_size + 1):
         s[f"pass_hist/{k}"] = float(hist[k])
     answers = [ok for o in outcomes for ok in o]
     reasoner = [x for x in samples if x.role == REASONER]
-    s["reasoner_no_boxed_rate"] = (sum(extract_boxed(x.completion.text) is None for x in reasoner) / len(reasoner)
+    s["reasoner/no_boxed_rate"] = (sum(extract_boxed(x.completion.text) is None for x in reasoner) / len(reasoner)
                                    if reasoner else 0.0)
-    s["reasoner_pass_rate"] = sum(answers) / len(answers) if answers else 0.0
-    s["challenger_reward_mean"] = sum(task_reward) / len(task_reward) if task_reward else 0.0
+    s["reasoner/pass_rate"] = sum(answers) / len(answers) if answers else 0.0
+    s["challenger/task_reward_mean"] = sum(task_reward) / len(task_reward) if task_reward else 0.0
     # tasks at the reasoner's frontier (0 < pass rate < 1: the variance reward's aim), and tasks whose
     # answer stands in their question (a reasoner copies it: pass rate near 1, little reward)
     s["challenger/frontier_share"] = sum(map(at_frontier, outcomes)) / len(outcomes) if outcomes else 0.0

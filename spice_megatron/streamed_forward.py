@@ -18,7 +18,8 @@ import queue
 import time
 
 from spice_megatron.config import SpiceConfig
-from spice_megatron.driver import IterationAbandoned, RolloutBatch
+from spice_megatron.driver import IterationAbandoned
+from spice_megatron.interfaces import RolloutBatch, RolloutDriver
 from spice_megatron.policy.batching import TrainSequence
 from spice_megatron.policy.parallel import broadcast_from_driver
 from spice_megatron.rollout.fleet import NoEngineLeft
@@ -45,7 +46,7 @@ def _next_chunk(chunks: queue.Queue) -> list[TrainSequence] | None:
     return chunk
 
 
-def rollouts_with_old_logprobs(driver, learner, deliver, control, iteration: int, version: int
+def rollouts_with_old_logprobs(driver: RolloutDriver | None, learner, deliver, control, iteration: int, version: int
                                ) -> tuple[RolloutBatch | None, str, bool, dict[tuple, list[float]], dict[str, float]]:
     """Every learner rank: the iteration's rollouts on the driver (rank 0), meanwhile the old
     log-probs of each chunk of complete documents (broadcast like the batch). Returns the batch (rank
@@ -57,7 +58,7 @@ def rollouts_with_old_logprobs(driver, learner, deliver, control, iteration: int
         chunk = _next_chunk(chunks) if driver else None
         if not broadcast_from_driver(chunk is not None, control):
             break
-        seqs, _ = deliver(chunk)
+        seqs, _ = deliver(chunk, forward_only=True)  # every sequence runs: its routing goes where it runs
         t0 = time.perf_counter()
         old.update(zip((x.key() for x in seqs), learner.compute_logprobs(seqs)))
         seconds, forwards = seconds + time.perf_counter() - t0, forwards + 1
@@ -69,6 +70,7 @@ def rollouts_with_old_logprobs(driver, learner, deliver, control, iteration: int
             lost = str(e)
         except IterationAbandoned:
             abandoned = True
-    stats = {"time/old_logprobs_during_rollouts": seconds, "train/old_logprobs_forwards_during_rollouts": float(forwards),
+    stats = {"time/old_logprobs_during_rollouts": seconds,
+             "train/old_logprobs_forwards_during_rollouts": float(forwards),
              "train/old_logprobs_precomputed": float(len(old))}
     return batch, lost, abandoned, old, stats

@@ -12,6 +12,11 @@ import re
 from dataclasses import dataclass, field
 
 ANSWER_TYPES = ("multiple_choice", "integer", "expression", "string")
+# why a challenger output is not a valid task (ParseResult.reason): metrics name each, every iteration
+INVALID_REASONS = ("empty", "too_long", "unfinished_think", "no_json", "parser_error", "no_question", "no_answer",
+                   "unknown_answer_type", "answer_type_mismatch", "wrong_option_count", "duplicate_options",
+                   "answer_not_in_options", "answer_in_options", "answer_too_long", "question_too_long",
+                   "answer_leak", "question_over_context")
 OPTION_LETTERS = ("A", "B", "C", "D")  # a challenger's multiple-choice task has exactly four options
 ANSWER_LETTERS = "ABCDEFGHIJ"  # benchmarks such as MMLU-Pro and SuperGPQA have up to ten
 MAX_OUTPUT_CHARS = 32_000  # longer challenger outputs are rejected before any parsing

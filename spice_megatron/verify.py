@@ -26,8 +26,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 
-from spice_megatron.launch import die_with_parent
 from spice_megatron.tasks import INTEGER_ANSWER, parse_letter
+from spice_megatron.torchrun import die_with_parent
 
 log = logging.getLogger(__name__)
 

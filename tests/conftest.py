@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 import time
 
@@ -21,11 +22,12 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-# The modules that take minutes (CI's --durations), longest first. tools/run_tests.sh runs xdist's
+# The modules that take minutes (CI's --durations), longest first. tools/env/run_tests.sh runs xdist's
 # loadfile with --no-loadscope-reorder, which hands out modules in collection order: started first,
 # these end together instead of one of them running alone on one core at the end (xdist's own
 # order puts modules with the most tests first, which put all of these last).
-LONGEST_FIRST = ("test_slurm_box.py", "test_trainer_resilience.py", "test_trainer_faults.py", "test_trainer.py", "test_selfplay_learning.py",
+LONGEST_FIRST = ("test_slurm_box.py", "test_trainer_resilience.py", "test_trainer_faults.py", "test_trainer.py",
+                 "test_selfplay_learning.py",
                  "test_rollout.py", "test_eval.py", "test_policy.py", "test_moe.py", "test_gpu_check.py",
                  "test_recipes.py")
 
@@ -118,3 +120,15 @@ def _parent(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return -1
+
+
+@pytest.fixture(scope="module")
+def module_dir(request, tmp_path_factory):
+    """A folder for what one test module's tests share (a model, its runs), removed when the module
+    ends with none of its tests failed (kept to look at otherwise): the end-to-end modules write
+    gigabytes of checkpoints, and a suite that keeps them all fills a CI machine's disk."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    failed = request.session.testsfailed
+    yield path
+    if request.session.testsfailed == failed:
+        shutil.rmtree(path, ignore_errors=True)

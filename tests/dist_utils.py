@@ -6,7 +6,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from spice_megatron.launch import free_port
+from spice_megatron.torchrun import free_port
 
 
 def _entry(rank, world, port, fn, args, out_dir):

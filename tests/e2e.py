@@ -23,8 +23,7 @@ def write_corpus(path) -> str:
     return str(path)
 
 
-def make_setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
+def make_setup(root):
     model = make_tiny_engine_model(str(root / "model"), "qwen3", seed=4)
     return str(model), write_corpus(root / "corpus.jsonl"), root
 
@@ -102,7 +101,8 @@ def engine_pids(proc) -> list[str]:
     """The rollout engines the run `proc` started (itself, or its driver process: run.driver=process)."""
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     return [pid for parent in [str(proc.pid), *children]
-            for pid in subprocess.run(["pgrep", "-f", f"spice_megatron.rollout.serve.*--exit-with-parent {parent}( |$)"],
+            for pid in subprocess.run(["pgrep", "-f",
+                                       f"spice_megatron.rollout.serve.*--exit-with-parent {parent}( |$)"],
                                       capture_output=True, text=True).stdout.split()]
 
 
@@ -114,9 +114,9 @@ def engine_token(pid: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(module_dir):
     """A test module's tiny model, corpus and folder (imported by the test_trainer*.py files)."""
-    return make_setup(tmp_path_factory)
+    return make_setup(module_dir)
 
 
 @pytest.fixture(scope="module")

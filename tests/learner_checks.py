@@ -10,17 +10,18 @@ def step_checkpoint_resume(model_dir: str, parallel_kwargs: dict, root: str, res
     """Log-probs, one step (loss, grad norm, tokens, HF weights), a checkpoint; then make_batch(flip=True)'s
     step continued here and, from the checkpoint, at `resume_kwargs`'s layout."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.bridge.hf_io import learner_from_hf
+    from spice_megatron.families import model_spec_from_hf
     from spice_megatron.policy.checkpoint import (
         latest_checkpoint,
         load_checkpoint,
         save_checkpoint,
     )
     from spice_megatron.policy.learner import Learner
-    from spice_megatron.policy.model import model_spec_from_hf
 
     optim = OptimConfig(lr=1e-3, adam_eps=1e-5)
     train = PolicyTrainConfig(**train_kwargs)
-    learner = Learner.from_hf(model_dir, ParallelConfig(**parallel_kwargs), optim, train)
+    learner = learner_from_hf(model_dir, ParallelConfig(**parallel_kwargs), optim, train)
     logprobs = learner.compute_logprobs(make_batch())
     micro_batches = len(learner._microbatches(make_batch()))
     (m,) = learner.train_on_batch(make_batch())
@@ -56,14 +57,14 @@ def replayed_moe_step(model_dir: str, parallel_kwargs: dict, train_kwargs: dict)
     from test_moe import _hf_routing
 
     from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.policy.batching import TrainSequence
-    from spice_megatron.policy.learner import Learner
 
     tokens = torch.randint(0, 256, (4, 13), generator=torch.Generator().manual_seed(5))
     noisy = _hf_routing(model_dir, tokens, noise=0.5)
     seqs = [TrainSequence(t[:5].tolist(), t[5:].tolist(), advantage=a, routed_experts=noisy[i, :-1].numpy())
             for i, (t, a) in enumerate(zip(tokens, [0.7, -0.4, 0.2, -0.3]))]
-    learner = Learner.from_hf(model_dir, ParallelConfig(**parallel_kwargs), OptimConfig(lr=1e-3, adam_eps=1e-5),
+    learner = learner_from_hf(model_dir, ParallelConfig(**parallel_kwargs), OptimConfig(lr=1e-3, adam_eps=1e-5),
                               PolicyTrainConfig(routing_replay="on", max_gen_len=8, **train_kwargs))
     lp = learner.compute_logprobs(seqs)
     (m,) = learner.train_on_batch(seqs)

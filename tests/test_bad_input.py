@@ -18,13 +18,13 @@ ENTRY_POINTS = {
     "spice": ["-m", "spice_megatron.cli"],
     "convert_from_hf": [os.path.join(ROOT, "tools", "convert_from_hf.py")],
     "convert_to_hf": [os.path.join(ROOT, "tools", "convert_to_hf.py")],
-    "learning_check": [os.path.join(ROOT, "tools", "learning_check.py")],
-    "bench_learner": [os.path.join(ROOT, "tools", "bench_learner.py")],
-    "bench_checkpoint": [os.path.join(ROOT, "tools", "bench_checkpoint.py")],
-    "bench_rollout": [os.path.join(ROOT, "tools", "bench_rollout.py")],
-    "bench_weight_sync": [os.path.join(ROOT, "tools", "bench_weight_sync.py")],
+    "learning_check": [os.path.join(ROOT, "tools", "checks", "learning_check.py")],
+    "bench_learner": [os.path.join(ROOT, "tools", "bench", "bench_learner.py")],
+    "bench_checkpoint": [os.path.join(ROOT, "tools", "bench", "bench_checkpoint.py")],
+    "bench_rollout": [os.path.join(ROOT, "tools", "bench", "bench_rollout.py")],
+    "bench_weight_sync": [os.path.join(ROOT, "tools", "bench", "bench_weight_sync.py")],
     "prepare_corpus": [os.path.join(ROOT, "tools", "prepare_corpus.py")],
-    "recipes.launch": ["-m", "recipes.launch"],
+    "rollout_follower": ["-m", "spice_megatron.rollout.follower"],
 }
 
 
@@ -39,7 +39,8 @@ class Case:
 
 CASES = [
     # an HF model directory
-    Case("hf_dir_missing", "convert_from_hf", "--hf {d}/nope --out {d}/out", "--hf {d}/nope", "a directory that does not exist"),
+    Case("hf_dir_missing", "convert_from_hf", "--hf {d}/nope --out {d}/out", "--hf {d}/nope",
+         "a directory that does not exist"),
     Case("hf_truncated_shard", "convert_from_hf", "--hf {d}/trunc --out {d}/out", "{d}/trunc/model.safetensors",
          "a truncated `model.safetensors`"),
     Case("hf_corrupt_header", "convert_from_hf", "--hf {d}/garbage --out {d}/out", "{d}/garbage/model.safetensors",
@@ -52,28 +53,34 @@ CASES = [
          "an unsupported architecture"),
     Case("hf_rope_scaling", "convert_from_hf", "--hf {d}/rope --out {d}/out", "rope_scaling.rope_type='yarn'",
          "an unsupported rope-scaling type"),
-    Case("hf_quantization", "convert_from_hf", "--hf {d}/quant --out {d}/out", "quantization_config: quant_method='awq'",
+    Case("hf_quantization", "convert_from_hf", "--hf {d}/quant --out {d}/out",
+         "quantization_config: quant_method='awq'",
          "a quantization other than FP8 block scales"),
     Case("hf_index_missing_shard", "convert_from_hf", "--hf {d}/index --out {d}/out",
          "{d}/index/model-00002-of-00002.safetensors", "an index naming a shard that is not there"),
     Case("hf_tensor_missing", "convert_from_hf", "--hf {d}/notensor --out {d}/out", "'model.norm.weight'",
          "a checkpoint without a tensor the architecture needs"),
-    Case("hf_tensor_shape", "convert_from_hf", "--hf {d}/shape --out {d}/out", "'model.layers.0.input_layernorm.weight'",
+    Case("hf_tensor_shape", "convert_from_hf", "--hf {d}/shape --out {d}/out",
+         "'model.layers.0.input_layernorm.weight'",
          "a tensor whose shape config.json contradicts"),
-    Case("hf_no_weights", "convert_from_hf", "--hf {d}/noweights --out {d}/out", "{d}/noweights", "no safetensors at all"),
+    Case("hf_no_weights", "convert_from_hf", "--hf {d}/noweights --out {d}/out", "{d}/noweights",
+         "no safetensors at all"),
     Case("hf_tp_heads", "convert_from_hf", "--hf {d}/heads3 --out {d}/out --tp 2", "--tp",
          "TP that does not divide the attention heads"),
-    Case("hf_pp_layers", "convert_from_hf", "--hf {d}/ok --out {d}/out --pp 3", "--pp", "PP that does not divide the layers"),
+    Case("hf_pp_layers", "convert_from_hf", "--hf {d}/ok --out {d}/out --pp 3", "--pp",
+         "PP that does not divide the layers"),
     Case("hf_uneven_stages", "convert_from_hf", "--hf {d}/ok --out {d}/out --pp 2 --first-stage-layers 2",
          "--first-stage-layers / --last-stage-layers", "uneven pipeline stages that leave a stage no layer"),
-    Case("hf_ep_dense", "convert_from_hf", "--hf {d}/ok --out {d}/out --ep 2", "--ep", "EP for a model without experts"),
+    Case("hf_ep_dense", "convert_from_hf", "--hf {d}/ok --out {d}/out --ep 2", "--ep",
+         "EP for a model without experts"),
     Case("hf_tp_zero", "convert_from_hf", "--hf {d}/ok --out {d}/out --tp 0", "--tp", "a layout size below 1"),
     Case("hf_out_exists", "convert_from_hf", "--hf {d}/ok --out {d}/existing", "--out {d}/existing",
          "an output directory that exists, without --overwrite"),
     Case("hf_out_parent", "convert_from_hf", "--hf {d}/ok --out {d}/no/such/out", "--out {d}/no/such/out",
          "an output whose parent does not exist"),
     # a Megatron checkpoint
-    Case("ckpt_missing", "convert_to_hf", "--ckpt {d}/nope --out {d}/out", "--ckpt {d}/nope", "a directory that does not exist"),
+    Case("ckpt_missing", "convert_to_hf", "--ckpt {d}/nope --out {d}/out", "--ckpt {d}/nope",
+         "a directory that does not exist"),
     Case("ckpt_no_layout", "convert_to_hf", "--ckpt {d}/ckpt_nolayout --out {d}/out", "{d}/ckpt_nolayout",
          "no step directory with a layout.json"),
     Case("ckpt_layout_not_json", "convert_to_hf", "--ckpt {d}/ckpt_badlayout/step_00000000 --out {d}/out",
@@ -99,33 +106,49 @@ CASES = [
     Case("train_cp_shared_prefix", "spice", "train --model {d}/ok --output-dir {d}/run parallel.context_parallel=2 "
          "train.shared_prefix=on", "parallel.context_parallel", "context parallelism with shared-prefix rows"),
     Case("train_recipe", "spice", "train --recipe nope", "--recipe 'nope'", "an unknown recipe"),
-    Case("train_override_value", "spice", "train selfplay.batch_docs=abc", "selfplay.batch_docs", "an unparsable value"),
-    Case("train_override_field", "spice", "train selfplay.no_such_field=1", "selfplay.no_such_field", "an unknown field"),
+    Case("train_override_value", "spice", "train selfplay.batch_docs=abc", "selfplay.batch_docs",
+         "an unparsable value"),
+    Case("train_override_field", "spice", "train selfplay.no_such_field=1", "selfplay.no_such_field",
+         "an unknown field"),
     Case("train_model_missing", "spice", "train --model {d}/nope --output-dir {d}/run", "run.model {d}/nope",
          "a model directory that does not exist"),
-    Case("train_model_truncated", "spice", "train --model {d}/trunc --output-dir {d}/run", "{d}/trunc/model.safetensors",
+    Case("train_model_truncated", "spice", "train --model {d}/trunc --output-dir {d}/run",
+         "{d}/trunc/model.safetensors",
          "a truncated shard"),
     Case("train_unknown_flag", "spice", "train --bogus", "--bogus", "an unknown flag"),
+    Case("train_engine_model_fp8", "spice", "train --model {d}/fp8 --output-dir {d}/run", "run.model={d}/fp8",
+         "an FP8 model for the engines too (they serve a bf16 copy: rollout.model, `spice convert bf16`)"),
+    Case("train_engine_model_other", "spice", "train --model {d}/ok --output-dir {d}/run rollout.model={d}/heads3",
+         "rollout.model={d}/heads3", "engines on another architecture than the learner's"),
+    Case("convert_bf16_unquantized", "spice", "convert bf16 --model {d}/ok --output {d}/out", "{d}/ok",
+         "a bf16 copy of a model that is not FP8"),
     Case("plan_pp_layers", "spice", "plan --model {d}/ok parallel.pipeline_parallel=3", "parallel.pipeline_parallel",
          "a fixed layout the learner would refuse"),
-    Case("plan_model_missing", "spice", "plan --model {d}/nope", "--model {d}/nope", "a model directory that does not exist"),
+    Case("plan_model_missing", "spice", "plan --model {d}/nope", "--model {d}/nope",
+         "a model directory that does not exist"),
     Case("audit_missing", "spice", "audit {d}/nope", "{d}/nope", "a run directory that does not exist"),
     Case("curves_missing", "spice", "curves {d}/nope", "{d}/nope", "a run directory that does not exist"),
     Case("eval_model_missing", "spice", "eval --model {d}/nope", "--model {d}/nope", "a model that does not exist"),
-    Case("corpus_source_missing", "spice", "corpus --source {d}/nope.jsonl", "{d}/nope.jsonl", "a corpus file that does not exist"),
+    Case("corpus_source_missing", "spice", "corpus --source {d}/nope.jsonl", "{d}/nope.jsonl",
+         "a corpus file that does not exist"),
     Case("prepare_recipe", "spice", "prepare --recipe nope", "--recipe 'nope'", "an unknown recipe"),
-    Case("coevolution_checkpoints", "spice", "coevolution --checkpoints {d}/nope", "{d}/nope", "a checkpoint that does not exist"),
+    Case("coevolution_checkpoints", "spice", "coevolution --checkpoints {d}/nope", "{d}/nope",
+         "a checkpoint that does not exist"),
     # tools
     Case("learning_check_seeds", "learning_check", "--seeds a,b", "--seeds", "seeds that are not integers"),
-    Case("learning_check_model", "learning_check", "--model {d}/nope", "--model {d}/nope", "a model that does not exist"),
+    Case("learning_check_model", "learning_check", "--model {d}/nope", "--model {d}/nope",
+         "a model that does not exist"),
     Case("bench_learner_cases", "bench_learner", "--cases nope", "--cases", "an unknown benchmark case"),
     Case("bench_checkpoint_repeats", "bench_checkpoint", "--repeats 0", "--repeats", "a count below 1"),
     Case("bench_rollout_model", "bench_rollout", "--model {d}/nope", "--model {d}/nope", "a model that does not exist"),
     Case("bench_weight_sync_layers", "bench_weight_sync", "--layers x", "--layers", "a count that is not a number"),
-    Case("prepare_corpus_out", "prepare_corpus", "--out {d}/a_file", "--out {d}/a_file", "an output path that is a file"),
-    Case("launch_recipe", "recipes.launch", "--recipe nope", "--recipe 'nope'", "an unknown recipe"),
-    Case("launch_slurm_flags", "recipes.launch", "--recipe tiny_cpu --executor slurm", "--account",
+    Case("prepare_corpus_out", "prepare_corpus", "--out {d}/a_file", "--out {d}/a_file",
+         "an output path that is a file"),
+    Case("launch_recipe", "spice", "launch --recipe nope", "--recipe 'nope'", "an unknown recipe"),
+    Case("launch_slurm_flags", "spice", "launch --recipe tiny_cpu --executor slurm", "--account",
          "Slurm without the flags it needs"),
+    Case("follower_span", "rollout_follower", "--model {d}/ok --node-rank 1 --nnodes 3 --tensor-parallel-size 2",
+         "--nnodes 3", "an engine span its workers do not divide"),
 ]
 
 
@@ -139,7 +162,8 @@ def _make_fixtures(d: str) -> None:
     make_tiny_hf_model(os.path.join(d, "heads3"), tiny_hf_config("qwen3", num_heads=3, num_kv_heads=3, hidden_size=48))
     weights = load_file(os.path.join(ok, "model.safetensors"))
 
-    def variant(name: str, config: dict | str | None = None, tensors: dict | None = None, raw: bytes | None = None) -> str:
+    def variant(name: str, config: dict | str | None = None, tensors: dict | None = None,
+                raw: bytes | None = None) -> str:
         path = os.path.join(d, name)
         shutil.copytree(ok, path)
         if config is not None:
@@ -161,8 +185,11 @@ def _make_fixtures(d: str) -> None:
     variant("arch", config={**config, "architectures": ["GPT2LMHeadModel"]})
     variant("rope", config={**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     variant("quant", config={**config, "quantization_config": {"quant_method": "awq", "bits": 4}})
+    variant("fp8", config={**config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                             "weight_block_size": [16, 16]}})
     variant("notensor", tensors={k: v for k, v in weights.items() if k != "model.norm.weight"})
-    variant("shape", tensors={**weights, "model.layers.0.input_layernorm.weight": weights["model.norm.weight"][:10].clone()})
+    variant("shape", tensors={**weights,
+                              "model.layers.0.input_layernorm.weight": weights["model.norm.weight"][:10].clone()})
     index = variant("index")
     os.replace(os.path.join(index, "model.safetensors"), os.path.join(index, "model-00001-of-00002.safetensors"))
     weight_map = {k: "model-00001-of-00002.safetensors" for k in weights}
@@ -262,11 +289,11 @@ run_entry_point(main)
 def test_a_user_error_on_one_rank_is_one_line_from_the_launcher(tmp_path):
     """What a relaunched command's ranks find: the line once, exit 2, no torchrun traceback, and
     the rank still waiting is stopped."""
-    from spice_megatron.launch import free_port
+    from spice_megatron.torchrun import free_port
 
     script = tmp_path / "ranks.py"
     script.write_text(RANK_ERROR)
-    r = subprocess.run([sys.executable, "-m", "spice_megatron.launch", "--nproc_per_node=2",
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.torchrun", "--nproc_per_node=2",
                         f"--master_port={free_port()}", str(script)],
                        capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert r.returncode == 2, r.stderr[-3000:]

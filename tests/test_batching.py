@@ -1,8 +1,13 @@
 import pytest
 import torch
 
-from spice_megatron.policy.batching import (TrainSequence, collate, make_microbatches, plan_microbatches,
-                                            split_data_parallel)
+from spice_megatron.policy.batching import (
+    TrainSequence,
+    collate,
+    make_microbatches,
+    plan_microbatches,
+    split_data_parallel,
+)
 
 
 def test_collate_aligns_labels_and_completion_mask():

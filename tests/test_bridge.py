@@ -5,9 +5,9 @@ import resource
 
 import pytest
 import torch
+from dist_utils import free_port, run_ranks
 from safetensors.torch import load_file, save_file
 
-from dist_utils import free_port, run_ranks
 from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 
 MODELS = {"qwen3_untied": ("qwen3", False), "qwen3_tied": ("qwen3", True), "llama_untied": ("llama", False),
@@ -38,10 +38,10 @@ def _roundtrip_rank(models, root, tp, pp):
 
     from spice_megatron.bridge.convert import convert_from_hf, convert_to_hf
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.families import model_spec_from_hf
     from spice_megatron.policy.batching import TrainSequence, collate
     from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint
     from spice_megatron.policy.learner import Learner
-    from spice_megatron.policy.model import model_spec_from_hf
 
     logits = {}
     for name, d in models.items():
@@ -180,7 +180,8 @@ def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes, concurrent=False, e
     them); the last rank is the receiver."""
     rank = int(os.environ["RANK"])
     from spice_megatron.bridge.sync_integrity import ReceivedManifest, verify_checksums
-    from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all, send_learner_weights
+    from spice_megatron.bridge.weight_receive import receive_all
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup, send_learner_weights
 
     if rank == n_learners:  # the receiver: not part of the learner's world
         group = WeightSyncGroup("127.0.0.1", port, pp, pp, 1)
@@ -198,11 +199,11 @@ def _stream_rank(hf_dir, port, n_learners, pp, bucket_bytes, concurrent=False, e
         group.close()
         return received, checked, manifest.version, error
     os.environ["WORLD_SIZE"] = str(n_learners)
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
-    from spice_megatron.policy.learner import Learner
 
     tp = n_learners // pp if ep == 1 else 1
-    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp, expert_parallel=ep), OptimConfig(), PolicyTrainConfig())
+    learner = learner_from_hf(hf_dir, ParallelConfig(tp, pp, expert_parallel=ep), OptimConfig(), PolicyTrainConfig())
     group = None
     if learner.layout.tp_rank == 0 and learner.layout.dp_rank == 0:
         group = WeightSyncGroup("127.0.0.1", port, learner.layout.pp_rank, pp, 1)
@@ -259,7 +260,8 @@ def test_streaming_experts_at_ep2_gives_identical_weights(tmp_path):
 def _dying_receiver_rank(hf_dir, port):
     """Ranks 0-1: a TP=2 learner; rank 2: a receiver that takes one bucket and goes away."""
     rank = int(os.environ["RANK"])
-    from spice_megatron.bridge.weight_sync import WeightSyncGroup, receive_all, send_learner_weights
+    from spice_megatron.bridge.weight_receive import receive_all
+    from spice_megatron.bridge.weight_sync import WeightSyncGroup, send_learner_weights
 
     if rank == 2:
         group = WeightSyncGroup("127.0.0.1", port, 1, 1, 1, timeout_s=60)
@@ -269,10 +271,10 @@ def _dying_receiver_rank(hf_dir, port):
     os.environ["WORLD_SIZE"] = "2"
     import torch.distributed as dist
 
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
-    from spice_megatron.policy.learner import Learner
 
-    learner = Learner.from_hf(hf_dir, ParallelConfig(2, 1), OptimConfig(), PolicyTrainConfig())
+    learner = learner_from_hf(hf_dir, ParallelConfig(2, 1), OptimConfig(), PolicyTrainConfig())
     group = WeightSyncGroup("127.0.0.1", port, 0, 1, 1, timeout_s=60) if learner.layout.tp_rank == 0 else None
     try:
         send_learner_weights(learner, group, version=1, bucket_bytes=2**20)
@@ -325,7 +327,7 @@ def test_tp4_shards_placed_back_rebuild_every_hf_tensor(family):
     """Export's placement is the exact inverse of import's slicing, at a TP wider than the
     multi-process tests use (4 KV groups over 4 ranks, 2 query heads per group)."""
     from spice_megatron.bridge.mapping import ShardRanks, megatron_shard
-    from spice_megatron.policy.model import model_spec_from_hf
+    from spice_megatron.families import model_spec_from_hf
 
     spec = model_spec_from_hf(tiny_hf_config(family, num_heads=8, num_kv_heads=4, head_dim=8, intermediate_size=96))
     hf = _random_hf(spec)
@@ -349,7 +351,7 @@ def test_expert_shards_placed_back_rebuild_every_hf_tensor():
     """The same for experts and routers at EP=4 x ETP=2, under both megatron namings (the local
     spec's local_experts.{i}.linear_fc1 and TE's grouped linear_fc1.weight{i})."""
     from spice_megatron.bridge.mapping import ShardRanks, megatron_shard, renumber_expert
-    from spice_megatron.policy.model import model_spec_from_hf
+    from spice_megatron.families import model_spec_from_hf
 
     spec = model_spec_from_hf(tiny_hf_config("qwen3_moe", num_layers=2, mlp_only_layers=(1,)))
     hf = _random_hf(spec, keep=lambda n: ".mlp." in n and "layers.0." in n)
@@ -396,11 +398,11 @@ def test_checksums_are_exact_and_position_sensitive():
 def _source_rank(hf_dir, tp, pp):
     """vLLM's WeightSource contract on a TP x PP learner: metadata() describes the whole model on
     every rank; iteration yields exactly this rank's held names, in metadata order."""
-    from spice_megatron.bridge.transfer import MegatronStageSource
+    from spice_megatron.bridge.hf_io import learner_from_hf
+    from spice_megatron.bridge.trainer_transfer import MegatronStageSource
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
-    from spice_megatron.policy.learner import Learner
 
-    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
+    learner = learner_from_hf(hf_dir, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
     source = MegatronStageSource(learner)
     meta = [(m.name, str(m.dtype), m.shape) for m in source.metadata()]
     yielded = [(name, t.clone()) for name, t in source]
@@ -410,7 +412,7 @@ def _source_rank(hf_dir, tp, pp):
 @pytest.mark.multiprocess
 def test_the_megatron_weight_source_meets_vllms_contract(tiny_models, tmp_path):
     from spice_megatron.bridge.mapping import expected_hf_shapes
-    from spice_megatron.policy.model import model_spec_from_hf
+    from spice_megatron.families import model_spec_from_hf
 
     d = tiny_models["qwen3_tied"]  # the last stage skips its copy of the tied embedding
     results = run_ranks(_source_rank, 4, d, 2, 2, tmp_path=tmp_path)
@@ -432,11 +434,11 @@ def test_the_megatron_weight_source_meets_vllms_contract(tiny_models, tmp_path):
 
 
 def _every_rank_rank(hf_dir, tp, pp):
-    from spice_megatron.bridge.transfer import EveryRankSource, MegatronStageSource
+    from spice_megatron.bridge.hf_io import learner_from_hf
+    from spice_megatron.bridge.trainer_transfer import EveryRankSource, MegatronStageSource
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
-    from spice_megatron.policy.learner import Learner
 
-    learner = Learner.from_hf(hf_dir, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
+    learner = learner_from_hf(hf_dir, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
     source = EveryRankSource(MegatronStageSource(learner))
     return ([m.name for m in source.metadata()], [(name, t.clone()) for name, t in source], source.largest_tensor_bytes,
             source.checksums)
@@ -502,7 +504,7 @@ def test_a_bucket_received_on_another_thread_is_waited_for_on_the_consumers_stre
     by the consumer's stream (before the fix: no event, no wait, no record_stream)."""
     import threading
 
-    from spice_megatron.bridge.weight_sync import StreamHandover
+    from spice_megatron.bridge.stream_handover import StreamHandover
 
     cuda = FakeCuda()
     recorded = []
@@ -526,6 +528,51 @@ def test_a_bucket_received_on_another_thread_is_waited_for_on_the_consumers_stre
     assert len(cuda.log) == 2 and len(recorded) == 2
 
 
+def _ordered_sync_rank(port, stages, receivers):
+    """Ranks < stages send a stage's 24 small tensors (several buckets); the others receive
+    concurrently and record the stage of each broadcast in the order they issue it."""
+    import threading
+
+    from spice_megatron.bridge import weight_sync
+    from spice_megatron.bridge.weight_receive import receive_all
+    from spice_megatron.bridge.weight_sync import BucketSender, WeightSyncGroup
+
+    rank = int(os.environ["RANK"])
+    group = WeightSyncGroup("127.0.0.1", port, rank, stages, receivers, backend="gloo", timeout_s=120)
+    if rank < stages:
+        sender = BucketSender(group, version=1, bucket_bytes=256 << 10)
+        for i in range(24):
+            sender.reserve([(f"stage{rank}.t{i}", (32 << 10,), torch.float32)])[0].fill_(rank * 100 + i)
+        sender.close()
+        group.close()
+        return None
+    order, lock = [], threading.Lock()
+    original = weight_sync.WeightSyncGroup.broadcast
+
+    def recorded(self, tensor, stage, async_op=False):
+        with lock:
+            order.append(stage)
+        return original(self, tensor, stage, async_op)
+
+    weight_sync.WeightSyncGroup.broadcast = recorded
+    received = {name: float(t[0]) for bucket in receive_all(group, concurrent=True) for name, t in bucket}
+    group.close()
+    return order, received
+
+
+@pytest.mark.multiprocess
+def test_every_engine_worker_issues_the_stages_receives_in_the_same_order(tmp_path):
+    """Review 3, finding 4: with one receiving thread per stage, two engine workers issued the
+    stages' broadcasts in different orders from the 2nd collective on (NCCL, several communicators
+    on one device: a deadlock risk). One thread, a fixed interleave: the same order on every worker."""
+    results = run_ranks(_ordered_sync_rank, 4, free_port(), 2, 2, tmp_path=tmp_path, timeout=300)
+    (order_a, got_a), (order_b, got_b) = results[2], results[3]
+    assert order_a == order_b and set(order_a) == {0, 1}
+    # stage 0's membership verdict and whole first bucket, then stage 1's
+    assert order_a[:6] == [0] * 6 and order_a[6:12] == [1] * 6
+    assert got_a == got_b == {f"stage{s}.t{i}": float(s * 100 + i) for s in range(2) for i in range(24)}
+
+
 def test_concurrent_receive_holds_at_most_a_bounded_number_of_buckets(monkeypatch):
     """N7: one thread per pipeline stage used to hold a queued and an arriving bucket each (2 x PP
     buckets on the engine GPU). With RECEIVE_AHEAD slots, a stage waits for the consumer first.
@@ -534,11 +581,11 @@ def test_concurrent_receive_holds_at_most_a_bounded_number_of_buckets(monkeypatc
     import time
     from types import SimpleNamespace
 
-    from spice_megatron.bridge import weight_sync
+    from spice_megatron.bridge import weight_receive
 
     alive, most, lock = [0], [0], threading.Lock()
 
-    def fake_stage(group, stage, manifest, reuse_buffer=False, before_alloc=None, key=None):
+    def fake_stage(group, stage, manifest, reuse_buffer=False, before_alloc=None, key=None, max_bytes=0):
         for k in range(5):
             before_alloc(1024)
             with lock:
@@ -546,11 +593,11 @@ def test_concurrent_receive_holds_at_most_a_bounded_number_of_buckets(monkeypatc
                 most[0] = max(most[0], alive[0])
             yield [(f"stage{stage}.t{k}", torch.zeros(1))]
 
-    monkeypatch.setattr(weight_sync, "receive_stage", fake_stage)
+    monkeypatch.setattr(weight_receive, "receive_stage", fake_stage)
     group = SimpleNamespace(num_stages=4, device=torch.device("cpu"))
-    manifest = weight_sync.ReceivedManifest()
+    manifest = weight_receive.ReceivedManifest()
     names = []
-    for bucket in weight_sync.receive_all(group, manifest, concurrent=True, ahead=2):
+    for bucket in weight_receive.receive_all(group, manifest, concurrent=True, ahead=2):
         time.sleep(0.01)  # the consumer loads it; the stage threads run ahead meanwhile
         names += [n for n, _ in bucket]
         with lock:
@@ -558,6 +605,6 @@ def test_concurrent_receive_holds_at_most_a_bounded_number_of_buckets(monkeypatc
     assert sorted(names) == sorted(f"stage{s}.t{k}" for s in range(4) for k in range(5))
     assert most[0] <= 2 and manifest.most_buffered == 2
     # a consumer that stops early releases the waiting stage threads
-    stream = weight_sync.receive_all(group, weight_sync.ReceivedManifest(), concurrent=True, ahead=1)
+    stream = weight_receive.receive_all(group, weight_receive.ReceivedManifest(), concurrent=True, ahead=1)
     next(stream)
     stream.close()

@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from spice_megatron.cli import main
 
 
@@ -11,7 +13,9 @@ def test_help_lists_subcommands():
 
 def test_corpus_from_explicit_source(tmp_path, capsys):
     src = tmp_path / "docs.jsonl"
-    src.write_text('{"text": "The speed of light in vacuum is 299,792,458 metres per second exactly, by definition of the metre. It was fixed in 1983, when the metre was redefined as the distance light travels in 1/299,792,458 of a second."}\n'
+    src.write_text('{"text": "The speed of light in vacuum is 299,792,458 metres per second exactly, by definition of '
+                   'the metre. It was fixed in 1983, when the metre was redefined as the distance light travels in '
+                   '1/299,792,458 of a second."}\n'
                    '{"oops": 1}\n')
     assert main(["corpus", "--source", str(src), "--show", "1"]) == 0
     assert '"doc_id": "docs/0/0"' in capsys.readouterr().out
@@ -73,7 +77,8 @@ def test_audit_shows_a_task_with_its_document_and_answers(tmp_path, capsys):
              "trained": True, "reward": 0.5, "advantage": 0.25,
              "task": {"question": "Gus had 5 cards and got 8 more. How many now?", "answer": "13",
                       "answer_type": "integer"}},
-            *[{"kind": "reasoner", "iteration": 1, "doc_id": "stories/3/0", "weights_version": 0, "challenger_record": 1,
+            *[{"kind": "reasoner", "iteration": 1, "doc_id": "stories/3/0", "weights_version": 0,
+               "challenger_record": 1,
                "extracted": x, "correct": x == "13", "trained": True, "reward": float(x == "13"),
                "advantage": float(x == "13") - 0.5} for x in ("13", "12")]]
     (tmp_path / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -83,6 +88,17 @@ def test_audit_shows_a_task_with_its_document_and_answers(tmp_path, capsys):
     assert "gold:     13 (integer)" in out and "answers:  13+ 12-" in out and "pass=1/2" in out
     assert "reasoner (trained): 1/+0.50 0/-0.50" in out
     assert out.count("it=1") == 1  # the answers are inside the task's block, not repeated as lines
+
+
+def test_a_printing_command_piped_into_head_ends_quietly(tmp_path):
+    """Newcomer review item 4: `spice audit RUN --trained | head` ended in a BrokenPipeError traceback."""
+    import json
+
+    rows = [{"kind": "document", "iteration": 1, "doc_id": f"d{i}", "text": "x" * 2000} for i in range(3000)]
+    (tmp_path / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = subprocess.run(f"{sys.executable} -m spice_megatron.cli audit {tmp_path} --full | head -n 1", shell=True,
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.count("\n") == 1 and "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
 
 
 def test_audit_leaks_shows_tasks_whose_answer_stands_in_the_question(tmp_path, capsys):
@@ -130,3 +146,70 @@ def test_a_document_read_again_is_stored_once_and_shown_with_its_text(tmp_path, 
     assert written_document_hashes(read_jsonl(str(path))) == {"abc"}
     assert main(["audit", str(tmp_path), "--valid"]) == 0
     assert capsys.readouterr().out.count("document: Gus had 5 cards.") == 3
+
+
+def test_plan_takes_the_cpu_recipes_and_names_the_answer_when_a_layout_does_not_fit(capsys):
+    """Newcomer review item 7: `spice plan --recipe tiny_cpu` failed (its model is filled in at
+    train time); a recipe too big for the nodes asked about said what the recipe already had."""
+    for recipe in ("tiny_cpu", "tiny_cpu_deepseek"):
+        assert main(["plan", "--recipe", recipe]) == 0
+        assert "tokens/s/GPU" in capsys.readouterr().out
+    assert main(["plan", "--recipe", "qwen3_8b", "--nodes", "1"]) == 2
+    assert capsys.readouterr().err.strip().endswith("on one node: --recipe qwen3_8b_1node (learner and engines "
+                                                    "colocated), or --choose")
+    assert main(["plan", "--recipe", "qwen3_32b", "--nodes", "1", "--gpu-memory-gib", "24"]) == 2
+    assert capsys.readouterr().err.strip().endswith("spice plan --recipe qwen3_32b --nodes 1 --choose")
+
+
+def test_audit_says_when_an_iteration_or_kind_is_not_in_the_run_and_counts_iterations_from_1(tmp_path, capsys):
+    """Newcomer review item 3: `spice audit RUN --iteration 3` printed nothing, exit 0, and the
+    trail counted iterations from 0 where the metrics count from 1; a trail written so is read
+    shifted (its first record says iteration 0)."""
+    import json
+
+    for first, name in ((1, "new"), (0, "old")):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"kind": "document", "iteration": first + i, "doc_id": f"d{i + 1}"} for i in range(3)]
+        (run / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert main(["audit", str(run), "--iteration", "4"]) == 1
+        assert "--iteration 4 (this run's audit has iterations 1-3)" in capsys.readouterr().err
+        assert main(["audit", str(run), "--kind", "task"]) == 1
+        assert "--kind task (this run's records are document)" in capsys.readouterr().err
+        assert main(["audit", str(run), "--iteration", "3"]) == 0
+        out = capsys.readouterr().out
+        assert "it=3 " in out and "d3" in out and "d2" not in out
+
+
+def test_every_command_says_its_options_alike_with_their_defaults_and_plans_every_recipe(capsys):
+    """Newcomer review item 6: one spelling per option (--output, --data, --model, --recipe) with
+    the older ones still taken, defaults and recipe names in --help; `spice plan` for every recipe."""
+    from recipes import DEFAULT_RECIPE, recipe_names
+    from spice_megatron.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in commands:
+        if name == "launch":
+            continue
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"] if name != "convert" else [name, "to-hf", "--help"])
+        assert e.value.code == 0
+        text = capsys.readouterr().out
+        for old in ("--output-dir", "--out ", "--save", "--eval-data", "--ckpt", "--hf "):
+            assert old not in text, (name, old)
+        if name in ("train", "plan", "coevolution"):
+            assert f"(default: {DEFAULT_RECIPE})" in text and "qwen3_8b_1node" in text, name
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    assert "--output OUTPUT_DIR" in capsys.readouterr().out
+    parser = build_parser()
+    for argv, dest, value in ((["train", "--output-dir", "r"], "output", "r"), (["train", "--eval-data", "d"], "data",
+                                                                                "d"),
+                              (["prepare", "--out", "d"], "data", "d"), (["curves", "r", "--out", "p"], "output", "p"),
+                              (["corpus", "--save", "p"], "output", "p"),
+                              (["eval", "--model", "m", "--source", "hub"], "benchmark_source", "hub"),
+                              (["convert", "to-hf", "--ckpt", "c", "--out", "o"], "model", "c")):
+        assert getattr(parser.parse_args(argv), dest) == value, argv
+    for recipe in recipe_names():
+        assert main(["plan", "--recipe", recipe]) == 0, recipe
+    assert "tokens/s/GPU" in capsys.readouterr().out

@@ -1,7 +1,15 @@
 import pytest
 
-from spice_megatron.config import (ConfigError, CorpusConfig, OptimConfig, PolicyTrainConfig, RunConfig,
-                                   SelfPlayConfig, SourceConfig, apply_overrides)
+from spice_megatron.config import (
+    ConfigError,
+    CorpusConfig,
+    OptimConfig,
+    PolicyTrainConfig,
+    RunConfig,
+    SelfPlayConfig,
+    SourceConfig,
+    apply_overrides,
+)
 
 
 def test_paper_defaults():
@@ -61,6 +69,9 @@ def test_staleness_and_weight_transfer_choices_are_validated():
 
     cfg = tiny_cpu(model="m")
     cfg.parallel, cfg.rollout.weight_transfer = ParallelConfig(pipeline_parallel=2), "nccl"
+    with pytest.raises(ConfigError, match="rollout.weight_transfer: nccl is vLLM's backend: no bucket is signed"):
+        cfg.validate()
+    cfg.rollout.unsigned_sync = True
     with pytest.raises(ConfigError, match="holds only pipeline stage 0 of 2: use spice"):
         cfg.validate()
     cfg = tiny_cpu(model="m")
@@ -70,7 +81,7 @@ def test_staleness_and_weight_transfer_choices_are_validated():
     cfg.run.colocate, cfg.train.max_staleness = True, 1
     with pytest.raises(ConfigError, match="train.max_staleness: must be 0 with run.colocate"):
         cfg.validate()
-    cfg.train.max_staleness, cfg.rollout.weight_transfer = 0, "nccl"
+    cfg.train.max_staleness, cfg.rollout.weight_transfer, cfg.rollout.unsigned_sync = 0, "nccl", True
     with pytest.raises(ConfigError, match="nccl cannot put two ranks on one GPU"):
         cfg.validate()
     cfg.rollout.weight_transfer = "ipc"

@@ -2,9 +2,9 @@
 export as one rank per sequence (gloo, CPU)."""
 import pytest
 import torch
-
 from dist_utils import run_ranks
 from learner_checks import assert_same_as_one_rank, assert_same_moe_step, replayed_moe_step, step_checkpoint_resume
+
 from spice_megatron.config import ConfigError, ParallelConfig, PolicyTrainConfig
 from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence, collate
@@ -36,6 +36,36 @@ def test_each_rank_holds_an_early_and_a_late_chunk_and_the_ranks_cover_the_seque
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_the_attention_over_gathered_keys_is_the_causal_mask_without_one(monkeypatch):
+    """Review 3, finding 5: with a boolean [s/CP, s] mask and grouped K/V heads, a GPU without TE
+    ran SDPA's math kernel (it keeps the probabilities). Two lower-right causal calls over the
+    keys sorted by position give the same values and pass no explicit mask (flash-eligible)."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import CausalBias
+
+    from spice_megatron.policy.context_parallel import causal_attention_over_gathered_keys
+
+    masks, dispatch = [], CausalBias._dispatch
+
+    def recorded(query, key, value, attn_mask, *args, **kwargs):  # torch's route for a causal bias, no mask tensor
+        masks.append(attn_mask)
+        return dispatch(query, key, value, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(CausalBias, "_dispatch", staticmethod(recorded))
+    torch.manual_seed(0)
+    b, hq, hkv, d, seq = 2, 8, 2, 16, 64
+    for cp in (2, 4):
+        for r in range(cp):
+            q = torch.randn(b, hq, seq // cp, d, dtype=torch.float64)
+            k, v = torch.randn(2, b, hkv, seq, d, dtype=torch.float64)  # keys in all-gather order
+            key_pos = torch.cat([rank_positions(seq, cp, i) for i in range(cp)])
+            visible = key_pos.unsqueeze(0) <= rank_positions(seq, cp, r).unsqueeze(1)
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)  # the mask form
+            got = causal_attention_over_gathered_keys(q, k, v, cp, r, None, 0.0, True)
+            assert (got - ref).abs().max() < 1e-12, (cp, r)
+    assert len(masks) == 2 * 6  # two calls per rank, each with a causal bias
+
+
 def test_context_parallel_steps_exactly_as_one_rank_and_its_checkpoint_resumes_at_another_layout(tmp_path):
     """CP=2 (and TP=2 x CP=2 with sequence parallelism): the old-log-prob pass, a step's loss, grad
     norm and weights equal one rank's; a checkpoint saved at CP=2 resumes at CP=1 x DP=2 (and the
@@ -55,7 +85,8 @@ def test_context_parallel_steps_exactly_as_one_rank_and_its_checkpoint_resumes_a
 
 
 def test_context_parallelism_refuses_shared_prefix_rows_with_one_line(tmp_path):
-    from spice_megatron.policy.model import build_policy_model, model_spec_from_hf
+    from spice_megatron.families import model_spec_from_hf
+    from spice_megatron.policy.model import build_policy_model
     from spice_megatron.policy.parallel import Layout
 
     spec = model_spec_from_hf(tiny_hf_config("qwen3", num_layers=2))

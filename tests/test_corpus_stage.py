@@ -7,8 +7,7 @@ import os
 import pytest
 
 from spice_megatron.config import CorpusConfig, SourceConfig
-from spice_megatron.corpus import Corpus, CorpusError
-from spice_megatron.corpus import StagingError, resolve_sources
+from spice_megatron.corpus import Corpus, CorpusError, StagingError, resolve_sources
 from spice_megatron.corpus_stage import MANIFEST, stage_corpus
 
 
@@ -36,7 +35,8 @@ def _cfg(stage_dir):
 def test_offline_hub_sources_name_the_staging_step(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = _cfg("")
-    with pytest.raises(StagingError, match=r"corpus.sources\[0\] \(org/math-docs\).*HF_HUB_OFFLINE.*spice prepare --recipe qwen3_4b"):
+    with pytest.raises(StagingError,
+                       match=r"corpus.sources\[0\] \(org/math-docs\).*HF_HUB_OFFLINE.*spice prepare --recipe qwen3_4b"):
         resolve_sources(cfg, "qwen3_4b")
     cfg.stage_dir = str(tmp_path / "staged")
     with pytest.raises(StagingError, match=r"not staged at .*staged/math.jsonl; run `spice prepare --recipe qwen3_4b`"):

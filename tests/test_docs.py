@@ -54,7 +54,7 @@ def test_the_readme_is_a_front_page_with_the_commands_on_its_first_screen():
     lines = open(os.path.join(ROOT, "README.md")).read().splitlines()
     assert len(lines) <= 250
     first_screen = "\n".join(lines[:50])
-    for command in ("bash tools/run_main.sh", "bash tools/run_tests.sh", "sbatch", "(docs/cluster.md)"):
+    for command in ("bash tools/env/run_main.sh", "bash tools/env/run_tests.sh", "sbatch", "(docs/cluster.md)"):
         assert command in first_screen, command
     for page in glob.glob(os.path.join(ROOT, "docs", "*.md")):  # every page reachable from the map
         assert f"(docs/{os.path.basename(page)})" in "\n".join(lines), page
@@ -62,5 +62,5 @@ def test_the_readme_is_a_front_page_with_the_commands_on_its_first_screen():
 
 def test_the_ci_command_is_the_readmes():
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert "bash tools/run_tests.sh" in readme
-    assert "exec bash tools/run_tests.sh" in open(os.path.join(ROOT, ".ci", "run")).read()
+    assert "bash tools/env/run_tests.sh" in readme
+    assert "exec bash tools/env/run_tests.sh" in open(os.path.join(ROOT, ".ci", "run")).read()

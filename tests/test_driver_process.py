@@ -1,5 +1,5 @@
 """The driver in a process of its own (run.driver=process) against the in-thread driver, over a
-stand-in engine service (tools/bench_overlap.py: the engine's HTTP contract, generation modelled)."""
+stand-in engine service (tools/bench/bench_overlap.py: the engine's HTTP contract, generation modelled)."""
 import json
 import os
 import signal
@@ -8,14 +8,14 @@ import sys
 import time
 
 import pytest
-
 from e2e import untimed
+
 from spice_megatron.config import SourceConfig, apply_overrides
 from spice_megatron.driver import Driver, KillSwitch
 from spice_megatron.driver_process import DriverProcess
-from spice_megatron.launch import free_port
 from spice_megatron.offline_assets import make_tiny_engine_model
 from spice_megatron.rollout.fleet import RolloutFleet
+from spice_megatron.torchrun import free_port
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -35,8 +35,9 @@ def standin(tmp_path_factory):
     corpus.write_text("".join(json.dumps({"text": f"Document {i}. The tower is {300 + i} metres tall."}) + "\n"
                               for i in range(12)))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "bench_overlap.py"), "--serve-standin",
-                             str(model), str(port), "100000"], cwd=ROOT, env={**os.environ, "SPICE_ROLLOUT_TOKEN": "test"})
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "bench", "bench_overlap.py"),
+                             "--serve-standin", str(model), str(port), "100000"], cwd=ROOT, env={**os.environ,
+                                                                              "SPICE_ROLLOUT_TOKEN": "test"})
     probe = RolloutFleet([f"http://127.0.0.1:{port}"], "test")
     try:
         probe.wait_until_healthy(120)

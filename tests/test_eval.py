@@ -10,11 +10,24 @@ import sys
 
 import pytest
 
-from spice_megatron.eval.benchmarks import (BENCHMARKS, BenchmarkUnavailable, EvalItem, LoadedBenchmark,
-                                            benchmark_names, load_benchmark)
-from spice_megatron.eval.harness import (BenchmarkResult, EvalReport, EvalSettings, evaluate_benchmark,
-                                         markdown_table, summarise, write_report)
-from spice_megatron.rollout.types import Completion
+from spice_megatron.eval.benchmarks import (
+    BENCHMARKS,
+    BenchmarkUnavailable,
+    EvalItem,
+    LoadedBenchmark,
+    benchmark_names,
+    load_benchmark,
+)
+from spice_megatron.eval.harness import (
+    BenchmarkResult,
+    EvalReport,
+    EvalSettings,
+    evaluate_benchmark,
+    markdown_table,
+    summarise,
+    write_report,
+)
+from spice_megatron.wire.types import Completion
 
 
 def test_hub_record_converters():
@@ -67,7 +80,8 @@ def _scripted(outputs: dict[str, list[str]]):
 
 
 def test_grading_of_known_answers(verifier):
-    items = [EvalItem("a", "What is 6*7?", "42", "integer"), EvalItem("b", "Simplify 2/4.", "\\frac{1}{2}", "expression"),
+    items = [EvalItem("a", "What is 6*7?", "42", "integer"), EvalItem("b", "Simplify 2/4.", "\\frac{1}{2}",
+                                                                      "expression"),
              EvalItem("c", "Pick the metal.", "C", "multiple_choice", ("wood", "glass", "iron", "cloth")),
              EvalItem("d", "Capital of France?", "Paris", "string"), EvalItem("e", "What is 2+3?", "5", "integer")]
     generate, calls = _scripted({"6*7": ["so \\boxed{42}"], "2/4": ["\\boxed{0.5}"], "metal": ["\\boxed{(C)}"],
@@ -147,6 +161,7 @@ def test_table_and_averages(tmp_path):
 def test_training_curves_png(tmp_path):
     from spice_megatron.eval.analysis import plot_training_curves
 
+    # an older run's names (reasoner_pass_rate): read as today's (metric_names.RENAMED)
     rows = [{"iteration": i, "valid_task_rate": 0.1 * i, "reasoner_pass_rate": 0.5, "challenger/reward_mean": 0.2,
              "reasoner/reward_mean": 0.4, "train/loss": 0.01 / i, "time/train": 3.0, "train/logprob_gap": 1e-3}
             for i in range(1, 6)]
@@ -196,7 +211,8 @@ def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier, qwen3_tokenize
     result = analysis.coevolution(ckpts, docs, SelfPlayConfig(group_size=4, protocol="compact"), str(tmp_path),
                                   attempts=1)
     assert served == ["ck_1", "ck_2", "ck_3", "ck_1"]  # each once, the fixed reasoner again for later tasks
-    fixed_r = {r["checkpoint"]: (r["tasks"], r["answers"], r["correct"]) for r in result["fixed_reasoner_vs_challengers"]}
+    fixed_r = {r["checkpoint"]: (r["tasks"], r["answers"],
+                                 r["correct"]) for r in result["fixed_reasoner_vs_challengers"]}
     assert fixed_r == {"ck_1": (3, 12, 12), "ck_2": (3, 12, 0), "ck_3": (3, 12, 0)}
     fixed_c = {r["checkpoint"]: r["pass_rate"] for r in result["reasoners_vs_fixed_challenger"]}
     assert fixed_c == {"ck_1": 1.0, "ck_2": 0.0, "ck_3": 0.0}
@@ -210,9 +226,12 @@ def test_spice_eval_with_smollm2(tmp_path):
 
     data = tmp_path / "data"
     (data / "eval").mkdir(parents=True)
-    sets = {"gsm8k_test.jsonl": [{"id": "g1", "question": "What is 12 plus 30?", "answer": "42", "answer_type": "integer"},
-                                 {"id": "g2", "question": "What is 3 times 3?", "answer": "9", "answer_type": "integer"}],
-            "arc_challenge_test.jsonl": [{"id": "a1", "question": "Which is a metal?", "options": ["wood", "iron", "glass",
+    sets = {"gsm8k_test.jsonl": [{"id": "g1", "question": "What is 12 plus 30?", "answer": "42",
+                                  "answer_type": "integer"},
+                                 {"id": "g2", "question": "What is 3 times 3?", "answer": "9",
+                                  "answer_type": "integer"}],
+            "arc_challenge_test.jsonl": [{"id": "a1", "question": "Which is a metal?", "options": ["wood", "iron",
+                                                                                                   "glass",
                                           "paper"], "answer": "B", "answer_type": "multiple_choice"}]}
     for name, recs in sets.items():
         (data / "eval" / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -220,7 +239,8 @@ def test_spice_eval_with_smollm2(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "eval", "--model", smollm2_dir(),
                            "--benchmarks", "gsm8k,arc_challenge,aime24,mmlu", "--data", str(data), "--output", str(out),
-                           "--max-tokens", "48", "--template", "chat", "--max-model-len", "1024", "--kv-cache-gib", "0.5"],
+                           "--max-tokens", "48", "--template", "chat", "--max-model-len", "1024", "--kv-cache-gib",
+                           "0.5"],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     results = json.load(open(out / "results.json"))
@@ -254,7 +274,8 @@ def test_coevolution_with_smollm2(tmp_path):
                            f"{smollm2_dir()},{second}", "--source", str(docs), "--documents", "3", "--attempts", "2",
                            "--output", str(out),
                            "--kv-cache-gib", "0.5", "--max-model-len", "1024", "selfplay.group_size=2",
-                           "selfplay.challenger_max_tokens=96", "selfplay.reasoner_max_tokens=32", "corpus.min_doc_tokens=4"],
+                           "selfplay.challenger_max_tokens=96", "selfplay.reasoner_max_tokens=32",
+                           "corpus.min_doc_tokens=4"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.load(open(out / "coevolution.json"))
@@ -281,7 +302,8 @@ def test_eval_takes_the_training_prompts_an_exported_model_records(tmp_path):
     assert with_training_prompts(EvalSettings(template=""), str(tmp_path)).template == "octothinker"
     assert with_training_prompts(EvalSettings(template="qwen3"), str(tmp_path)).template == "qwen3"  # named wins
     (tmp_path / TRAINING_PROMPTS_FILE).write_text(json.dumps({"recipe": "x", "template": "plain",
-                                                              "prompt_dir": str(tmp_path / "gone"), "reasoner_stop": []}))
+                                                              "prompt_dir": str(tmp_path / "gone"),
+                                                              "reasoner_stop": []}))
     with pytest.raises(FileNotFoundError, match="the training prompt_dir .*gone is missing"):
         with_training_prompts(EvalSettings(template=""), str(tmp_path))
 

@@ -4,7 +4,7 @@ import threading
 import time
 
 from spice_megatron.rollout.fleet import RolloutFleet
-from spice_megatron.rollout.types import Completion, SamplingSpec, pack_completions
+from spice_megatron.wire.types import Completion, SamplingSpec, pack_completions
 
 
 def test_requests_beyond_an_engines_room_wait_unposted_and_every_prompt_is_answered(monkeypatch):

@@ -1,4 +1,4 @@
-"""tools/gpu_check.py: the prepared bf16 GPU checks. On CPU its smoke mode runs every check that
+"""tools/checks/gpu_check.py: the prepared bf16 GPU checks. On CPU its smoke mode runs every check that
 does not need a GPU, so the script cannot rot between the rare runs on a lent GPU machine."""
 import os
 import subprocess
@@ -10,9 +10,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), *args], capture_output=True,
-                          text=True, timeout=480, env={**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get(
-                              "CUDA_VISIBLE_DEVICES", "")} if "--allow-cpu" in args else None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checks", "gpu_check.py"), *args],
+                          capture_output=True, text=True, timeout=480,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+                          if "--allow-cpu" in args else None)
 
 
 @pytest.mark.multiprocess
@@ -25,10 +26,11 @@ def test_gpu_check_smoke_on_cpu():
     passed = {"versions_and_checksums", "bf16_hf_load_then_step", "logprobs_gpu_vs_cpu", "bf16_checkpoint_resume",
               "moe_bf16_hf_load_then_step", "moe_logprobs_gpu_vs_cpu", "weight_sync_gloo_to_cpu_receiver",
               "activation_memory_vs_planner", "concurrent_receive", "moe_routing_replay_round_trip",
-              "shared_prefix_vs_unshared", "long_prefix_row_pad_to_128"}
+              "shared_prefix_vs_unshared", "long_prefix_row_pad_to_128", "cp_attention_without_te", "fp8_engine_guard",
+              "receive_order_nccl"}
     gpu_only = {"stream_handover", "weight_sync_nccl", "weight_sync_nccl_one_rank", "vocab_parallel_logprob_peak",
                 "allocator_fragmentation", "moe_vllm_routed_experts", "colocation_sleep_wake_ipc",
-                "optimizer_offload_round_trip", "ipc_leg_learner_allocator"}
+                "optimizer_offload_round_trip", "ipc_leg_learner_allocator", "te_context_parallel"}
     assert verdicts == {**{k: "PASS" for k in passed}, **{k: "SKIP" for k in gpu_only}}
 
 

@@ -6,7 +6,6 @@ next collective until the watchdog; every rank must leave the send together."""
 from types import SimpleNamespace
 
 import pytest
-
 from dist_utils import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -81,7 +80,7 @@ def _rank(fail_at: str, chunk: int):
         error = ""
     except RuntimeError as e:
         error = str(e)
-    agreed = any_rank(bool(error), control)  # WeightSync's agreement: every rank reaches it
+    agreed = any_rank(bool(error), control)  # EngineWeightUpdater's agreement: every rank reaches it
     return error, agreed, source.yielded, client.calls if rank == 0 else []
 
 

@@ -1,11 +1,11 @@
-"""tools/learning_check.py's pieces (the check itself runs for ~25-60 minutes: docs/learning.md)."""
+"""tools/checks/learning_check.py's pieces (the check itself runs for ~25-60 minutes: docs/learning.md)."""
 import json
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "checks"))
 
 import learning_check  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_held_out_challenger_tasks_are_scored_per_document_by_a_fixed_reasoner()
     from types import SimpleNamespace
 
     from spice_megatron.eval.challenger_eval import paired_bootstrap, score_tasks, summarise
-    from spice_megatron.rollout.types import Completion
+    from spice_megatron.wire.types import Completion
 
     written = [{"doc_id": "d0", "tasks": [{"question": "2+2?", "answer": "4", "answer_type": "integer"}, None],
                 "reasons": ["", "no answer tag"]},
@@ -145,6 +145,7 @@ def test_a_changed_prompt_or_recipe_does_not_reuse_kept_runs(tmp_path):
 
 def test_the_ablation_pairs_arms_with_spice_on_the_same_items_and_words_its_verdicts(tmp_path):
     import learning_ablation as ab
+
     from spice_megatron.eval.run import items_file_name
 
     bench = f"file:{tmp_path}/heldout.jsonl:math"

@@ -4,15 +4,17 @@ import subprocess
 import sys
 
 import pytest
-
 from leftovers import SUITE_MARKER, alive, kill, marked_processes
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_a_marked_process_is_found_and_named_by_its_test():
     env = {**os.environ, SUITE_MARKER: "probe-123", "PYTEST_CURRENT_TEST": "tests/x.py::test_y (call)"}
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                            env=env, stdout=subprocess.PIPE, text=True)
     try:
+        # Until the child has exec'd, /proc shows the parent's environment (no marker): wait for its line.
+        assert proc.stdout.readline().strip() == "up"
         found = marked_processes("probe-123", exclude={os.getpid()})
         assert list(found) == [proc.pid]
         assert found[proc.pid].startswith("tests/x.py::test_y (call): ") and "time.sleep(60)" in found[proc.pid]
@@ -78,6 +80,6 @@ def test_a_rank_killed_after_a_checkpoint_save_leaves_no_process(tmp_path):
 
 
 def _free_port() -> int:
-    from spice_megatron.launch import free_port
+    from spice_megatron.torchrun import free_port
 
     return free_port()

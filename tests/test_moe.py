@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import run_ranks
+
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
 from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence
@@ -42,14 +42,14 @@ def _logits_rank(model_dir, layouts, dtype="fp32"):
     """Max |learner - transformers| logit per (tp, pp, ep, etp) layout."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.policy.batching import collate
-    from spice_megatron.policy.learner import Learner
 
     tokens = _tokens()
     seqs = [TrainSequence(t[:4].tolist(), t[4:].tolist()) for t in tokens]
     out = {}
     for tp, pp, ep, etp in layouts:
-        learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp, expert_parallel=ep, expert_tensor_parallel=etp),
+        learner = learner_from_hf(model_dir, ParallelConfig(tp, pp, expert_parallel=ep, expert_tensor_parallel=etp),
                                   OptimConfig(), PolicyTrainConfig(dtype=dtype, routing_replay="off"))
 
         def grab(mb, logits):
@@ -65,18 +65,18 @@ def _logits_rank(model_dir, layouts, dtype="fp32"):
 
 def _roundtrip_rank(model_dir, layouts):
     """The learner's gathered HF state dict equals the checkpoint it loaded, per layout."""
+    import glob
+
     from safetensors.torch import load_file
 
     from spice_megatron.bridge.export import gathered_hf_state_dict
-    from spice_megatron.policy.learner import Learner
-
-    import glob
+    from spice_megatron.bridge.hf_io import learner_from_hf
     original = {}
     for f in glob.glob(f"{model_dir}/*.safetensors"):
         original.update(load_file(f))
     out = {}
     for tp, pp, ep, etp in layouts:
-        learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp, expert_parallel=ep, expert_tensor_parallel=etp),
+        learner = learner_from_hf(model_dir, ParallelConfig(tp, pp, expert_parallel=ep, expert_tensor_parallel=etp),
                                   OptimConfig(), PolicyTrainConfig(routing_replay="off"))
         sd = gathered_hf_state_dict(learner)
         if sd is not None:
@@ -88,7 +88,7 @@ def _roundtrip_rank(model_dir, layouts):
 # ----------------------------------------------------------------------------- tests
 
 def test_model_spec_reads_the_experts():
-    from spice_megatron.policy.model import model_spec_from_hf
+    from spice_megatron.families import model_spec_from_hf
 
     spec = model_spec_from_hf(tiny_hf_config("qwen3_moe", num_layers=4, mlp_only_layers=(0,)))
     assert spec.moe.num_experts == 8 and spec.moe.top_k == 2 and spec.moe.expert_ffn_hidden_size == 32
@@ -105,7 +105,8 @@ def test_model_spec_reads_the_experts():
 
 
 def test_expert_layout_errors_name_the_field():
-    from spice_megatron.policy.model import check_parallel_layout, model_spec_from_hf
+    from spice_megatron.families import model_spec_from_hf
+    from spice_megatron.policy.model import check_parallel_layout
 
     moe = model_spec_from_hf(tiny_hf_config("qwen3_moe"))
     with pytest.raises(ConfigError, match="parallel.expert_parallel: 3 does not divide num_experts=8"):
@@ -207,14 +208,14 @@ def _hf_routing(model_dir, tokens, noise: float = 0.0):
 
 def _replay_rank(model_dir, layouts):
     """Per layout and case: (completion log-probs, routing_differs) with engine routing given."""
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     tokens = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(5))
     exact, noisy = _hf_routing(model_dir, tokens), _hf_routing(model_dir, tokens, noise=0.5)
     out = {}
     for tp, ep in layouts:
         for replay in ("on", "off"):
-            learner = Learner.from_hf(model_dir, ParallelConfig(tp, 1, expert_parallel=ep), OptimConfig(lr=0.0),
+            learner = learner_from_hf(model_dir, ParallelConfig(tp, 1, expert_parallel=ep), OptimConfig(lr=0.0),
                                       PolicyTrainConfig(routing_replay=replay, micro_batch_tokens=26))
             for case, routing in (("exact", exact), ("noisy", noisy)):
                 seqs = [TrainSequence(t[:5].tolist(), t[5:].tolist(), advantage=0.5,
@@ -261,7 +262,7 @@ def _recompute_replay_rank(model_dir):
     one's backward), the engine's routing replayed: one step with the MoE layers plain, recomputed
     whole (selective moe) and every layer recomputed (full)."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     tokens = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(5))
     noisy = _hf_routing(model_dir, tokens, noise=0.5)  # other experts than the learner's own for some tokens
@@ -271,7 +272,7 @@ def _recompute_replay_rank(model_dir):
     for recompute, modules in (("off", ["mlp"]), ("selective", ["moe"]), ("full", ["mlp"])):
         train = PolicyTrainConfig(routing_replay="on", micro_batch_tokens=13, max_gen_len=8, recompute=recompute,
                                   recompute_modules=modules)
-        learner = Learner.from_hf(model_dir, ParallelConfig(1, 2), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
+        learner = learner_from_hf(model_dir, ParallelConfig(1, 2), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
         (m,) = learner.train_on_batch(seqs)
         out[f"{recompute} {modules[0]}"] = (m.loss, m.grad_norm, m.routing_differs, m.router,
                                             gathered_hf_state_dict(learner))
@@ -313,7 +314,7 @@ def _engine_routing_rank(model_dir):
     import threading
 
     from spice_megatron.rollout.engine import VLLMEngine
-    from spice_megatron.rollout.types import SamplingSpec
+    from spice_megatron.wire.types import SamplingSpec
 
     engine = VLLMEngine(model_dir, max_model_len=256, kv_cache_gib=0.25)
     prompts = [[11, 22, 33, 44, 55], [66, 77, 88]]
@@ -337,7 +338,7 @@ def test_a_vllm_cpu_moe_engine_returns_the_experts_its_routers_chose(tmp_path):
     (prompt and completion but the last sampled token) and per decoder layer (the dense layer 1's
     row is zeros), the same top-2 experts as transformers' routers on those tokens, as uint8."""
     from spice_megatron.offline_assets import make_tiny_engine_model
-    from spice_megatron.rollout.types import pack_completions, unpack_completions
+    from spice_megatron.wire.types import pack_completions, unpack_completions
 
     d = make_tiny_engine_model(str(tmp_path / "engine_moe"), "qwen3_moe", seed=1, num_layers=3, mlp_only_layers=(1,))
     ((prompts, out),) = run_ranks(_engine_routing_rank, 1, d, tmp_path=tmp_path)
@@ -381,14 +382,14 @@ def _uneven_ep_rank(model_dir):
     """EP=2 over DP=2 with uneven plans: log-probs and a step (a hang before the counts were equal)."""
     import torch.distributed as dist
 
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     g = torch.Generator().manual_seed(2)
     seqs = [TrainSequence(torch.randint(0, 256, (8,), generator=g).tolist(),
                           torch.randint(0, 256, (12,), generator=g).tolist(), advantage=a) for a in (0.5, -0.3, 0.9)]
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    learner = Learner.from_hf(model_dir, ParallelConfig(1, 1, expert_parallel=dist.get_world_size()),
+    learner = learner_from_hf(model_dir, ParallelConfig(1, 1, expert_parallel=dist.get_world_size()),
                               OptimConfig(lr=1e-3), PolicyTrainConfig(routing_replay="off", micro_batch_tokens=26,
                                                                       max_gen_len=12))
     lp = learner.compute_logprobs(seqs)
@@ -427,7 +428,8 @@ def test_filler_routing_is_spread_over_the_expert_parallel_ranks_and_not_counted
 
 
 def test_the_fused_router_kernel_that_would_bypass_replay_is_off(moe_dir):
-    from spice_megatron.policy.model import model_spec_from_hf, moe_kwargs
+    from spice_megatron.families import model_spec_from_hf
+    from spice_megatron.policy.model import moe_kwargs
 
     kwargs = moe_kwargs(model_spec_from_hf(moe_dir), ep=1, etp=1, routing_replay=True)
     assert kwargs["moe_router_fusion"] is False and kwargs["moe_enable_routing_replay"] is True
@@ -470,7 +472,7 @@ def test_routing_capture_keeps_rows_already_emitted_across_a_weight_update():
 
 
 def test_the_engine_checks_routing_before_it_answers():
-    from spice_megatron.rollout.engine import MoEShape, checked_routing
+    from spice_megatron.rollout.routing_capture import MoEShape, checked_routing
 
     moe = MoEShape(num_layers=3, top_k=2, num_experts=8)
     ok = checked_routing(np.zeros((6, 3, 2), np.int64), 6, moe, "request 7 completion 0")
@@ -490,7 +492,8 @@ def test_malformed_routing_fails_its_generate_call_and_the_engine_serves_on():
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from spice_megatron.rollout.engine import MoEShape, VLLMEngine, _Submission
+    from spice_megatron.rollout.engine import VLLMEngine, _Submission
+    from spice_megatron.rollout.routing_capture import MoEShape
 
     def completion(routing):
         return SimpleNamespace(index=0, text="x", token_ids=[5, 6], logprobs=None, finish_reason="stop",
@@ -525,7 +528,7 @@ def test_malformed_routing_fails_its_generate_call_and_the_engine_serves_on():
 
 
 def _mixed_replay_rank(model_dir):
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(6))
     moe_rows = _hf_routing(model_dir, tokens)  # the 3 MoE layers (1..3); layer 0 is dense
@@ -533,10 +536,11 @@ def _mixed_replay_rank(model_dir):
     every_layer[:, :, 1:] = moe_rows
     out = {}
     for replay in ("on", "off"):
-        learner = Learner.from_hf(model_dir, ParallelConfig(1, 1), OptimConfig(lr=0.0),
+        learner = learner_from_hf(model_dir, ParallelConfig(1, 1), OptimConfig(lr=0.0),
                                   PolicyTrainConfig(routing_replay=replay, micro_batch_tokens=64))
         seqs = [TrainSequence(t[:5].tolist(), t[5:].tolist(), advantage=0.5,
-                              routed_experts=every_layer[i, :-1].numpy().astype(np.uint8)) for i, t in enumerate(tokens)]
+                              routed_experts=every_layer[i, :-1].numpy().astype(np.uint8)) for i,
+                t in enumerate(tokens)]
         lp = learner.compute_logprobs(seqs)
         (m,) = learner.train_on_batch(seqs)
         out[replay] = (lp, m.routing_differs, sorted(m.router))
@@ -562,7 +566,7 @@ def _delivery_rank(model_dir):
     import torch.distributed as dist
 
     from spice_megatron.batch_delivery import BatchDelivery
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.policy.parallel import control_group
 
     if not dist.is_initialized():
@@ -574,7 +578,7 @@ def _delivery_rank(model_dir):
     seqs = [TrainSequence(t[:4 + i % 3].tolist(), t[4 + i % 3:].tolist(), advantage=a, role="reasoner",
                           routed_experts=routing[i, :-1].numpy().astype(np.uint8))
             for i, (t, a) in enumerate(zip(tokens, advantages))]
-    learner = Learner.from_hf(model_dir, ParallelConfig(1, 1, expert_parallel=world), OptimConfig(lr=1e-3),
+    learner = learner_from_hf(model_dir, ParallelConfig(1, 1, expert_parallel=world), OptimConfig(lr=1e-3),
                               PolicyTrainConfig(routing_replay="on", micro_batch_tokens=26, max_gen_len=12,
                                                 trajectories_per_update=2))  # 3 steps + the old-log-prob pass
     deliver = BatchDelivery(learner, control_group(60))
@@ -592,7 +596,8 @@ def test_each_data_parallel_replica_gets_only_the_routing_it_trains(moe_dir, tmp
     assert got_all == [0, 2, 4, 5]  # the zero-advantage sequences' routing is dropped
     assert set(got0) | set(got1) == set(got_all) and len(got0) < 4 and len(got1) < 4
     assert stats["routing/untrained_dropped"] == 2 == stats_all["routing/untrained_dropped"]
-    assert stats["routing/bytes_to_learners"] < stats_all["routing/bytes_from_engines"] == stats["routing/bytes_from_engines"]
+    from_engines = stats["routing/bytes_from_engines"]
+    assert stats["routing/bytes_to_learners"] < stats_all["routing/bytes_from_engines"] == from_engines
     assert losses == losses1 and max(abs(a - b) for a, b in zip(losses, reference)) < 1e-5 and differs == 0.0
 
 
@@ -602,7 +607,7 @@ def test_vllms_routing_store_is_sized_above_its_kv_cache_default(tmp_path):
     import json
 
     from spice_megatron.known_models import KNOWN_MODELS
-    from spice_megatron.rollout.engine import routing_store_bytes
+    from spice_megatron.rollout.routing_capture import routing_store_bytes
 
     d = str(tmp_path)
     with open(f"{d}/config.json", "w") as f:

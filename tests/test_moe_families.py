@@ -3,10 +3,10 @@ correction bias, shared experts, dense first layers, YaRN) and GLM-4.5 (the same
 biased q/k/v, q/k norms and partial rotary) on tiny random models: megatron against transformers,
 the bridge's round trip at expert parallel layouts, FP8 checkpoints, and what the loader refuses."""
 import pytest
-
 from dist_utils import run_ranks
-from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 from test_moe import _logits_rank, _roundtrip_rank
+
+from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def deepseek_dir(tmp_path_factory):
 
 
 def test_the_spec_reads_latent_attention_routing_and_yarn():
-    from spice_megatron.policy.model import model_spec_from_hf
+    from spice_megatron.families import model_spec_from_hf
 
     spec = model_spec_from_hf(tiny_hf_config("deepseek_v3", num_layers=3))
     assert spec.family.mla and spec.mla.q_lora_rank == 48 and spec.mla.kv_lora_rank == 32
@@ -28,7 +28,7 @@ def test_the_spec_reads_latent_attention_routing_and_yarn():
 
 
 def test_what_the_loader_refuses_names_the_field():
-    from spice_megatron.policy.model import UnsupportedModelError, model_spec_from_hf
+    from spice_megatron.families import UnsupportedModelError, model_spec_from_hf
 
     base = tiny_hf_config("deepseek_v3")
     for change, field in (({"scoring_func": "softmax"}, "scoring_func='softmax'"),
@@ -125,8 +125,46 @@ def test_an_fp8_block_scaled_checkpoint_converts_dequantized_without_its_mtp_lay
     assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 0
 
 
+def test_the_bf16_copy_for_the_engines_holds_the_learners_dequantized_weights(deepseek_dir, tmp_path):
+    """Review 3, finding 3: engines that load an FP8 directory hold float8 parameters that the bf16
+    weight sync is cast into with stale scales (served weights ~5,000x too small). They serve
+    `spice convert bf16`'s copy instead, and an engine directory still quantized is refused."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from test_bridge import hf_weights
+
+    from spice_megatron.bridge.dequantize import QuantizedEngineModel, check_engine_model
+
+    fp8, bf16 = str(tmp_path / "fp8"), str(tmp_path / "bf16")
+    expected = _fp8_copy(deepseek_dir, fp8)
+    with pytest.raises(QuantizedEngineModel, match=f"rollout.model={fp8}: .*quantized \\(fp8\\).*spice convert bf16"):
+        check_engine_model(fp8)
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "convert", "bf16", "--model", fp8, "--output",
+                        bf16],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dequantized" in r.stdout and f"rollout.model={bf16}" in r.stdout
+    copy = hf_weights(bf16)
+    mtp = [k for k in copy if k not in expected]
+    assert len(mtp) == 1 and "eh_proj" in mtp[0]  # vLLM skips multi-token-prediction layers itself
+    assert not [k for k in copy if k.endswith("_scale_inv")]
+    wrong = [k for k in expected if not torch.equal(copy[k], expected[k])]  # what the learner's import gives
+    assert not wrong and any(v.dtype == torch.bfloat16 for v in copy.values()), wrong
+    config = json.load(open(f"{bf16}/config.json"))
+    assert "quantization_config" not in config and config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    check_engine_model(bf16)
+    # a second copy onto a written directory is refused; nothing of the source is touched
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "convert", "bf16", "--model", fp8, "--output",
+                        bf16],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"--output {bf16}" in r.stderr.strip().splitlines()[-1]
+
+
 def test_another_quantization_is_refused_before_any_rank_starts():
-    from spice_megatron.policy.model import UnsupportedModelError, model_spec_from_hf
+    from spice_megatron.families import UnsupportedModelError, model_spec_from_hf
 
     with pytest.raises(UnsupportedModelError, match="quant_method='awq'.*not supported \\(fp8 e4m3 with block scales"):
         model_spec_from_hf({**tiny_hf_config("deepseek_v3"), "quantization_config": {"quant_method": "awq"}})

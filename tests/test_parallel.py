@@ -2,7 +2,6 @@
 import time
 
 import pytest
-
 from dist_utils import run_ranks
 
 
@@ -11,8 +10,9 @@ def _control_rank(wait_s):
 
     import torch.distributed as dist
 
+    from spice_megatron.policy.parallel import any_rank as _any_rank
+    from spice_megatron.policy.parallel import broadcast_from_driver as _broadcast
     from spice_megatron.policy.parallel import control_group
-    from spice_megatron.policy.parallel import any_rank as _any_rank, broadcast_from_driver as _broadcast
 
     # the default group stands for NCCL with its watchdog: a short timeout
     dist.init_process_group("gloo", timeout=timedelta(seconds=2))

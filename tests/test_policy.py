@@ -5,8 +5,8 @@ import os
 
 import pytest
 import torch
-
 from dist_utils import run_ranks
+
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
 from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence
@@ -48,15 +48,15 @@ def train_batch():
 def _logits_rank(model_dirs, layouts):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.policy.batching import collate
-    from spice_megatron.policy.learner import Learner
 
     tokens = tokens_batch()
     seqs = [TrainSequence(t[:4].tolist(), t[4:].tolist()) for t in tokens]
     out = {}
     for tp, pp in layouts:
         for name, d in model_dirs.items():
-            learner = Learner.from_hf(d, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
+            learner = learner_from_hf(d, ParallelConfig(tp, pp), OptimConfig(), PolicyTrainConfig())
 
             def grab(mb, logits):
                 return torch.zeros(()), {"logits": gather_from_tensor_model_parallel_region(logits).detach()}
@@ -71,11 +71,11 @@ def _logits_rank(model_dirs, layouts):
 
 def _step_rank(model_dir, layouts):
     from spice_megatron.bridge.export import gathered_hf_state_dict
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     out = {}
     for tp, pp in layouts:
-        learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=1e-3, adam_eps=1e-5),
+        learner = learner_from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=1e-3, adam_eps=1e-5),
                                   PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16))
         (m,) = learner.train_on_batch(train_batch())
         weights = gathered_hf_state_dict(learner)
@@ -84,6 +84,7 @@ def _step_rank(model_dir, layouts):
 
 
 def _checkpoint_rank(model_dir, root, dtype="fp32"):
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from spice_megatron.policy.learner import Learner
 
@@ -92,13 +93,13 @@ def _checkpoint_rank(model_dir, root, dtype="fp32"):
     batch_a, batch_b = train_batch(), train_batch()[::-1]
     for s in batch_b:
         s.advantage = -s.advantage
-    learner = Learner.from_hf(model_dir, ParallelConfig(2, 1), optim, train)
+    learner = learner_from_hf(model_dir, ParallelConfig(2, 1), optim, train)
     learner.train_on_batch(batch_a)
     save_checkpoint(learner, root, step=1, trainer_state={"cursor": 7})
     reference = learner.train_on_batch(batch_b)[0]
     results = {"reference": (reference.loss, reference.lr)}
     for tp, pp in [(2, 1), (1, 1), (1, 2)]:
-        from spice_megatron.policy.model import model_spec_from_hf
+        from spice_megatron.families import model_spec_from_hf
 
         fresh = Learner(model_spec_from_hf(model_dir), ParallelConfig(tp, pp), optim, train)  # random init
         state = load_checkpoint(fresh, latest_checkpoint(root))
@@ -111,14 +112,19 @@ def _damaged_checkpoint_rank(model_dir, root):
     """DP=2: two checkpoints, the newest damaged in rank 1's shard; the resume takes the older one."""
     import torch.distributed as dist
 
-    from spice_megatron.policy.checkpoint import (NoUsableCheckpoint, resumable_checkpoint, save_checkpoint,
-                                                  verify_checkpoint)
+    from spice_megatron.bridge.hf_io import learner_from_hf
+    from spice_megatron.families import model_spec_from_hf
+    from spice_megatron.policy.checkpoint import (
+        NoUsableCheckpoint,
+        resumable_checkpoint,
+        save_checkpoint,
+        verify_checkpoint,
+    )
     from spice_megatron.policy.learner import Learner
-    from spice_megatron.policy.model import model_spec_from_hf
     from spice_megatron.policy.parallel import control_group
 
     optim, train = OptimConfig(lr=1e-3, adam_eps=1e-5), PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16)
-    learner = Learner.from_hf(model_dir, ParallelConfig(1, 1), optim, train)
+    learner = learner_from_hf(model_dir, ParallelConfig(1, 1), optim, train)
     group = control_group(60)
     fresh = Learner(model_spec_from_hf(model_dir), ParallelConfig(1, 1), optim, train)
     assert resumable_checkpoint(fresh, root, group) == (None, {})  # nothing saved yet
@@ -296,8 +302,8 @@ def test_latest_checkpoint_ignores_an_interrupted_save(tmp_path):
 
 
 def test_distributed_optimizer_is_refused_on_the_torch_fallback():
+    from spice_megatron.families import model_spec_from_hf
     from spice_megatron.policy.learner import Learner
-    from spice_megatron.policy.model import model_spec_from_hf
 
     with pytest.raises(ConfigError, match="optim.use_distributed_optimizer"):
         Learner(model_spec_from_hf(tiny_hf_config()), ParallelConfig(), OptimConfig(use_distributed_optimizer=True),
@@ -305,7 +311,8 @@ def test_distributed_optimizer_is_refused_on_the_torch_fallback():
 
 
 def test_model_spec_errors_name_the_problem():
-    from spice_megatron.policy.model import UnsupportedModelError, check_parallel_layout, model_spec_from_hf
+    from spice_megatron.families import UnsupportedModelError, model_spec_from_hf
+    from spice_megatron.policy.model import check_parallel_layout
 
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         model_spec_from_hf({**tiny_hf_config(), "architectures": ["GPT2LMHeadModel"]})
@@ -323,9 +330,9 @@ def test_model_spec_errors_name_the_problem():
 
 
 def _ppo_rank(model_dir):
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
-    learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=5e-2, adam_eps=1e-5),
+    learner = learner_from_hf(model_dir, ParallelConfig(), OptimConfig(lr=5e-2, adam_eps=1e-5),
                               PolicyTrainConfig(max_gen_len=8, steps_per_batch=2, clip_low=0.05, clip_high=0.05))
     seqs = train_batch()
     before = learner.compute_logprobs(seqs)
@@ -333,7 +340,7 @@ def _ppo_rank(model_dir):
     after = learner.compute_logprobs(seqs)
     for s, lp in zip(seqs, before):  # rollout log-probs from the same weights: the gap is 0 at the first step
         s.rollout_logprobs = lp
-    first_gap = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(), PolicyTrainConfig(max_gen_len=8)
+    first_gap = learner_from_hf(model_dir, ParallelConfig(), OptimConfig(), PolicyTrainConfig(max_gen_len=8)
                                 ).train_on_batch(seqs)[0].logprob_gap
     return [m.as_dict() for m in metrics], before, after, first_gap
 
@@ -355,20 +362,20 @@ def _zero_advantage_rank(model_dir):
     """The same batch with half its advantages zero, trained with and without skipping them, in one
     and in two steps (the PPO path recomputes old log-probs for the trained ones only)."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     out = {}
     for steps in (1, 2):
         for skip in (True, False):
             train = PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, steps_per_batch=steps,
                                       skip_zero_advantage=skip)
-            learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
+            learner = learner_from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
             seqs = train_batch()
             for x in seqs[::2]:
                 x.advantage = 0.0
             metrics = learner.train_on_batch(seqs)
             out[(steps, skip)] = ([m.as_dict() for m in metrics], gathered_hf_state_dict(learner))
-        zero = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-2, adam_eps=1e-5),
+        zero = learner_from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-2, adam_eps=1e-5),
                                PolicyTrainConfig(max_gen_len=8, steps_per_batch=steps))
         batch = train_batch()
         for x in batch:
@@ -385,7 +392,8 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_step(tiny_mod
         assert [m["sequences"] for m in skipped] == [m["sequences"] for m in full] == [6 // steps] * steps
         assert sum(m["trained_sequences"] for m in skipped) == 3 and sum(m["trained_sequences"] for m in full) == 6
         for a, b in zip(skipped, full):  # the DrGRPO loss and gradient are those of the whole mini-batch
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                       rel=1e-5)
         assert max((w_skip[k] - w_full[k]).abs().max().item() for k in w_full) < 1e-6, steps
         # nothing to learn: one sequence (of its one role) still goes through, for the metrics; its loss is 0
         zero = res[(steps, "all zero")]
@@ -395,11 +403,11 @@ def test_zero_advantage_sequences_are_skipped_without_changing_the_step(tiny_mod
 def _frozen_rank(model_dir, dtype):
     """optim.lr=0 (the learning check's control) next to lr 1e-2 on the same batch."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     out = {}
     for lr in (0.0, 1e-2):
-        learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=lr, weight_decay=0.1, adam_eps=1e-5),
+        learner = learner_from_hf(model_dir, ParallelConfig(), OptimConfig(lr=lr, weight_decay=0.1, adam_eps=1e-5),
                                   PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, dtype=dtype))
         before = gathered_hf_state_dict(learner)
         (m,) = learner.train_on_batch(train_batch())
@@ -425,12 +433,12 @@ _RECOMPUTED = (("off", ["mlp"]), ("selective", ["mlp"]), ("selective", ["core_at
 def _recompute_rank(model_dir, pp=1, modes=_RECOMPUTED):
     """One step with the MLPs, core attention or whole layers recomputed in the backward."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     out = {}
     for recompute, modules in modes:
         train = PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, recompute=recompute, recompute_modules=modules)
-        learner = Learner.from_hf(model_dir, ParallelConfig(1, pp), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
+        learner = learner_from_hf(model_dir, ParallelConfig(1, pp), OptimConfig(lr=1e-2, adam_eps=1e-5), train)
         (m,) = learner.train_on_batch(train_batch())
         out[f"{recompute} {modules[0]}"] = (m.loss, m.grad_norm, gathered_hf_state_dict(learner),
                                             learner.tconfig.recompute_granularity)
@@ -458,19 +466,20 @@ def _tiny_lr_and_direction_rank(model_dir, layouts):
     were; (b) one DrGRPO step at a real lr raises the log-probs of positive-advantage completions
     and lowers those of negative ones."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
-    from spice_megatron.policy.learner import Learner, resolve_dtype
+    from spice_megatron.bridge.hf_io import learner_from_hf
+    from spice_megatron.policy.learner import resolve_dtype
 
     out = {}
     for tp, pp in layouts:
         for dtype in ("fp32", "bf16"):
             train = PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, dtype=dtype)
-            learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=1e-9, adam_eps=1e-5), train)
+            learner = learner_from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=1e-9, adam_eps=1e-5), train)
             loaded = gathered_hf_state_dict(learner)
             learner.train_on_batch(train_batch())
             stepped = gathered_hf_state_dict(learner)
             drift = None if stepped is None else max((stepped[k].float() - loaded[k].float()).abs().max().item()
                                                      for k in stepped)
-            learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=2e-3, adam_eps=1e-5,
+            learner = learner_from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=2e-3, adam_eps=1e-5,
                                                                                      weight_decay=0.0), train)
             seqs = train_batch()
             before = learner.compute_logprobs(seqs)
@@ -585,11 +594,11 @@ def test_a_dp_sharded_optimizer_state_loads_only_at_its_model_parallel_layout():
 
 def _updates_rank(model_dir, layouts):
     from spice_megatron.bridge.export import gathered_hf_state_dict
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     out = {}
     for tp, pp in layouts:
-        learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=1e-3, adam_eps=1e-5),
+        learner = learner_from_hf(model_dir, ParallelConfig(tp, pp), OptimConfig(lr=1e-3, adam_eps=1e-5),
                                   PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, trajectories_per_update=2))
         steps = learner.train_on_batch(train_batch())
         out[(tp, pp, learner.layout.dp)] = ([m.as_dict() for m in steps], gathered_hf_state_dict(learner))
@@ -608,7 +617,8 @@ def test_updates_of_k_trajectories_are_the_same_with_and_without_data_parallelis
     assert [m["sequences"] for m in ref_steps] == [2, 2, 2] and len(steps) == 3
     assert ref_steps[0]["approx_kl"] == pytest.approx(0.0, abs=1e-9) and ref_steps[2]["approx_kl"] > 0
     for a, b in zip(ref_steps, steps):
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"],
+                                                                                                   rel=1e-5)
     assert max((w[k] - ref_w[k]).abs().max().item() for k in w) < 2e-6
 
 
@@ -616,6 +626,7 @@ def test_trajectories_per_update_sets_the_number_of_steps():
     from types import SimpleNamespace
 
     from spice_megatron.policy.learner import Learner
+
 
     steps = lambda n, per, k=1: Learner.steps_for(  # noqa: E731
         SimpleNamespace(train_cfg=PolicyTrainConfig(trajectories_per_update=per, steps_per_batch=k)), n)
@@ -631,6 +642,7 @@ def test_learner_refuses_samples_older_than_max_staleness():
     from types import SimpleNamespace
 
     from spice_megatron.policy.learner import Learner
+
 
     learner = SimpleNamespace(train_cfg=PolicyTrainConfig(max_staleness=1))
     fresh = TrainSequence([1], [2, 3], versions=[[4, 0, 1], [5, 1, 2]], role="reasoner")
@@ -667,7 +679,7 @@ def _tis_rank(model_dir):
     weight is capped at 2, so the loss is twice the plain one; with equal log-probs it is the same."""
     import math
 
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     out = {}
     for dtype in ("fp32", "bf16"):
@@ -675,7 +687,7 @@ def _tis_rank(model_dir):
         for mode, shift in (("off", 0.0), ("on_equal", 0.0), ("on_capped", math.log(4.0))):
             train = PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16, dtype=dtype,
                                       importance_sampling="on" if mode != "off" else "off")
-            learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-9), train)
+            learner = learner_from_hf(model_dir, ParallelConfig(), OptimConfig(lr=1e-9), train)
             seqs = train_batch()
             for x, lps in zip(seqs, learner.compute_logprobs(seqs)):
                 x.rollout_logprobs, x.role = [v - shift for v in lps], "reasoner"
@@ -703,15 +715,15 @@ def _uneven_rank(model_dir, splits):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from spice_megatron.bridge.export import gathered_hf_state_dict
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.policy.batching import collate
-    from spice_megatron.policy.learner import Learner
 
     tokens = tokens_batch()
     seqs = [TrainSequence(t[:4].tolist(), t[4:].tolist()) for t in tokens]
     out = {}
     for first, last in splits:
         parallel = ParallelConfig(1, 2 if first or last else 1, first_stage_layers=first, last_stage_layers=last)
-        learner = Learner.from_hf(model_dir, parallel, OptimConfig(lr=1e-3, adam_eps=1e-5),
+        learner = learner_from_hf(model_dir, parallel, OptimConfig(lr=1e-3, adam_eps=1e-5),
                                   PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=16))
         with torch.no_grad():
             outs = learner._run([collate(seqs, [0, 1], pad_to=learner.seq_multiple)],
@@ -741,7 +753,8 @@ def test_uneven_pipeline_stages_match_transformers_and_step_as_one_stage(tmp_pat
 
 
 def test_uneven_stages_are_checked_where_the_learner_would_refuse_them():
-    from spice_megatron.policy.model import model_spec_from_hf, pipeline_stage_layers
+    from spice_megatron.families import model_spec_from_hf
+    from spice_megatron.policy.model import pipeline_stage_layers
 
     assert pipeline_stage_layers(94, 4, first=22) == [22, 24, 24, 24]
     assert pipeline_stage_layers(61, 8, first=5, last=8) == [5, 8, 8, 8, 8, 8, 8, 8]

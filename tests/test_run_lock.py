@@ -3,9 +3,9 @@ is gone, and the wait of a requeued Slurm job for its earlier attempt (spice_meg
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
-import signal
 import sys
 import threading
 import time
@@ -49,7 +49,7 @@ def test_a_live_holder_is_refused_and_a_dead_one_taken_over(tmp_path, no_slurm, 
         _write_lock(tmp_path, pid=proc.pid, pid_start=run_lock._pid_start(proc.pid), slurm_job_id="")
         with pytest.raises(RunDirLocked) as e:
             check_unlocked(str(tmp_path))
-        assert f"pid {proc.pid}" in str(e.value) and "--output-dir" in str(e.value)
+        assert f"pid {proc.pid}" in str(e.value) and "--output" in str(e.value)
         with pytest.raises(RunDirLocked):
             RunLock(str(tmp_path), wait_s=0).acquire()
     finally:

@@ -34,14 +34,14 @@ def test_a_resumed_run_hides_the_tensorboard_events_of_the_iterations_it_runs_ag
 
     out = str(tmp_path)
     m = MetricsLogger(out)
-    m.log(1, {"loss": 1.0})
+    m.log(1, {"train/loss": 1.0})
     offset = m.jsonl.offset()
-    m.log(2, {"loss": 2.0})
-    m.log(3, {"loss": 3.0})
+    m.log(2, {"train/loss": 2.0})
+    m.log(3, {"train/loss": 3.0})
     m.close()
     m = MetricsLogger(out, resume_at=offset)  # the checkpoint held iteration 1: 2 and 3 run again
-    m.log(2, {"loss": 20.0})
+    m.log(2, {"train/loss": 20.0})
     m.close()
     acc = EventAccumulator(os.path.join(out, "tensorboard"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 20.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 20.0)]

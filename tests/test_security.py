@@ -16,9 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
-
 from dist_utils import free_port, run_ranks
-from spice_megatron.rollout.auth import AuthError, attest, read_token, signed_request
+
+from spice_megatron.wire.auth import AuthError, attest, read_token, signed_request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "job-secret-token"
@@ -64,7 +64,7 @@ class Squatter(BaseHTTPRequestHandler):
 def test_a_squatter_on_an_engines_port_is_refused_before_it_sees_a_prompt_or_the_token(tmp_path):
     from spice_megatron.rollout.fleet import FleetError, RolloutFleet
     from spice_megatron.rollout.local import LocalEngine, wait_healthy
-    from spice_megatron.rollout.types import SamplingSpec
+    from spice_megatron.wire.types import SamplingSpec
 
     port = free_port()
     server = ThreadingHTTPServer(("127.0.0.1", port), Squatter)
@@ -102,27 +102,52 @@ def test_the_engine_holds_its_port_before_the_model_loads(monkeypatch, tmp_path)
 
     class Loading:
         def __init__(self, *args, **kwargs):
-            s = socket.socket()
-            try:
-                s.bind(("127.0.0.1", port))
-                seen["bind"] = "free"
-            except OSError as e:
-                seen["bind"] = e.strerror
-            finally:
-                s.close()
+            for reuse in (False, True):  # review 2: with SO_REUSEADDR a bound, not listening port was free
+                s = socket.socket()
+                if reuse:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind(("127.0.0.1", port))
+                    seen[reuse] = "free"
+                except OSError as e:
+                    seen[reuse] = e.strerror
+                finally:
+                    s.close()
+            seen["token"] = os.environ.get("SPICE_ROLLOUT_TOKEN")  # what vLLM's side of the sync reads
             raise RuntimeError("stand-in engine: stop here")
 
     monkeypatch.setattr(engine_module, "VLLMEngine", Loading)
     monkeypatch.setenv("SPICE_ROLLOUT_TOKEN", TOKEN)
     with pytest.raises(RuntimeError, match="stand-in engine"):
         serve.main(["--model", str(tmp_path), "--port", str(port)])
-    assert seen["bind"] == "Address already in use"
+    assert seen == {False: "Address already in use", True: "Address already in use", "token": TOKEN}
+    # security review 2, finding 2: an engine given --token-file hands the token to vLLM's side too
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file\n")
+    token_file.chmod(0o600)
+    monkeypatch.delenv("SPICE_ROLLOUT_TOKEN")
+    with pytest.raises(RuntimeError, match="stand-in engine"):
+        serve.main(["--model", str(tmp_path), "--port", str(free_port()), "--token-file", str(token_file)])
+    assert seen["token"] == "from-the-file"
+
+
+def test_an_engine_without_the_job_token_receives_no_weights(monkeypatch):
+    """Security review 2, finding 2 (token_file_probe.py): the engine's receive fails closed."""
+    from spice_megatron.bridge.sync_integrity import WeightSyncError
+    from spice_megatron.rollout.engine_transfer import SpiceUpdateInfo, SpiceWeightTransferEngine
+
+    monkeypatch.delenv("SPICE_ROLLOUT_TOKEN", raising=False)
+    monkeypatch.delenv("SPICE_ROLLOUT_TOKEN_FILE", raising=False)
+    receiver = object.__new__(SpiceWeightTransferEngine)
+    receiver.group = object()
+    with pytest.raises(WeightSyncError, match="holds no job token.*refused, unsigned weights"):
+        receiver.receive_weights(SpiceUpdateInfo(version=1))
 
 
 class StubEngine:
     """What build_app calls of a VLLMEngine (no vLLM): generation answers at once."""
 
-    version, model_dir, workers, weight_transfer = "3", "/lustre/proj/secret_model_path", 1, "spice"
+    version, model_dir, workers, weight_transfer, quantization = "3", "/lustre/proj/secret_model_path", 1, "spice", None
     paused = updating = False
     steps = admissions = sleeps = wakes = requests_while_asleep = 0
     sleeping: set = set()
@@ -130,10 +155,11 @@ class StubEngine:
     def submit(self, requests_):
         from concurrent.futures import Future
 
-        from spice_megatron.rollout.types import Completion
+        from spice_megatron.wire.types import Completion
 
         f = Future()
-        f.set_result([[[Completion("hi", [1], [-0.1], "stop")] * spec.n for _ in prompts] for prompts, spec in requests_])
+        f.set_result([[[Completion("hi", [1], [-0.1], "stop")] * spec.n for _ in prompts] for prompts,
+                      spec in requests_])
         return f
 
     def call(self, fn, *args):
@@ -151,24 +177,31 @@ class StubEngine:
         return method
 
 
-@pytest.fixture(scope="module")
-def stub_service():
+def _serve_stub(port: int, limits=None):
+    """A real build_app with the stub engine on `port`, in a thread: (server, thread, url, app)."""
     import uvicorn
 
     from spice_megatron.rollout.serve import RequestLimits, build_app
 
-    app = build_app(StubEngine(), TOKEN, RequestLimits(max_n=8, max_prompts=4, max_body_bytes=4096))
-    port = free_port()
+    app = build_app(StubEngine(), TOKEN, port, limits or RequestLimits())
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
+    for _ in range(200):
         try:
             requests.get(url + "/health", timeout=1)
             break
         except requests.RequestException:
             time.sleep(0.05)
+    return server, thread, url, app
+
+
+@pytest.fixture(scope="module")
+def stub_service():
+    from spice_megatron.rollout.serve import RequestLimits
+
+    server, thread, url, app = _serve_stub(free_port(), RequestLimits(max_n=8, max_prompts=4, max_body_bytes=4096))
     yield app, url
     server.should_exit = True
     thread.join(10)
@@ -178,7 +211,7 @@ def test_every_route_but_health_and_attest_needs_a_signed_request_and_says_nothi
     app, url = stub_service
     assert requests.get(url + "/health").json() == {"status": "ok"}  # no model path, version or counters
     for path in ("/docs", "/redoc", "/openapi.json"):
-        assert requests.get(url + path).status_code == 404
+        assert requests.get(url + path).status_code in (401, 404)  # unsigned: refused before any route
     routes = sorted({(m, r.path) for r in app.routes for m in getattr(r, "methods", ())} - {("GET", "/health"),
                                                                                            ("GET", "/attest")})
     assert ("POST", "/generate") in routes and ("GET", "/status") in routes and len(routes) >= 14
@@ -189,16 +222,127 @@ def test_every_route_but_health_and_attest_needs_a_signed_request_and_says_nothi
         assert requests.request(method, url + path, json=body).status_code == 401, path
         assert requests.request(method, url + path, json=body,
                                 headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401, path
-        assert signed_request(method, url, path, "not-the-token", body).status_code == 401, path
+        with pytest.raises(AuthError, match="could not prove"):  # the engine's proof is for the job's token
+            signed_request(method, url, path, "not-the-token", body)
         assert signed_request(method, url, path, TOKEN, body).status_code != 401, path
     assert signed_request("GET", url, "/status", TOKEN).json()["model"] == StubEngine.model_dir
     # a recorded request cannot be sent again
-    from spice_megatron.rollout.auth import sign_request
+    from spice_megatron.wire.auth import sign_request
 
-    header = {"Authorization": sign_request(TOKEN, "GET", "/status")}
+    header = {"Authorization": sign_request(TOKEN, "GET", "/status", instance=attest(url, TOKEN))}
     assert requests.get(url + "/status", headers=header).status_code == 200
     r = requests.get(url + "/status", headers=header)
     assert r.status_code == 401 and "replayed" in r.text
+
+
+class Relay(BaseHTTPRequestHandler):
+    """Security review 2, squat_relay_probe.py: a squatter on engine A's port forwards every request
+    (the attestation's nonce, signed requests) to sibling engine B of the same job, answering with
+    B's answers; on POST /generate it answers with its own text."""
+
+    sibling = ""
+
+    def log_message(self, *a):
+        pass
+
+    def _relay(self, method):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
+        r = requests.request(method, self.sibling + self.path, data=body or None, headers=headers, timeout=10)
+        content = r.content
+        if self.path == "/generate" and r.ok:
+            content = json.dumps({"version": 0, "completions": [[{"text": "ATTACKER TEXT", "token_ids": [1],
+                                  "logprobs": [-0.1], "finish_reason": "stop", "versions": [[0, 0, 1]]}]]}).encode()
+        self.send_response(r.status_code)
+        for k, v in r.headers.items():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(content)))
+        self.end_headers()
+        self.wfile.write(content)
+
+    def do_GET(self):
+        self._relay("GET")
+
+    def do_POST(self):
+        self._relay("POST")
+
+
+def test_a_squatter_relaying_to_a_sibling_engine_proves_nothing_and_signed_requests_bind_one_engine():
+    """Security review 2, findings 1 and 8: the proof names the engine's own port and process, so a
+    relayed proof is refused; a signed request is good at one engine process only (not a sibling,
+    not a restarted engine on the same port, not with another query string), and an answer that
+    the asked engine did not sign is refused."""
+    from spice_megatron.wire.auth import sign_request
+
+    (b_server, b_thread, b_url, _), (c_server, c_thread, c_url, _) = _serve_stub(free_port()), _serve_stub(free_port())
+    port = free_port()
+    Relay.sibling = b_url
+    relay = ThreadingHTTPServer(("127.0.0.1", port), Relay)
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    a_url = f"http://127.0.0.1:{port}"
+    try:
+        with pytest.raises(AuthError, match="could not prove it holds this job's token"):
+            attest(a_url, TOKEN)  # B's proof names B's port
+        # a request signed for B, sent to its sibling C, or with a query string added: refused
+        b_instance = attest(b_url, TOKEN)
+        header = {"Authorization": sign_request(TOKEN, "GET", "/status", instance=b_instance)}
+        assert requests.get(c_url + "/status", headers=header).status_code == 401
+        header = {"Authorization": sign_request(TOKEN, "POST", "/pause", instance=b_instance)}
+        assert requests.post(b_url + "/pause?mode=other", headers=header).status_code == 401
+        # B's signed answer is bound to the request's nonce: replaying B's answer to another request
+        # (what a relay that answers for itself would do) is refused by the client
+        from spice_megatron.wire import auth
+
+        auth._instances[a_url] = b_instance  # the squatter somehow known as trusted: its answers still fail
+        with pytest.raises(AuthError, match="not signed by the engine that was asked"):
+            signed_request("POST", a_url, "/generate", TOKEN, {"prompts": ["<a corpus document>"]})
+        auth._instances.pop(a_url, None)
+        # B restarted on its port: a new process, a new instance; the old one's requests are refused
+        b_port = int(b_url.rsplit(":", 1)[1])
+        b_server.should_exit = True
+        b_thread.join(10)
+        b_server, b_thread, _, _ = _serve_stub(b_port)
+        assert attest(b_url, TOKEN) != b_instance
+        header = {"Authorization": sign_request(TOKEN, "GET", "/status", instance=b_instance)}
+        assert requests.get(b_url + "/status", headers=header).status_code == 401
+        assert signed_request("GET", b_url, "/status", TOKEN).status_code == 200
+    finally:
+        relay.shutdown()
+        relay.server_close()
+        for server, thread in ((b_server, b_thread), (c_server, c_thread)):
+            server.should_exit = True
+            thread.join(10)
+
+
+def test_local_engines_are_trusted_only_as_the_process_that_was_started(stub_service):
+    """Security review 2, finding 1: wait_healthy compares the engine's signed pid with its child's."""
+    from spice_megatron.rollout.local import LocalEngine, wait_healthy
+
+    _, url = stub_service
+    other = subprocess.Popen(["sleep", "30"])  # the process this run started (the stub answers for itself)
+    try:
+        with pytest.raises(RuntimeError, match=f"is process {os.getpid()}, not the one started there"):
+            wait_healthy([LocalEngine(url, other, os.devnull, [], token=TOKEN)], timeout=2)
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_bodies_are_capped_on_every_method_and_unsigned_ones_never_parsed(stub_service):
+    """Security review 2, finding 7 (limits_probe.py): a GET with a body, chunked or not, is refused
+    before it is read; an unsigned POST is refused before FastAPI parses it."""
+    _, url = stub_service
+    r = requests.get(url + "/status", data=b"x" * (64 << 10))
+    assert r.status_code == 413 and "takes no request body" in r.text
+
+    def chunked():
+        yield b"x" * 1024
+
+    assert requests.get(url + "/weight_info", data=chunked()).status_code == 413
+    assert requests.get(url + "/attest", params={"nonce": "n" * 16}, data=b"x" * 10).status_code == 413
+    r = requests.post(url + "/generate", data=b"{" * 4000, headers={"Content-Type": "application/json"})
+    assert r.status_code == 401 and "unsigned" in r.text  # refused on its header: the body was not even read
 
 
 def test_generate_refuses_what_is_over_its_limits_and_keeps_serving(stub_service):
@@ -244,8 +388,9 @@ def _sync_rank(port, sender_token, receiver_token):
     import torch
 
     from spice_megatron.bridge.sync_integrity import ReceivedManifest, WeightSyncError, compare_checksums
-    from spice_megatron.bridge.weight_sync import BucketSender, WeightSyncGroup, receive_all
-    from spice_megatron.rollout.auth import sync_key
+    from spice_megatron.bridge.weight_receive import receive_all
+    from spice_megatron.bridge.weight_sync import BucketSender, WeightSyncGroup
+    from spice_megatron.wire.auth import sync_key
 
     rank = int(os.environ["RANK"])
     nonce = "a-nonce-the-trainer-sent-over-http"
@@ -253,7 +398,8 @@ def _sync_rank(port, sender_token, receiver_token):
     tensors = {f"model.layers.{i}.w": torch.full((64, 64), float(i)) for i in range(3)}
     try:
         if rank == 0:
-            sender = BucketSender(group, 7, bucket_bytes=40_000, key=sync_key(sender_token, nonce) if sender_token else None)
+            sender = BucketSender(group, 7, bucket_bytes=40_000, key=sync_key(sender_token,
+                                                                              nonce) if sender_token else None)
             for name, t in tensors.items():
                 (slot,) = sender.reserve([(name, tuple(t.shape), t.dtype)])
                 slot.copy_(t)
@@ -263,7 +409,7 @@ def _sync_rank(port, sender_token, receiver_token):
                 return f"sender: {type(e).__name__}"
         manifest, loaded = ReceivedManifest(), {}
         try:
-            for bucket in receive_all(group, manifest, key=sync_key(receiver_token, nonce)):
+            for bucket in receive_all(group, manifest, key=sync_key(receiver_token, nonce) if receiver_token else None):
                 loaded.update({n: t.clone() for n, t in bucket})
             compare_checksums(manifest.received, manifest)
         except WeightSyncError as e:
@@ -279,10 +425,77 @@ def test_a_stranger_in_the_sync_group_cannot_make_an_engine_load_weights(strange
     """Whoever reaches the rendezvous store can join the group as the stage's sender; buckets not
     signed with this sync's key are refused before the engine loads any of them."""
     sender, (outcome, loaded) = run_ranks(_sync_rank, 2, free_port(), stranger, TOKEN, tmp_path=tmp_path, timeout=120)
-    assert outcome.startswith("refused:") and "not signed with this sync's key" in outcome and "bucket 0" in outcome
+    if stranger is None:  # no key at all: it takes every member, its unsigned buckets are refused
+        assert outcome.startswith("refused:") and "not signed with this sync's key" in outcome and "bucket 0" in outcome
+    else:  # another key: it cannot check the engine's membership proof, and the engine learns so
+        assert outcome.startswith("refused:") and "refused this sync's members" in outcome
     assert loaded == [] and str(sender).startswith("sender:")
     sender, (outcome, loaded) = run_ranks(_sync_rank, 2, free_port(), TOKEN, TOKEN, tmp_path=tmp_path, timeout=120)
     assert outcome == "loaded" and len(loaded) == 3 and sender >= 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stranger", [None, "a-stranger-without-the-token"])
+def test_a_stranger_in_an_engines_sync_rank_receives_no_weights(stranger, tmp_path):
+    """Security review 2, finding 6 (sync_probe.py A): a process that takes an engine's sync rank
+    without the token fails the membership round before the first bucket: the sender sends nothing
+    and says so, instead of reporting the sync done."""
+    sender, (outcome, loaded) = run_ranks(_sync_rank, 2, free_port(), TOKEN, stranger, tmp_path=tmp_path, timeout=120)
+    assert str(sender).startswith("sender: WeightSyncError") and loaded == []
+    assert outcome.startswith("refused:") and "refused this sync's members" in outcome
+
+
+def test_a_tensor_rewritten_in_flight_no_longer_keeps_its_checksum():
+    """Security review 2, finding 5 (sync_probe.py B): the unkeyed checksum is linear with public
+    coefficients (words 251 apart weigh the same), so a rewrite can keep it; the sync's checksum is
+    keyed with the sync's key and catches the same rewrite."""
+    import torch
+
+    from spice_megatron.bridge.sync_integrity import tensor_checksum
+    from spice_megatron.wire.auth import sync_key
+
+    key = sync_key(TOKEN, "a-sync-nonce")
+    t = torch.randn(8192)
+    forged = t.clone()
+    forged[3], forged[254] = t[254], t[3]  # a rewrite the public coefficients cannot see
+    assert not torch.equal(t, forged) and tensor_checksum(forged) == tensor_checksum(t)
+    assert tensor_checksum(forged, key) != tensor_checksum(t, key)
+    assert tensor_checksum(t, key) == tensor_checksum(t.clone(), key)  # deterministic
+    assert tensor_checksum(t, key) != tensor_checksum(t, sync_key(TOKEN, "another-nonce"))  # per sync
+
+
+def _capped_receiver_rank(port):
+    """Rank 0 sends a 16 KiB tensor; rank 1 takes buckets of at most 4 KiB (the trainer's figure)."""
+    import torch
+
+    from spice_megatron.bridge.sync_integrity import WeightSyncError
+    from spice_megatron.bridge.weight_receive import receive_all
+    from spice_megatron.bridge.weight_sync import BucketSender, WeightSyncGroup
+
+    rank = int(os.environ["RANK"])
+    group = WeightSyncGroup("127.0.0.1", port, rank, 1, 1, "gloo", timeout_s=30)
+    try:
+        if rank == 0:
+            sender = BucketSender(group, 1, bucket_bytes=1 << 20)
+            sender.reserve([("w", (4096,), torch.float32)])[0].fill_(1.0)
+            try:
+                return sender.close().buckets
+            except Exception as e:  # noqa: BLE001 - the receiver left
+                return type(e).__name__
+        try:
+            return [n for bucket in receive_all(group, max_bytes=4096) for n, _ in bucket]
+        except WeightSyncError as e:
+            return str(e)
+    finally:
+        group.close()
+
+
+@pytest.mark.multiprocess
+def test_unsigned_sizes_are_capped_before_the_engine_allocates(tmp_path):
+    """Security review 2, finding 9: a bucket's size comes from unsigned metadata; the engine caps
+    it by the trainer's largest bucket (sent over the signed HTTP plane) before allocating."""
+    _, refused = run_ranks(_capped_receiver_rank, 2, free_port(), tmp_path=tmp_path, timeout=120)
+    assert "a bucket of 16384 bytes announced, this engine takes at most 4096: refused before allocating" in refused
 
 
 def test_the_sync_store_listens_on_the_engines_address_only():
@@ -361,6 +574,68 @@ def test_a_planted_checkpoint_is_refused_before_anything_loads(how, tmp_path):
     assert not os.path.exists(payload)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another user's")
+def test_a_run_directory_under_another_users_parent_is_refused_and_checked_again_before_a_load(tmp_path):
+    """Security review 2, finding 4 (rundir_probe.py): in a sticky shared scratch another user made
+    `scratch/alice` before the user's first run; whatever is under it can be swapped after the
+    checks. The run directory, and a checkpoint right before it loads, are refused."""
+    from spice_megatron.policy.checkpoint import latest_checkpoint
+    from spice_megatron.run_dir import UnsafeRunDir, check_checkpoint_tree, prepare_run_dir
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)
+    theirs = scratch / "alice"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(UnsafeRunDir, match=f"the directory above it, {theirs}, is owned by"):
+        prepare_run_dir(str(theirs / "qwen3_8b"))
+    mine = scratch / "mine"  # the user's own directory in the sticky scratch: fine
+    prepare_run_dir(str(mine / "run"))
+    run, payload = _planted_run_dir(str(mine / "run2"))
+    os.chmod(mine, 0o777)  # a parent anyone may write: the checkpoint could be swapped before its load
+    with pytest.raises(UnsafeRunDir, match="writable by others .*not sticky"):
+        check_checkpoint_tree(os.path.join(run, "checkpoints", "step_00000004"))
+    os.chmod(mine, 0o755)
+    # `latest` never leads out of the tree
+    with open(os.path.join(run, "checkpoints", "latest"), "w") as f:
+        f.write(str(tmp_path))
+    assert latest_checkpoint(os.path.join(run, "checkpoints")) != str(tmp_path)
+    with open(os.path.join(run, "checkpoints", "latest"), "w") as f:
+        f.write("../../..")
+    assert latest_checkpoint(os.path.join(run, "checkpoints")) == os.path.join(run, "checkpoints", "step_00000004")
+    assert not os.path.exists(payload)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files to another user")
+def test_the_job_script_refuses_code_or_a_run_directory_another_user_controls(tmp_path):
+    """Security review 2, finding 4 (slurm_probe.py): another user's copy of spice_megatron/ (mode
+    644) passed the job's code check, and an OUTPUT_DIR under another user's directory started."""
+    import shutil
+
+    from test_slurm import STAND_IN, _run_job
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("srun", "scontrol", "curl", "python", "squeue"):
+        (bin_dir / name).write_text(STAND_IN.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    home = tmp_path / "home"
+    for part in ("spice_megatron", "recipes", "slurm"):
+        shutil.copytree(os.path.join(ROOT, part), home / part, ignore=shutil.ignore_patterns("__pycache__"))
+    os.chown(home / "spice_megatron" / "cli.py", 65534, 65534)
+    script = str(home / "slurm" / "spice_8b.sbatch")
+    r, calls, _, _ = _run_job(script, bin_dir, tmp_path, SPICE_HOME=str(home))
+    assert r.returncode == 2 and "cli.py is another user's" in r.stderr, r.stderr
+    assert not any(c["cmd"] == "srun" for c in calls)
+    os.chown(home / "spice_megatron" / "cli.py", 0, 0)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    r, _, _, _ = _run_job(script, bin_dir, tmp_path, SPICE_HOME=str(home), OUTPUT_DIR=str(theirs / "run"))
+    assert r.returncode == 2 and f"lies under {theirs} (owned by" in r.stderr, r.stderr
+
+
 def test_spice_train_refuses_an_unsafe_run_directory_with_one_line(tmp_path):
     run, payload = _planted_run_dir(str(tmp_path))
     os.chmod(run, 0o777)
@@ -411,6 +686,65 @@ def test_the_job_script_refuses_a_counter_file_that_is_not_a_count(tmp_path):
     assert r.returncode == 2 and "is not yours alone to write" in r.stderr
 
 
+STORE_PROBE = """
+import os, socket, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")  # the world forms through the agent's store
+port = int(os.environ["MASTER_PORT"])
+listening = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+            listening.append(local.rsplit(":", 1)[0])
+if dist.get_rank() == 0:
+    print("LISTENING", sorted(set(listening)), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_learners_rendezvous_store_listens_on_loopback_only(tmp_path):
+    """Security review 2, finding 3 (learner_store_probe.py): torchrun's store, which `spice train`
+    starts for its local ranks, listened on every interface; it is bound to 127.0.0.1 now (the
+    c10d rendezvous of a multi-node job to the head node's address)."""
+    from spice_megatron.torchrun import free_port
+
+    script = tmp_path / "probe.py"
+    script.write_text(STORE_PROBE)
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.torchrun", "--nproc_per_node=2",
+                        "--master_addr=127.0.0.1",
+                        f"--master_port={port}", str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    listening = next(line for line in r.stdout.splitlines() if line.startswith("LISTENING"))
+    assert listening == "LISTENING ['0100007F']", listening  # 127.0.0.1, not 00000000 (every interface)
+
+
+def _world_member(secrets_by_rank):
+    """One rank of a 2-rank learner world whose ranks hold the given secrets."""
+    from spice_megatron.config import ParallelConfig
+    from spice_megatron.policy.parallel import init_distributed
+
+    os.environ["SPICE_WORLD_SECRET"] = secrets_by_rank[int(os.environ["RANK"])]
+    try:
+        init_distributed(ParallelConfig())
+        return "joined"
+    except RuntimeError as e:
+        return str(e)
+
+
+@pytest.mark.multiprocess
+def test_a_process_in_a_learner_ranks_place_is_refused_before_any_object_is_exchanged(tmp_path):
+    """Security review 2, finding 3: ranks unpickle each other's objects; a process that took a
+    rank's place through the store (no secret of the job's) stops the world before any of that."""
+    assert run_ranks(_world_member, 2, ["job-secret", "job-secret"], tmp_path=tmp_path) == ["joined", "joined"]
+    refused = run_ranks(_world_member, 2, ["job-secret", "a-stranger's-guess"], tmp_path=tmp_path)
+    assert "learner rank(s) [1] could not prove they hold this job's secret" in refused[0], refused
+    assert "could not prove" in refused[1]  # the stranger learns nothing but that it was refused
+
+
 # ----------------------------------------------------------------------------- launchers
 
 def test_the_nemo_run_script_keeps_hostile_values_inert(tmp_path, monkeypatch):
@@ -420,7 +754,7 @@ def test_the_nemo_run_script_keeps_hostile_values_inert(tmp_path, monkeypatch):
     pytest.importorskip("nemo_run")
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # NeMo-Run's local tunnel (invoke) reads stdin
-    from recipes.launch import dryrun_sbatch, slurm_experiment
+    from spice_megatron.nemo_launcher import dryrun_sbatch, slurm_experiment
 
     model = f"/models/Q8B$(touch {tmp_path}/pwned1)"
     output = f"/results/q8;touch${{IFS}}{tmp_path}/pwned2"
@@ -432,11 +766,12 @@ def test_the_nemo_run_script_keeps_hostile_values_inert(tmp_path, monkeypatch):
                         or line.startswith("export SPICE_LOG_DIR="))
     train = next(line for line in text.splitlines() if "spice_megatron/cli.py train" in line)
     args = train.split("spice_megatron/cli.py ", 1)[1].rsplit(" & pids", 1)[0]
-    r = subprocess.run(["bash", "-c", exports + '\nprintf "%s\\n" "$SPICE_MODEL" "$SPICE_LOG_DIR"\nprintf "%s\\n" ' + args],
+    r = subprocess.run(["bash", "-c",
+                        exports + '\nprintf "%s\\n" "$SPICE_MODEL" "$SPICE_LOG_DIR"\nprintf "%s\\n" ' + args],
                        capture_output=True, text=True, cwd=tmp_path, timeout=30)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [model, f"{output}/logs", "train", "--recipe", "qwen3_8b", "--model", model,
-                                     "--output-dir", output, "--resume", *overrides]
+                                     "--output", output, "--resume", *overrides]
     assert not list(tmp_path.glob("pwned*"))
     with pytest.raises(ValueError, match="--mount .* unquoted"):
         slurm_experiment("qwen3_8b", account="acct", partition="p", container_image="/images/x.sqsh",

@@ -5,12 +5,11 @@ from collections import Counter
 
 import pytest
 
-from spice_megatron.templates import prompt_token_ids
-
 from spice_megatron.config import SelfPlayConfig
 from spice_megatron.corpus import Document
-from spice_megatron.rollout.types import Completion, SamplingSpec
 from spice_megatron.selfplay import run_iteration
+from spice_megatron.templates import prompt_token_ids
+from spice_megatron.wire.types import Completion, SamplingSpec
 
 
 def doc(i, text):
@@ -41,7 +40,8 @@ class ScriptedModel:
             if spec == "late" and self.calls.count(("challenger", 1, sampling.n)) < 2:
                 return Completion("<question>unfinished", [1])
             if spec == "mcq":
-                return Completion(task_text("Which metal? K=2", "multiple_choice", "C", ["Tin", "Iron", "Lead", "Zinc"]),
+                return Completion(task_text("Which metal? K=2", "multiple_choice", "C", ["Tin", "Iron", "Lead",
+                                                                                         "Zinc"]),
                                   [1, 2])
             if spec == "mcqleak":  # the answer glued onto option D, as the paper's "Correct: C" line would be
                 return Completion(task_text("Which metal? K=2", "multiple_choice", "C",
@@ -82,7 +82,7 @@ def test_one_iteration_end_to_end():
     assert s["attempts_per_doc"] == pytest.approx((4 + 4 + 8 + 4) / 4) and s["attempts_per_doc_max"] == 8
     assert s["mix/multiple_choice"] == pytest.approx(1 / 3) and s["mix/integer"] == pytest.approx(2 / 3)
     assert s["pass_hist/4"] == 1 and s["pass_hist/8"] == 1 and s["pass_hist/2"] == 1
-    assert s["reasoner_pass_rate"] == pytest.approx((4 + 8 + 2) / 24)
+    assert s["reasoner/pass_rate"] == pytest.approx((4 + 8 + 2) / 24)
     assert s["invalid/no_question"] == pytest.approx(8 / 20)
 
     ch = [x for x in result.samples if x.role == "challenger"]
@@ -519,7 +519,7 @@ def test_ungrounded_self_play_never_shows_the_document_and_says_so(protocol):
     challenger_prompts = [p for role, p in seen if role == "challenger"]
     assert challenger_prompts and not any("SECRET" in p or "{document}" in p or "DOCUMENT BEGIN" in p
                                           for p in challenger_prompts)
-    assert result.stats["valid_task_rate"] == 1.0 and result.stats["reasoner_pass_rate"] == pytest.approx(0.5)
+    assert result.stats["valid_task_rate"] == 1.0 and result.stats["reasoner/pass_rate"] == pytest.approx(0.5)
     docs = [r for r in result.records if r["kind"] == "document"]
     assert len(docs) == 2 and all(r["shown"] is False for r in docs)  # drawn (the schedule), never shown
     assert all(r["grounded"] is False for r in result.records if r["kind"] == "challenger")
@@ -573,7 +573,7 @@ def _outcome(result):
     records = [{k: v for k, v in r.items() if k != "request_s"} for r in result.records]
     samples = [(s.role, s.prompt, s.completion.text, s.reward, round(s.advantage, 12), s.group, s.doc_id)
                for s in result.samples]
-    stats = {k: v for k, v in result.stats.items() if not k.startswith("time/") and k != "rollout/streamed"}
+    stats = {k: v for k, v in result.stats.items() if not k.startswith("time/")}
     return records, samples, stats
 
 
@@ -586,7 +586,6 @@ def test_the_streamed_schedule_gives_the_phased_outcome_whatever_the_order_reque
     phased = run_iteration(docs, phased_model, _verifier(), cfg, random.Random(3), seed=11)
     streamed = run_iteration(docs, streamed_model, _verifier(), cfg, random.Random(3), seed=11, streamed=True)
     assert _outcome(streamed) == _outcome(phased)
-    assert streamed.stats["rollout/streamed"] == 1.0 and phased.stats["rollout/streamed"] == 0.0
     # documents needed different numbers of rounds, and the streamed schedule asked per document
     rounds = Counter(r["doc_id"] for r in phased.records if r["kind"] == "challenger")
     assert len(set(rounds.values())) > 1

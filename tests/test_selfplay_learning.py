@@ -2,13 +2,13 @@
 the Megatron learner): the policy writes tasks from story documents and answers them; the
 challenger's advantages have the right sign, and one DrGRPO step moves its completions' log-probs
 the way their advantages say. A wrong sign, a lost invalid-attempt penalty or a centring bug in the
-challenger group fails here; the learning check (tools/learning_check.py --selfplay) shows the rest."""
+challenger group fails here; the learning check (tools/checks/learning_check.py --selfplay) shows the rest."""
 import random
 from collections import defaultdict
 
 import pytest
-
 from dist_utils import run_ranks
+
 from spice_megatron.corpus import Document
 from spice_megatron.loss import CHALLENGER
 from spice_megatron.policy.batching import TrainSequence
@@ -55,10 +55,10 @@ def _iteration(tmp_path):
 
 
 def _step_rank(model_dir, train_cfg, seqs):
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.config import OptimConfig, ParallelConfig
-    from spice_megatron.policy.learner import Learner
 
-    learner = Learner.from_hf(model_dir, ParallelConfig(1, 1), OptimConfig(lr=1e-5, weight_decay=0.0), train_cfg)
+    learner = learner_from_hf(model_dir, ParallelConfig(1, 1), OptimConfig(lr=1e-5, weight_decay=0.0), train_cfg)
     before = learner.compute_logprobs(seqs)
     learner.train_on_batch(seqs)
     after = learner.compute_logprobs(seqs)

@@ -6,13 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from dist_utils import run_ranks
+
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
 from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence
-from spice_megatron.policy.packing import (collate_packed, packed_microbatches, plan_packed,
-                                           split_units_data_parallel)
+from spice_megatron.policy.packing import collate_packed, packed_microbatches, plan_packed, split_units_data_parallel
 from spice_megatron.policy.shared_prefix import row_segments
 
 # (prompt length, completion lengths): groups of 3, 2, 1 (a prompt no other sequence shares) and 2
@@ -173,7 +172,7 @@ def test_a_long_prefix_row_saves_what_the_planner_counts_for_attention():
     GQA 4) once saved 6.9x the planner's attention terms (K/V per query head, copied per completion,
     a mask each). Now what the backward keeps (each storage once, q/k/v included, plus the output the
     projection keeps) is within 1.3x of the planner's terms for the row's tokens."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench"))
     from bench_learner import long_prefix_saved
 
     saved, planned, _ = long_prefix_saved(torch.bfloat16)
@@ -201,12 +200,12 @@ def _compare_rank(model_dir, layouts, dtype="fp32", routing_layers=0, replay="of
     """Per layout and shared_prefix off/on: completion log-probs, (loss, grad norm) of the first
     two optimiser steps, the weights after them and the tokens the forward ran."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
-    from spice_megatron.policy.learner import Learner
+    from spice_megatron.bridge.hf_io import learner_from_hf
 
     out = {}
     for tp, pp, ep in layouts:
         for shared in ("off", "on"):
-            learner = Learner.from_hf(model_dir, ParallelConfig(tp, pp, expert_parallel=ep),
+            learner = learner_from_hf(model_dir, ParallelConfig(tp, pp, expert_parallel=ep),
                                       OptimConfig(lr=1e-3, adam_eps=1e-5),
                                       PolicyTrainConfig(max_gen_len=8, micro_batch_tokens=24, shared_prefix=shared,
                                                         dtype=dtype, routing_replay=replay,

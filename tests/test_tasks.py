@@ -21,7 +21,8 @@ D) Reinforced concrete
 
 
 def free(question, answer_type, answer):
-    return f"notes...\n<question>{question}</question>\n<answer_type>{answer_type}</answer_type>\n<answer>{answer}</answer>"
+    return (f"notes...\n<question>{question}</question>\n<answer_type>{answer_type}</answer_type>\n"
+            f"<answer>{answer}</answer>")
 
 
 def test_parse_multiple_choice():
@@ -46,7 +47,8 @@ def test_mcq_answer_marker_is_a_leak_in_both_parser_and_statistic():
     assert r.reason == "answer_in_options"
     assert answer_in_question(Task("Q?", "B", "multiple_choice", ("a", "b", "c", "d Correct: B")))
     # an article after "answer:" is not a letter
-    assert not answer_in_question(Task("Which answer: A decrease or a rise?", "B", "multiple_choice", ("a", "b", "c", "d")))
+    assert not answer_in_question(Task("Which answer: A decrease or a rise?", "B", "multiple_choice", ("a", "b", "c",
+                                                                                                       "d")))
 
 
 @pytest.mark.parametrize("answer_type,answer,gold", [

@@ -84,7 +84,7 @@ def test_engines_receive_the_same_ids_in_training_evaluation_coevolution_and_fix
     from spice_megatron.eval.benchmarks import BENCHMARKS, EvalItem, LoadedBenchmark
     from spice_megatron.eval.harness import EvalSettings, evaluate_benchmark
     from spice_megatron.protocol import ChallengerPrompts
-    from spice_megatron.rollout.types import Completion, SamplingSpec
+    from spice_megatron.wire.types import Completion, SamplingSpec
 
     sent: dict[str, list] = {}
 

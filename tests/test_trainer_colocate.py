@@ -11,10 +11,9 @@ import time
 import pytest
 import requests
 import torch
+from e2e import engine_pids, engine_token, kill_after_second_checkpoint, records, setup, spice_train, straight, weights  # noqa: F401
 
-from e2e import (engine_pids, engine_token, kill_after_second_checkpoint, records, setup,  # noqa: F401
-                 spice_train, straight, weights)
-from spice_megatron.rollout.auth import signed_request
+from spice_megatron.wire.auth import signed_request
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 COLOCATE = ("run.iterations=4", "run.colocate=true")
@@ -63,7 +62,7 @@ def test_a_colocated_run_takes_turns_and_equals_the_disaggregated_one(setup, str
     assert [m["rollout_version"] for m in metrics] == [0, 1, 2, 3]
     assert [m["weight_sync/retries"] for m in metrics] == [0, 0, 1, 0]
     for key in ("time/engines_sleep", "time/engines_wake", "time/learner_reload", "time/learner_offload"):
-        assert all(key in m for m in metrics), key
+        assert all(m[key] is not None for m in metrics), key
     _same_run(out, straight)
 
 

@@ -7,21 +7,22 @@ import subprocess
 import sys
 
 import pytest
-
 from e2e import PARA, engine_pids, records, setup, spice_train, wait_for_first_iteration  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def test_the_smollm2_demo_run(tmp_path):
-    """The README's main job, shortened: SmolLM2-135M-Instruct on real offline documents."""
+def test_the_smollm2_demo_run_and_what_a_newcomer_reads_of_it(tmp_path, capsys):
+    """The README's main job, shortened: SmolLM2-135M-Instruct on real offline documents; then the
+    newcomer's path through its output (review 2026-12): the summary, the config, the metrics and
+    their glossary, the curves, the audit trail from iteration 1, its footprint and `spice clean`."""
     from spice_megatron.offline_assets import smollm2_dir
 
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"Fact {i}. {PARA}"}) + "\n" for i in range(6)))
     out = str(tmp_path / "demo")
     args = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", smollm2_dir(),
-            "--output-dir", out, "--corpus", str(corpus), "run.iterations=1", "selfplay.batch_docs=2",
+            "--output", out, "--corpus", str(corpus), "run.iterations=1", "selfplay.batch_docs=2",
             "selfplay.max_attempts=2", "selfplay.attempts_per_round=2", "selfplay.challenger_max_tokens=64",
             "selfplay.reasoner_max_tokens=64", "corpus.min_doc_tokens=8", "rollout.kv_cache_gib=0.5"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=900)
@@ -32,12 +33,30 @@ def test_the_smollm2_demo_run(tmp_path):
     assert os.path.exists(os.path.join(out, "hf_final", "model.safetensors.index.json"))
     assert os.path.exists(os.path.join(out, "hf_final", "tokenizer.json"))
     # the exported model records its training prompts: `spice eval --model RUN` evaluates with them
-    from spice_megatron.eval.run import with_training_prompts
     from spice_megatron.eval.harness import EvalSettings
+    from spice_megatron.eval.run import with_training_prompts
     from spice_megatron.story_corpus import PROMPT_DIR
 
     settings = with_training_prompts(EvalSettings(template=""), os.path.join(out, "hf_final"))
     assert (settings.template, settings.prompt_dir, settings.stop) == ("plain", PROMPT_DIR, ("\nQ:",))
+
+    from spice_megatron.cli import main
+    from spice_megatron.metric_names import SUMMARY, describe, twins
+
+    printed = proc.stdout
+    assert [k for k in SUMMARY if f"  {k} " not in printed] == []  # the summary: the contract's names
+    assert "docs/metrics.md" in printed and "on disk: " in printed and f"spice clean {out}" in printed
+    assert f"config: {out}/config.json (recipe tiny_cpu; overrides: run.iterations=1 " in printed
+    assert json.load(open(os.path.join(out, "config.json")))["config"]["selfplay"]["batch_docs"] == 2
+    assert [k for k in m if describe(k) is None] == [] and twins(list(m)) == []
+    assert main(["curves", out]) == 0 and os.path.getsize(os.path.join(out, "training_curves.png")) > 10_000
+    capsys.readouterr()
+    assert main(["audit", out, "--iteration", "1", "--kind", "challenger"]) == 0
+    assert capsys.readouterr().out.startswith("it=1 ")
+    head = subprocess.run(f"{sys.executable} -m spice_megatron.cli audit {out} --full | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120)
+    assert head.returncode == 0 and head.stdout.startswith("{") and "Traceback" not in head.stderr
+    assert main(["clean", out, "--dry-run"]) == 0 and "would free" in capsys.readouterr().out
 
 
 def test_an_engine_dying_mid_run_is_replaced_and_restarted(setup):
@@ -81,7 +100,7 @@ def test_paper_protocol_run_trains_eight_challenger_trajectories_per_document(se
     assert rc == 0, text[-3000:]
     (m,) = records(os.path.join(out, "metrics.jsonl"))
     assert m["challenger/samples"] == 16 and m["challenger/group_valid"] + m["challenger/group_invalid"] == 8
-    assert "selection_valid_rate" in m and "train/loss_1" in m  # 16 trajectories in 2 updates of 8
+    assert m["selection_valid_rate"] is not None and m["train/steps"] == 2  # 16 trajectories in 2 updates of 8
     audit = [r for r in records(os.path.join(out, "audit.jsonl")) if r["kind"] == "challenger"]
     trained = [r for r in audit if r["trained"]]
     assert len(audit) == 16 and len(trained) == 16
@@ -94,8 +113,8 @@ def test_paper_protocol_run_trains_eight_challenger_trajectories_per_document(se
 
 
 def test_a_rollout_batch_survives_json_and_its_lag_is_per_role():
+    from spice_megatron.interfaces import RolloutBatch
     from spice_megatron.policy.batching import TrainSequence
-    from spice_megatron.driver import RolloutBatch
     from spice_megatron.trainer import _iteration_stats
 
     seqs = [TrainSequence([1, 2], [3], 0.5, [-0.1], "challenger", [[4, 0, 1]]),

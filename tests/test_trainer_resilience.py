@@ -6,9 +6,16 @@ import signal
 
 import pytest
 import torch
-
-from e2e import (engine_pids, kill_after_second_checkpoint, records, setup, spice_train, straight,  # noqa: F401
-                 wait_for_first_iteration, weights)
+from e2e import (  # noqa: F401
+    engine_pids,
+    kill_after_second_checkpoint,
+    records,
+    setup,
+    spice_train,
+    straight,
+    wait_for_first_iteration,
+    weights,
+)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -31,11 +38,11 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
     for role in ("challenger", "reasoner"):
         lags = [m.get(f"staleness/{role}_lag_max") for m in metrics]
         assert lags[0] in (0.0, None) and all(lag in (1.0, None) for lag in lags[1:]), (role, lags)
-        assert all(m.get(f"staleness/{role}_lag_mean", 1.0) == 1.0 for m in metrics[1:])
+        assert all(m[f"staleness/{role}_lag_mean"] in (1.0, None) for m in metrics[1:])  # None: no such sequence
     assert all(m["staleness/challenger_lag_max"] == 1.0 for m in metrics[1:])
     for key in ("train/challenger/logprob_gap_mean", "train/challenger/logprob_gap_max", "train/challenger/k3_kl",
                 "train/challenger/tis_capped", "time/wait_for_rollouts"):
-        assert all(key in m for m in metrics), key
+        assert all(m[key] is not None for m in metrics), key
     audit = records(os.path.join(straight, "audit.jsonl"))
     assert {r["weights_version"] for r in audit} == {0, 1, 2}
     assert all(r["versions"] == [[r["weights_version"], 0, len_ids]] for r in audit if r["kind"] == "challenger"
@@ -65,9 +72,9 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
 
 def test_losing_the_only_engine_mid_rollouts_restarts_it_and_the_run_ends_as_if_nothing_happened(setup, straight):
     """kill -9 of the run's one engine during iteration 2: the fleet has no engine left, the driver
-    (a process of its own here) restarts the engine it started, every rank sends it the current weights, and the iteration's
-    rollouts run again from the same documents and seeds: audit trail and final weights equal the
-    uninterrupted run's."""
+    (a process of its own here) restarts the engine it started, every rank sends it the current
+    weights, and the iteration's rollouts run again from the same documents and seeds: audit trail
+    and final weights equal the uninterrupted run's."""
     model, corpus, root = setup
     out = str(root / "only_engine_killed")
     proc = spice_train(model, corpus, out, "run.iterations=4", "run.driver=process", wait=False)
@@ -122,10 +129,11 @@ def test_old_logprobs_run_during_the_streamed_rollouts_and_change_nothing(setup)
     metrics = {k: records(os.path.join(v, "metrics.jsonl")) for k, v in runs.items()}
     assert all(m["train/old_logprobs_precomputed"] > 0 and m["train/old_logprobs_forwards_during_rollouts"] >= 1
                for m in metrics["overlapped"])
-    assert all("train/old_logprobs_precomputed" not in m for m in metrics["after"])
-    assert all("train/loss_1" in m for m in metrics["after"])  # several steps per batch: the old log-probs are used
+    assert all(m["train/old_logprobs_precomputed"] is None for m in metrics["after"])
+    assert all(m["train/steps"] > 1 for m in metrics["after"])  # several steps per batch: the old log-probs are used
     losses = [[m[k] for k in sorted(m) if k.startswith("train/loss")] for m in metrics["after"]]
     assert [[m[k] for k in sorted(m) if k.startswith("train/loss")] for m in metrics["overlapped"]] == losses
-    assert records(os.path.join(runs["overlapped"], "audit.jsonl")) == records(os.path.join(runs["after"], "audit.jsonl"))
+    assert records(os.path.join(runs["overlapped"], "audit.jsonl")) == records(os.path.join(runs["after"],
+                                                                                            "audit.jsonl"))
     a, b = weights(runs["overlapped"]), weights(runs["after"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -59,7 +59,8 @@ def test_hung_worker_is_killed_and_replaced():
     pool = MathVerifyPool(processes=1, soft_timeout=60, hard_timeout=2.0)
     try:
         t0 = time.monotonic()
-        assert pool.verify_many([("\\boxed{9^{9^{9^{9}}}}", "\\boxed{1}"), ("\\boxed{3}", "\\boxed{3}")]) == [False, True]
+        assert pool.verify_many([("\\boxed{9^{9^{9^{9}}}}", "\\boxed{1}"), ("\\boxed{3}", "\\boxed{3}")]) == [False,
+                                                                                                              True]
         assert pool.killed == 1
         assert time.monotonic() - t0 < 30
         assert pool.verify_many([("\\boxed{\\frac{1}{2}}", "\\boxed{0.5}")]) == [True]  # the replacement works

@@ -2,9 +2,9 @@
 stages: the same log-probs, step, checkpoint and HF export as one stage (gloo, CPU)."""
 import pytest
 import torch
-
 from dist_utils import run_ranks
 from learner_checks import assert_same_as_one_rank, assert_same_moe_step, replayed_moe_step, step_checkpoint_resume
+
 from spice_megatron.config import ConfigError, ParallelConfig
 from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence, make_microbatches
@@ -51,7 +51,8 @@ def test_virtual_pipeline_stages_replay_each_chunks_routing_under_full_recompute
 
 
 def test_virtual_pipeline_layouts_are_checked_and_micro_batch_counts_rounded():
-    from spice_megatron.policy.model import check_parallel_layout, model_spec_from_hf
+    from spice_megatron.families import model_spec_from_hf
+    from spice_megatron.policy.model import check_parallel_layout
 
     spec = model_spec_from_hf(tiny_hf_config("qwen3", num_layers=6))
     check_parallel_layout(spec, 1, 2, vpp=3)

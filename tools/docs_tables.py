@@ -42,8 +42,7 @@ def _plan(name: str, nodes: int | None = None):
 
 def recipes_table() -> str:
     """Every GPU recipe: model, nodes, the learner's layout and planned GiB per GPU, the engines."""
-    from recipes import (BASELINE_RECIPES, COLOCATED_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES,
-                         PAPER_RECIPES)
+    from recipes import BASELINE_RECIPES, COLOCATED_RECIPES, FAMILY_RECIPES, LARGE_RECIPES, MOE_RECIPES, PAPER_RECIPES
 
     rows = ["| recipe | model | nodes x GPUs | learner | planned per GPU | engines |", "|---|---|---|---|---|---|"]
     for name in (*PAPER_RECIPES, *BASELINE_RECIPES, *LARGE_RECIPES, *MOE_RECIPES, *COLOCATED_RECIPES,
@@ -55,7 +54,8 @@ def recipes_table() -> str:
         if plan.colocated:  # the largest of the three phases' peaks
             planned = f"{max(plan.train_phase_gib, plan.rollout_phase_gib, plan.sync_phase_gib):.1f} GiB"
             engines += " on the same GPUs"
-        rows.append(f"| `{name}` | {cfg.run.model} | {plan.nodes} x {plan.gpus_per_node} ({plan.gpu_memory_gib:.0f} GB) "
+        rows.append(f"| `{name}` | {cfg.run.model} | {plan.nodes} x {plan.gpus_per_node} ({plan.gpu_memory_gib:.0f} "
+                    "GB) "
                     f"| {layout} | {planned} | {engines} |")
     return "\n".join(rows)
 
@@ -66,7 +66,8 @@ def placements_table() -> str:
     from spice_megatron.plan_choice import compare_placements
     from spice_megatron.planner import model_spec
 
-    rows = ["| recipe | nodes | placement | learner | engines | s/iteration | tokens/s/GPU |", "|---|---|---|---|---|---|---|"]
+    rows = ["| recipe | nodes | placement | learner | engines | s/iteration | tokens/s/GPU |",
+            "|---|---|---|---|---|---|---|"]
     for name in ("qwen3_8b", "qwen3_8b_1node", "qwen3_30b_a3b", "qwen3_30b_a3b_1node"):
         cfg = get_recipe(name)
         for placement, value in compare_placements(cfg, model_spec(cfg.run.model)).items():
@@ -182,23 +183,27 @@ def bad_inputs_table() -> str:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    rows = ["| entry point | bad input | the command (`D`: a directory) | the `error:` line names |", "|---|---|---|---|"]
+    rows = ["| entry point | bad input | the command (`D`: a directory) | the `error:` line names |",
+            "|---|---|---|---|"]
     for c in module.CASES:
-        entry = {"spice": "spice " + c.args.split(" ")[0], "recipes.launch": "python -m recipes.launch"}.get(
-            c.entry, f"tools/{c.entry}.py")
+        argv = module.ENTRY_POINTS[c.entry]
+        entry = ("spice " + c.args.split(" ")[0] if c.entry == "spice" else
+                 "python -m " + argv[1] if argv[0] == "-m" else os.path.relpath(argv[0], ROOT))
         args = c.args.format(d="D")
         rows.append(f"| `{entry}` | {c.what} | `{args}` | `{c.names.format(d='D')}` |")
     return "\n".join(rows)
 
 
 def families_table() -> str:
-    """The architectures the loader accepts (policy/model.py's family table)."""
-    from spice_megatron.policy.model import FAMILIES
+    """The architectures the loader accepts (spice_megatron/families/, one module each)."""
+    from spice_megatron.families import FAMILIES
 
-    rows = ["| HF architecture | family | q/k norm | q/k/v bias | experts | checkpoints |", "|---|---|---|---|---|---|"]
+    rows = ["| HF architecture | family (module) | q/k norm | q/k/v bias | experts | latent attention | checkpoints |",
+            "|---|---|---|---|---|---|---|"]
     for arch, f in FAMILIES.items():
-        rows.append(f"| `{arch}` | {f.name} | {'yes' if f.qk_norm else '-'} | {'yes' if f.qkv_bias else '-'} | "
-                    f"{'yes' if f.name.endswith('_moe') else '-'} | {f.examples} |")
+        yes = {True: "yes", False: "-"}
+        rows.append(f"| `{arch}` | [`{f.name}`](../spice_megatron/families/{f.name}.py) | {yes[f.qk_norm]} | "
+                    f"{yes[f.qkv_bias]} | {yes[f.experts]} | {yes[f.mla]} | {f.examples} |")
     return "\n".join(rows)
 
 
@@ -218,7 +223,8 @@ def ranked_layouts_table() -> str:
     def row(label: str, p, st: dict) -> str:
         layout = (f"TP={p.tp} PP={p.pp}" + (f" VPP={p.vpp}" if p.vpp > 1 else "") + (f" CP={p.cp}" if p.cp > 1 else "")
                   + f" DP={p.dp}" + (f", recompute {p.recompute}" if p.recompute != "off" else ""))
-        return (f"| {label} | {'colocated' if p.colocated else 'disaggregated'} | {layout} | {p.engines} x TP={p.engine_tp} "
+        return (f"| {label} | {'colocated' if p.colocated else 'disaggregated'} | {layout} | {p.engines} x "
+                f"TP={p.engine_tp} "
                 f"| {p.learner.total:.1f} | {st['total']:.1f} | {st['tokens_per_s_per_gpu']:,.0f} |")
 
     rows += [row(str(i), p, st) for i, (p, st) in enumerate(ranked[:6], 1)]
@@ -234,16 +240,38 @@ def ablation_table() -> str:
     summary.json as committed in docs/data/ (measured figures: the table only lays them out)."""
     import json
 
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "tools", "checks"))
     from learning_ablation import markdown_table
 
     if not os.path.exists(ABLATION_SUMMARY):
-        return "(not run yet: `python tools/learning_check.py --ablation`, then copy its summary.json to docs/data/)"
+        return ("(not run yet: `python tools/checks/learning_check.py --ablation`, then copy its summary.json to "
+                "docs/data/)")
     with open(ABLATION_SUMMARY) as f:
         return markdown_table(json.load(f))
 
 
-TABLES: dict[str, Callable[[], str]] = {"recipes": recipes_table, "step_time": step_time_table,
+def module_map_table() -> str:
+    """docs/architecture.md's map: the rooms by floor, top down (tools/checks/module_map.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools", "checks"))
+    import module_map
+
+    floor = module_map.floors()
+    # no line counts: they would make every edit anywhere a docs change (tools/checks/module_map.py prints them)
+    rows = ["| floor | room | what it is |", "|---|---|---|"]
+    for room in sorted(floor, key=lambda r: (-floor[r], r)):
+        rows.append(f"| {floor[room]} | `{room}` | {module_map.room_summary(room).replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def metrics_table() -> str:
+    """docs/metrics.md: the metrics contract (spice_megatron/metric_names.py)."""
+    from spice_megatron.metric_names import glossary_table
+
+    return glossary_table()
+
+
+TABLES: dict[str, Callable[[], str]] = {"metrics": metrics_table, "module_map": module_map_table,
+                                        "recipes": recipes_table, "step_time": step_time_table,
                                         "placements": placements_table,
                                         "run_defaults": run_defaults, "train_defaults": train_defaults,
                                         "bad_inputs": bad_inputs_table, "ablation": ablation_table,

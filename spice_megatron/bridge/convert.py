@@ -117,12 +117,12 @@ def convert_from_hf(hf_dir: str, out: str, tp: int, pp: int, ep: int = 1, first_
     `ep`: expert parallelism for a mixture-of-experts model (the world is pp x lcm(tp, ep));
     `first_stage_layers` / `last_stage_layers`: uneven pipeline stages (0: an even split).
     Written to OUT.partial and renamed to `out` when complete (an existing `out` is replaced)."""
+    from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.policy.checkpoint import save_checkpoint
-    from spice_megatron.policy.learner import Learner
 
     parallel = ParallelConfig(tp, pp, expert_parallel=ep, first_stage_layers=first_stage_layers,
                               last_stage_layers=last_stage_layers)
-    learner = Learner.from_hf(hf_dir, parallel, OptimConfig(), PolicyTrainConfig(dtype="fp32"))
+    learner = learner_from_hf(hf_dir, parallel, OptimConfig(), PolicyTrainConfig(dtype="fp32"))
     partial = _fresh_partial(out)
     path = save_checkpoint(learner, partial, step=0, model_only=True, keep_last=0)
     if dist.get_rank() == 0:
@@ -137,9 +137,9 @@ def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     """A checkpoint (root or step directory) -> HF safetensors directory, at any TP x PP (x EP, in
     even or uneven stages: the checkpoint's keys carry global layer numbers).
     Written to OUT.partial and renamed to `out_dir` when complete."""
+    from spice_megatron.families import model_spec_from_hf
     from spice_megatron.policy.checkpoint import load_checkpoint
     from spice_megatron.policy.learner import Learner
-    from spice_megatron.policy.model import model_spec_from_hf
     from spice_megatron.preflight import check_checkpoint
 
     step_dir = check_checkpoint(ckpt)

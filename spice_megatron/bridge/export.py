@@ -7,8 +7,17 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from spice_megatron.bridge.mapping import (LAYER, full_shape, gather_layout, hf_outputs, hf_tensors, is_expert,
-                                           place_shard, renumber_expert, shard_destination)
+from spice_megatron.bridge.mapping import (
+    LAYER,
+    full_shape,
+    gather_layout,
+    hf_outputs,
+    hf_tensors,
+    is_expert,
+    place_shard,
+    renumber_expert,
+    shard_destination,
+)
 
 
 def global_param_name(name: str, offset: int) -> str:
@@ -27,7 +36,7 @@ def stage_hf_outputs(learner) -> Iterator[tuple[str, torch.Tensor, list[tuple[st
     communication (shapes are the TP-gathered ones). An expert parameter stands for itself on
     every expert-parallel rank: its outputs are those of local expert i of EP rank 0, 1, ...
     (global experts i, i + E/EP, ...), each gathered over the expert-tensor-parallel ranks."""
-    from spice_megatron.bridge.hf_io import layer_offset
+    from spice_megatron.policy.model import layer_offset
 
     lay, spec = learner.layout, learner.spec
     per_rank = spec.moe.num_experts // lay.ep if spec.moe is not None else 0
@@ -72,7 +81,7 @@ def gather_stage_params(learner, allocate: Allocate | None = None
                         ) -> Iterator[tuple[str, list[tuple[str, tuple[int, ...]]], list[torch.Tensor] | None]]:
     """Per parameter of this stage with HF outputs: (name, outputs, the full HF tensors on the
     stage's sender, None on every other rank). Every rank of the stage yields once per such
-    parameter, so that its callers can act in lockstep after each one (bridge/transfer.py).
+    parameter, so that its callers can act in lockstep after each one (bridge/trainer_transfer.py).
 
     Collective: dense parameters over the TP group of data-parallel rank 0, expert parameters over
     the expert tensor x model parallel group of expert-data-parallel rank 0; the other members

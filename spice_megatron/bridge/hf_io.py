@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from spice_megatron.entry import UserError
 from spice_megatron.bridge.mapping import MappingError, ShardRanks, expected_hf_shapes, hf_tensors, megatron_shard
-from spice_megatron.policy.model import ModelSpec
+from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+from spice_megatron.entry import UserError
+from spice_megatron.families import ModelSpec, model_spec_from_hf
+from spice_megatron.policy.model import layer_offset
 
+if TYPE_CHECKING:
+    from spice_megatron.policy.learner import Learner
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,7 @@ class HFCheckpointReader:
         config = os.path.join(model_dir, "config.json")
         self.fp8_block = None
         if os.path.exists(config):
-            from spice_megatron.policy.model import fp8_block_size
+            from spice_megatron.families import fp8_block_size
 
             with open(config) as f:
                 self.fp8_block = fp8_block_size(json.load(f))
@@ -127,13 +131,6 @@ class StateDictReader:
         return t if dim is None else t.narrow(dim, start, stop - start)
 
 
-def layer_offset(model) -> int:
-    """Global index of this pipeline stage's (or model chunk's) first layer."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    return get_transformer_layer_offset(model.config, getattr(model, "vp_stage", None))
-
-
 @torch.no_grad()
 def load_hf_weights(model, spec: ModelSpec, reader, layout) -> int:
     """Copy HF weights into this rank's megatron model; returns the number of tensors loaded."""
@@ -156,7 +153,20 @@ def load_hf_weights(model, spec: ModelSpec, reader, layout) -> int:
             raise CheckpointError(f"megatron parameter {name!r}: HF tensors give shape {tuple(src.shape)}, "
                                   f"the model expects {tuple(param.shape)} (config.json does not match the weights?)")
         if not src.is_floating_point():
-            raise CheckpointError(f"megatron parameter {name!r}: HF tensor has dtype {src.dtype}, expected floating point")
+            raise CheckpointError(f"megatron parameter {name!r}: HF tensor has dtype {src.dtype}, expected floating "
+                                  "point")
         param.copy_(src.to(param.dtype))
         loaded += 1
     return loaded
+
+
+def learner_from_hf(hf_dir: str, parallel: ParallelConfig, optim: OptimConfig, train: PolicyTrainConfig,
+                    pad_id: int = 0) -> Learner:
+    """Build the learner and load an HF checkpoint, each rank reading only its slices."""
+    from spice_megatron.policy.learner import Learner
+
+    reader = HFCheckpointReader(hf_dir)
+    # With tied embeddings and PP > 1 the last stage's output layer is loaded from the same HF
+    # embedding tensor, so both copies start equal; megatron then reduces their grads together.
+    return Learner(model_spec_from_hf(hf_dir), parallel, optim, train, pad_id,
+                   load_weights=lambda lr: [load_hf_weights(c, lr.spec, reader, lr.layout) for c in lr.chunks])

@@ -4,10 +4,10 @@ respect: every learner rank leaves a failed send together.
 vLLM's engine runs collectives on every rank for each chunk (the handles' all-gather and a barrier
 on the default group) while rank 0 alone talks to the engines over HTTP. An engine's error raises
 on rank 0 at once, and every other rank then waits in that chunk's collective until the NCCL
-watchdog ends the job (30 minutes), so WeightSync's restart-and-retry never runs. Here rank 0
+watchdog ends the job (30 minutes), so EngineWeightUpdater's restart-and-retry never runs. Here rank 0
 records the first error, makes no further HTTP call and keeps joining every collective to the end
 of the source; the engines' acceptance of the update (init, start) is agreed on the learner's
-control group before any chunk; then rank 0 raises and every rank reaches WeightSync's agreement.
+control group before any chunk; then rank 0 raises and every rank reaches EngineWeightUpdater's agreement.
 Imported only where vLLM is (the ipc backend's learner image)."""
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from spice_megatron.entry import UserError
-from spice_megatron.policy.model import ModelSpec
+from spice_megatron.families import ModelSpec
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
@@ -340,8 +340,10 @@ def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
         if spec.mla is None:
             shapes.update({
-                p + "self_attn.q_proj.weight": (spec.num_heads * hd, h), p + "self_attn.k_proj.weight": (spec.num_kv_heads * hd, h),
-                p + "self_attn.v_proj.weight": (spec.num_kv_heads * hd, h), p + "self_attn.o_proj.weight": (h, spec.num_heads * hd),
+                p + "self_attn.q_proj.weight": (spec.num_heads * hd, h),
+                           p + "self_attn.k_proj.weight": (spec.num_kv_heads * hd, h),
+                p + "self_attn.v_proj.weight": (spec.num_kv_heads * hd, h),
+                           p + "self_attn.o_proj.weight": (h, spec.num_heads * hd),
             })
         else:
             shapes.update(_mla_shapes(spec, p))

@@ -1,5 +1,5 @@
 """A received weight-sync bucket handed from the thread that received it to the one that loads it
-(bridge/weight_sync.receive_all's concurrent receive on CUDA)."""
+(bridge/weight_receive.receive_all's concurrent receive on CUDA)."""
 from __future__ import annotations
 
 import torch

@@ -14,11 +14,12 @@ HF names and full (TP-gathered) tensors, as a sequence of messages:
   ...
   header + meta      {"version", "stage", "end": true, "buckets": count, "checksums": {name: checksum}, "mac"}
 
-A receiver checks each bucket's tensors against its trailer, and the trailer's MAC with the sync's
-key (rollout/auth.sync_key: derived from the job's token and a nonce the trainer sent over the
-signed HTTP plane), before it hands the bucket on: a process that joined the group without the
-token can make a sync fail, never load weights. The rendezvous store listens on the address the
-engines are given only, not on every interface.
+The engines' side receives (bridge/weight_receive.py). A receiver checks each bucket's tensors
+against its trailer, and the trailer's MAC with the sync's key (wire/auth.sync_key: derived from
+the job's token and a nonce the trainer sent over the signed HTTP plane), before it hands the
+bucket on: a process that joined the group without the token can make a sync fail, never load
+weights. The rendezvous store listens on the address the engines are given only, not on every
+interface.
 
 The bucket is two half-size buffers: one is on the wire while the other fills, so the sender holds
 at most one bucket plus the tensor being gathered, and filling overlaps sending. The TP gather
@@ -29,23 +30,19 @@ what it loaded against them. No pickle crosses the wire.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
-import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from spice_megatron.bridge.stream_handover import StreamHandover
-from spice_megatron.bridge.sync_integrity import ReceivedManifest, WeightSyncError, tensor_checksum
-from spice_megatron.rollout.auth import mac
+from spice_megatron.bridge.sync_integrity import WeightSyncError, check_membership, tensor_checksum
+from spice_megatron.torchrun import listen_on
+from spice_megatron.wire.auth import mac
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +88,12 @@ class WeightSyncGroup:
         backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
         if not 0 <= sync_rank < num_stages + num_receivers:
             raise ValueError(f"sync_rank {sync_rank} outside [0, {num_stages + num_receivers})")
-        self.sync_rank, self.num_stages, self.num_receivers, self.backend = sync_rank, num_stages, num_receivers, backend
+        self.sync_rank, self.num_stages = sync_rank, num_stages
+        self.num_receivers, self.backend = num_receivers, backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         timeout = timedelta(seconds=timeout_s)
         # the store owns the socket from here (it closes the fd): Python's object lets go of it
-        listen_fd = _listen(host, port).detach() if sync_rank == 0 else None
+        listen_fd = listen_on(host, port).detach() if sync_rank == 0 else None
         store = dist.TCPStore(host, port, num_stages + num_receivers, is_master=sync_rank == 0, timeout=timeout,
                               master_listen_fd=listen_fd)
         size = num_receivers + 1
@@ -113,10 +111,15 @@ class WeightSyncGroup:
     def is_sender(self) -> bool:
         return self.sync_rank < self.num_stages
 
+    def stage_group(self, stage: int):
+        if stage not in self.pgs:
+            raise WeightSyncError(f"the weight-sync group is closed (stage {stage})")
+        return self.pgs[stage]
+
     def broadcast(self, tensor: torch.Tensor, stage: int, async_op: bool = False):
         opts = dist.BroadcastOptions()
         opts.rootRank = 0  # the stage's sender
-        work = self.pgs[stage].broadcast([tensor], opts)
+        work = self.stage_group(stage).broadcast([tensor], opts)
         return work if async_op else work.wait()
 
     def buffers(self, kind: str, count: int, nbytes: int) -> list[torch.Tensor]:
@@ -138,20 +141,8 @@ class WeightSyncGroup:
                 pg.shutdown()
             except Exception:  # already torn down by a peer; nothing left to release
                 pass
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """The store's socket, bound to `host` alone (TCPStore by itself listens on every interface)."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(info[0], socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(info[4])
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+        # released here, not at interpreter exit (a store server torn down then can abort the process)
+        self.pgs, self._store = {}, None
 
 
 # ----------------------------------------------------------------------------- sending
@@ -167,13 +158,21 @@ def _send_meta(group: WeightSyncGroup, stage: int, meta: dict, async_op: bool = 
     return works
 
 
-def _signed(key: bytes | None, *fields) -> str:
+def signed_fields(key: bytes | None, *fields) -> str:
     return mac(key, json.dumps(fields, separators=(",", ":")).encode()) if key else ""
 
 
-def _recv_meta(group: WeightSyncGroup, stage: int) -> dict:
+# a bucket's metadata (~100 bytes per tensor): its length is unsigned, so it is capped before allocating
+MAX_META_BYTES = 64 * 2**20
+
+
+def recv_meta(group: WeightSyncGroup, stage: int) -> dict:
     n = torch.zeros(1, dtype=torch.long, device=group.device)
     group.broadcast(n, stage)
+    if not 0 < int(n.item()) <= MAX_META_BYTES:
+        raise WeightSyncError(f"stage {stage}: a bucket's metadata of {int(n.item())} bytes (at most "
+                              f"{MAX_META_BYTES}): "
+                              "refused before allocating")
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=group.device)
     group.broadcast(buf, stage)
     return json.loads(bytes(buf.cpu().numpy()).decode())
@@ -197,7 +196,7 @@ def _layout(start: int, specs: list[TensorSpec]) -> tuple[list, int]:
     return entries, end
 
 
-def _views(payload: torch.Tensor, entries: list) -> list[torch.Tensor]:
+def bucket_views(payload: torch.Tensor, entries: list) -> list[torch.Tensor]:
     views = []
     for name, dtype, shape, offset, nbytes in entries:
         if dtype not in DTYPES:
@@ -227,6 +226,10 @@ class BucketSender:
         self.own: tuple | None = None  # a reservation too large for a half bucket: (buffer, entries)
         self.error: BaseException | None = None
         self._t0 = time.perf_counter()
+        try:
+            check_membership(group, self.stage, key)
+        except Exception as e:  # noqa: BLE001 - kept and raised by close(): the caller's gathers stay in step
+            self.error = e
 
     # -- public
     def reserve(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
@@ -250,7 +253,7 @@ class BucketSender:
                 _send_meta(self.group, self.stage, {
                     "version": version, "stage": self.stage, "end": True, "buckets": buckets,
                     "checksums": self.report.checksums,
-                    "mac": _signed(self.key, version, self.stage, "end", buckets, self.report.checksums)})
+                    "mac": signed_fields(self.key, version, self.stage, "end", buckets, self.report.checksums)})
             except Exception as e:  # noqa: BLE001 - raised below
                 self.error = e
         if self.error is not None:
@@ -267,12 +270,12 @@ class BucketSender:
             self._flush()
             buffer = torch.empty(need, dtype=torch.uint8, device=self.group.device)
             self.own = (buffer, entries)
-            return _views(buffer, entries)
+            return bucket_views(buffer, entries)
         if _aligned(self.used) + need > self.half:
             self._flush()
         entries, self.used = _layout(self.used, specs)
         self.entries += entries
-        return _views(self.buffers[self.current], entries)
+        return bucket_views(self.buffers[self.current], entries)
 
     def _send_own(self) -> None:
         if self.own is not None:
@@ -286,11 +289,12 @@ class BucketSender:
         version, index = self.report.version, self.report.buckets
         _send_meta(self.group, self.stage, {"version": version, "stage": self.stage, "end": False, "tensors": entries})
         works = [(self.group.broadcast(payload, self.stage, async_op=True), payload)]
-        checksums = [tensor_checksum(view) for view in _views(payload, entries)]  # overlaps the transfer; only reads
+        # overlaps the transfer; only reads. Keyed with the sync's key: authenticates the bytes
+        checksums = [tensor_checksum(view, self.key) for view in bucket_views(payload, entries)]
         self.report.checksums.update((entry[0], c) for entry, c in zip(entries, checksums))
         # queued behind the payload on the same group: receivers take them in this order
         works += _send_meta(self.group, self.stage, {
-            "checksums": checksums, "mac": _signed(self.key, version, self.stage, index, entries, checksums)},
+            "checksums": checksums, "mac": signed_fields(self.key, version, self.stage, index, entries, checksums)},
             async_op=True)
         self.report.buckets += 1
         self.report.bytes += payload.numel()
@@ -312,148 +316,6 @@ class BucketSender:
 
 
 # ----------------------------------------------------------------------------- receiving
-
-def receive_stage(group: WeightSyncGroup, stage: int, manifest: ReceivedManifest | None = None,
-                  reuse_buffer: bool = False, before_alloc: Callable[[int], None] | None = None,
-                  key: bytes | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of (name, tensor) from one stage's sender; the tensors are views of the bucket.
-    Each bucket is handed on only after its tensors matched the sender's trailer and, with `key`,
-    the trailer's MAC held (the checksums go to manifest.received). With reuse_buffer, one receive
-    buffer serves every bucket: a bucket's tensors are valid only until the next one arrives (an
-    engine that loads each bucket as it comes needs no more). `before_alloc(nbytes)` is called
-    before a fresh bucket is allocated (it may wait)."""
-    index = 0
-    while True:
-        meta = _recv_meta(group, stage)
-        version = meta["version"]
-        if manifest is not None:
-            manifest.version = version
-        if meta["end"]:
-            _check_mac(key, meta.get("mac"), f"stage {stage}'s end of version {version}", version, stage, "end",
-                       meta.get("buckets"), meta["checksums"])
-            if meta.get("buckets") != index:
-                raise WeightSyncError(f"stage {stage} ended version {version} after {meta.get('buckets')} buckets, "
-                                      f"{index} arrived")
-            if manifest is not None:
-                manifest.checksums.update(meta["checksums"])
-            return
-        entries = meta["tensors"]
-        size = max(e[3] + e[4] for e in entries)
-        if before_alloc is not None:
-            before_alloc(size)
-        payload = (group.buffers("recv", 1, size)[0][:size] if reuse_buffer
-                   else torch.empty(size, dtype=torch.uint8, device=group.device))
-        group.broadcast(payload, stage)
-        trailer = _recv_meta(group, stage)
-        what = f"stage {stage}'s bucket {index} of version {version}"
-        _check_mac(key, trailer.get("mac"), what, version, stage, index, entries, trailer["checksums"])
-        views = _views(payload, entries)
-        checksums = [tensor_checksum(v) for v in views]
-        for entry, got, sent in zip(entries, checksums, trailer["checksums"], strict=True):
-            if got != sent:
-                raise WeightSyncError(f"{what}: tensor {entry[0]!r} arrived different from what its sender sent; "
-                                      "the bucket is refused")
-        if manifest is not None:
-            manifest.received.update((e[0], c) for e, c in zip(entries, checksums))
-        index += 1
-        yield list(zip((e[0] for e in entries), views))
-
-
-def _check_mac(key: bytes | None, given: object, what: str, *fields) -> None:
-    if key is not None and not (isinstance(given, str) and hmac.compare_digest(given, _signed(key, *fields))):
-        raise WeightSyncError(f"{what} is not signed with this sync's key (a sender without the job's token?): "
-                              "refused before loading")
-
-
-# Concurrent receive: buckets received but not yet consumed, across all stages. Unbounded, each stage
-# thread could hold one queued and one arriving bucket (2 x PP buckets of rollout.bucket_mb on the
-# engine GPU, ~8 GiB at PP=4 and 1 GiB buckets, beyond the 15% vLLM leaves free); two keep the
-# engine's link busy while the consumer loads the one it holds.
-RECEIVE_AHEAD = 2
-
-
-class _BucketSlots:
-    """At most `limit` buckets received and not yet consumed; a stage thread waits for a slot
-    before it allocates the next bucket. `close` releases every waiter (the consumer is gone)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.held, self.most, self.closed = limit, 0, 0, False
-        self.cond = threading.Condition()
-
-    def acquire(self, _nbytes: int = 0) -> None:
-        with self.cond:
-            while self.held >= self.limit and not self.closed:
-                self.cond.wait()
-            if self.closed:
-                raise WeightSyncError("the consumer of the received weights stopped")
-            self.held += 1
-            self.most = max(self.most, self.held)
-
-    def release(self) -> None:
-        with self.cond:
-            self.held -= 1
-            self.cond.notify_all()
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-
-
-def receive_all(group: WeightSyncGroup, manifest: ReceivedManifest | None = None, reuse_buffer: bool = False,
-                concurrent: bool = False, ahead: int = RECEIVE_AHEAD,
-                key: bytes | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Every stage's buckets (what an engine worker consumes): stage by stage, or with `concurrent`
-    all stages at once, one receiving thread per stage (each stage has its own process group),
-    yielded as they arrive, at most `ahead` received before the consumer is done with them (a
-    bucket is done when the consumer asks for the next). Concurrent is for NCCL across nodes, where
-    the stages' senders sit on different machines; on one CPU (gloo) it measured slower, so the
-    engines use it only with NCCL."""
-    if not concurrent or group.num_stages == 1:
-        for stage in range(group.num_stages):
-            yield from receive_stage(group, stage, manifest, reuse_buffer, key=key)
-        return
-    import queue
-
-    done = object()
-    arrived: queue.Queue = queue.Queue()  # bounded by the slots: at most `ahead` buckets
-    slots = _BucketSlots(max(1, ahead))
-
-    def receive(stage: int) -> None:
-        try:
-            # reuse_buffer would let the next bucket overwrite one not consumed yet: fresh buffers here
-            for bucket in receive_stage(group, stage, manifest, reuse_buffer=False, before_alloc=slots.acquire,
-                                        key=key):
-                arrived.put((bucket, StreamHandover.mark(group.device)))
-            arrived.put(done)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            arrived.put(e)
-
-    threads = [threading.Thread(target=receive, args=(stage,), daemon=True, name=f"spice-recv-stage{stage}")
-               for stage in range(group.num_stages)]
-    for t in threads:
-        t.start()
-    finished = 0
-    try:
-        while finished < group.num_stages:
-            item = arrived.get()
-            if item is done:
-                finished += 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                bucket, handover = item
-                handover.to_current_stream([t for _, t in bucket])
-                yield bucket
-                del bucket, item  # done with it: its slot goes to the next bucket
-                slots.release()
-    finally:
-        slots.close()
-        if manifest is not None:
-            manifest.most_buffered = slots.most
-    for t in threads:
-        t.join()
-
 
 def send_learner_weights(learner, group: WeightSyncGroup | None, version: int,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES, key: bytes | None = None) -> SyncReport | None:

@@ -20,25 +20,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from spice_megatron.eval.challenger_eval import encoded_generate, valid_tasks, write_tasks  # noqa: E402
 from spice_megatron.eval.harness import json_safe  # noqa: E402
+from spice_megatron.metric_names import CURVES  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-CURVES = [  # (title, metric keys)
-    ("valid-task rate", ["valid_task_rate"]),
-    ("reasoner pass rate", ["reasoner_pass_rate"]),
-    ("rewards", ["challenger/reward_mean", "reasoner/reward_mean"]),
-    ("loss", ["train/loss"]),
-    ("train-vs-rollout log-prob gap", ["train/logprob_gap"]),
-    ("seconds per phase", ["time/challenger_rollout", "time/reasoner_rollout", "time/verify", "time/train",
-                           "weight_sync/seconds"]),
-]
-
-
 def read_metrics(path: str) -> list[dict]:
     """Rows of a metrics.jsonl; a torn last line (a killed run) is skipped with a warning."""
+    from spice_megatron.metric_names import current_names
     from spice_megatron.run_log import read_jsonl
 
-    return list(read_jsonl(path, warn=log.warning))
+    return [current_names(r) for r in read_jsonl(path, warn=log.warning)]
 
 
 def plot_training_curves(metrics_path: str, out_png: str) -> str:
@@ -160,7 +151,8 @@ def plot_coevolution(result: dict, out_png: str) -> str:
     labels = [os.path.basename(os.path.normpath(r["checkpoint"])) for r in result["fixed_reasoner_vs_challengers"]]
     x = list(range(len(labels)))
     fig, ax = plt.subplots(figsize=(8, 5))
-    for key, label in (("fixed_reasoner_vs_challengers", f"fixed reasoner ({os.path.basename(result['fixed_reasoner'])}) "
+    for key, label in (("fixed_reasoner_vs_challengers",
+                        f"fixed reasoner ({os.path.basename(result['fixed_reasoner'])}) "
                                                          "vs challenger checkpoints"),
                        ("reasoners_vs_fixed_challenger", f"reasoner checkpoints vs fixed challenger "
                                                          f"({os.path.basename(result['fixed_challenger'])})")):

@@ -36,8 +36,8 @@ def encoded_generate(fleet, tokenizer):
 def write_tasks(generate, docs: Sequence, tokenizer, cfg, seed: int, attempts: int) -> list[dict]:
     """Per document: its id and `attempts` attempts written as in training (the recipe's protocol,
     prompts and template): each a task dict, or None with the reason it is invalid."""
-    from spice_megatron.protocol import ChallengerPrompts
     from spice_megatron.doc_rollout import challenger_round
+    from spice_megatron.protocol import ChallengerPrompts
 
     prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir, cfg.grounding == "document")
     rounds = challenger_round(list(docs), attempts, generate, prompts, cfg, seed, Counter())

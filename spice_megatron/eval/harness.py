@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
 from spice_megatron.eval.benchmarks import LoadedBenchmark
-from spice_megatron.rollout.types import Completion, SamplingSpec
 from spice_megatron.tasks import extract_boxed
 from spice_megatron.templates import prompt_token_ids, reasoner_prompt
+from spice_megatron.wire.types import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,8 @@ def markdown_table(report: EvalReport) -> str:
     lines += ["", "| average | value (%) |", "|---|---|",
               f"| math | {_pct(s['math_average'])} |", f"| general | {_pct(s['general_average'])} |",
               f"| overall | {_pct(s['overall_average'])} |", "",
-              f"{int(s['benchmarks_evaluated'])} benchmark(s) evaluated, {int(s['benchmarks_unavailable'])} unavailable. "
+              f"{int(s['benchmarks_evaluated'])} benchmark(s) evaluated, {int(s['benchmarks_unavailable'])} "
+              "unavailable. "
               "Greedy decoding; avg@k benchmarks sample k answers per item. With a judge, math sets report the "
               "judge's verdict on every answer (the paper's GPT-4o grading) and the rules' next to it."]
     return "\n".join(lines) + "\n"

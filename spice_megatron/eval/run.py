@@ -13,8 +13,15 @@ from dataclasses import replace
 
 from spice_megatron.bridge.convert import TRAINING_PROMPTS_FILE, read_training_prompts
 from spice_megatron.eval.benchmarks import BenchmarkUnavailable, get_benchmark, load_benchmark
-from spice_megatron.eval.harness import (BenchmarkResult, EvalReport, EvalSettings, Judge, evaluate_benchmark,
-                                         summarise, write_report)
+from spice_megatron.eval.harness import (
+    BenchmarkResult,
+    EvalReport,
+    EvalSettings,
+    Judge,
+    evaluate_benchmark,
+    summarise,
+    write_report,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +36,8 @@ def with_training_prompts(settings: EvalSettings, model_dir: str) -> EvalSetting
         return replace(settings, template="plain")
     prompt_dir = recorded.get("prompt_dir") or ""
     if prompt_dir and not os.path.isdir(prompt_dir):
-        raise FileNotFoundError(f"{model_dir}/{TRAINING_PROMPTS_FILE}: the training prompt_dir {prompt_dir} is missing; "
+        raise FileNotFoundError(f"{model_dir}/{TRAINING_PROMPTS_FILE}: the training prompt_dir {prompt_dir} is "
+                                "missing; "
                                 "pass --recipe or --template to evaluate with other prompts")
     log.info("evaluating with the training prompts of %s: recipe %s, template %s", model_dir, recorded.get("recipe"),
              recorded["template"])
@@ -53,7 +61,8 @@ def resolve_eval_model(path: str, work_dir: str) -> str:
     check_checkpoint(ckpt, "--model")  # a damaged checkpoint names its file here, not in the child's traceback
     out = os.path.join(work_dir, "hf_model")
     # a fresh process: the conversion initialises torch.distributed for its own world of one
-    code = "import sys; from spice_megatron.bridge.convert import convert_to_hf; convert_to_hf(sys.argv[1], sys.argv[2])"
+    code = ("import sys; from spice_megatron.bridge.convert import convert_to_hf; "
+            "convert_to_hf(sys.argv[1], sys.argv[2])")
     subprocess.run([sys.executable, "-c", code, ckpt, out], check=True)
     return out
 
@@ -67,13 +76,14 @@ def run_evaluation(model: str, names: list[str], out_dir: str, data_dir: str = "
     from spice_megatron.rollout.fleet import RolloutFleet
     from spice_megatron.rollout.local import local_fleet
     from spice_megatron.verify import AnswerVerifier
+    from spice_megatron.wire.auth import read_token
 
     settings = settings or EvalSettings()
     model_dir = resolve_eval_model(model, out_dir)
     settings = with_training_prompts(settings, model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if engines:  # already serving this model
-        attached = RolloutFleet(engines, token or os.environ.get("SPICE_ROLLOUT_TOKEN", ""))
+        attached = RolloutFleet(engines, token or read_token())  # $SPICE_ROLLOUT_TOKEN or its file
         attached.wait_until_healthy(timeout=120)
         fleet_ctx = contextlib.closing(attached)
     else:
@@ -105,7 +115,7 @@ def training_eval_hook(names: list[str], data_dir: str, tokenizer, settings: Eva
     """The trainer's evaluation hook: the given benchmarks through the training fleet (which holds
     the current weights); returns accuracies and averages, logged under eval/. With `out_dir`, each
     evaluation's per-item records go to out_dir/iteration_NNNN/NAME.items.jsonl (paired comparisons
-    of runs on the same items: tools/learning_ablation.py)."""
+    of runs on the same items: tools/checks/learning_ablation.py)."""
     from spice_megatron.verify import AnswerVerifier
 
     loaded, verifier = {}, None

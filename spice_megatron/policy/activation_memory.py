@@ -3,10 +3,10 @@
 The Learner sets megatron's flags from `activation_flags` and the planner sums `activation_terms`
 for the same flags, so the two cannot disagree. Each term is one tensor (or a few of the same
 shape) that autograd keeps, in bytes per token per layer, bf16 unless said. The local layer spec's
-terms (the torch layers the CPU path runs) are measured by `tools/measure_activations.py`, which a
+terms (the torch layers the CPU path runs) are measured by `tools/checks/measure_activations.py`, which a
 test holds within 15% of this sum; Transformer Engine's (GPU) follow its modules' saved tensors
 (`layernorm_linear.py`: input and ln_out; flash attention: q, k, v and its output; the fused SwiGLU:
-its input only) and are measured by `tools/gpu_check.py` where a GPU is lent.
+its input only) and are measured by `tools/checks/gpu_check.py` where a GPU is lent.
 
 Attention scores are not here: flash attention keeps none, and the local spec's s x s softmax
 (CPU, short sequences) is measured apart as the s^2 coefficient.
@@ -18,6 +18,7 @@ from typing import Any
 
 from spice_megatron.config import ParallelConfig, PolicyTrainConfig
 
+
 @dataclass(frozen=True)
 class ActivationFlags:
     sequence_parallel: bool  # norms and residuals split over the TP ranks' sequence
@@ -26,9 +27,11 @@ class ActivationFlags:
     recompute_modules: tuple[str, ...]
     transformer_engine: bool  # TE's fused layers (GPU) or the local torch spec
     shared_prefix: bool = False  # the core attention of shared-prefix packed rows (policy/shared_prefix.py)
+    context_parallel: int = 1  # without TE, each CP rank keeps the whole sequence's K and V (context_parallel.py)
 
     def megatron_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = dict(sequence_parallel=self.sequence_parallel, bias_activation_fusion=self.fused_swiglu)
+        kwargs: dict[str, Any] = dict(sequence_parallel=self.sequence_parallel,
+                                      bias_activation_fusion=self.fused_swiglu)
         if self.recompute == "selective":
             kwargs.update(recompute_granularity="selective", recompute_modules=list(self.recompute_modules))
         elif self.recompute == "full":
@@ -43,7 +46,8 @@ def activation_flags(parallel: ParallelConfig, train: PolicyTrainConfig, tp: int
     fused = train.fused_swiglu == "on" or (train.fused_swiglu == "auto" and on_gpu)
     return ActivationFlags(sequence_parallel=parallel.use_sequence_parallel and tp > 1, fused_swiglu=fused,
                            recompute=train.recompute, recompute_modules=tuple(train.recompute_modules),
-                           transformer_engine=transformer_engine, shared_prefix=train.use_shared_prefix)
+                           transformer_engine=transformer_engine, shared_prefix=train.use_shared_prefix,
+                           context_parallel=parallel.context_parallel)
 
 
 def activation_terms(spec, tp: int, flags: ActivationFlags, moe_layer: bool = False, etp: int = 1) -> dict[str, float]:
@@ -79,6 +83,8 @@ def activation_terms(spec, tp: int, flags: ActivationFlags, moe_layer: bool = Fa
         # checkpointed, it keeps q, k and v as they come in
         terms["attention q, k, v (k, v per query head)"] = 2 * (q + 2 * kv) if "core_attn" in selective else 6 * q
         terms["projection input"] = 2 * q
+        if flags.context_parallel > 1:  # the all-gathered K/V of the whole sequence, per local token
+            terms["context-parallel gathered k, v"] = 2 * 2 * kv * flags.context_parallel
         norm_key = "mlp norm (fp32 input + output)"
         mlp = {norm_key: 8 * seq, "fc1 input": 2 * seq}
     terms["rope cos/sin"] = 8 * hd

@@ -42,7 +42,7 @@ _SHARD = re.compile(r"__(\d+)_\d+\.distcp$")  # torch_dist's files: __<global ra
 # megatron-core 0.16.1 defaults to 'fully_sharded_model_space', which raises "ShardedTensor.flattened_range
 # is not supported" at the first save. 'dp_reshardable' writes each DP rank's shard as it is, fully in
 # parallel; 'fully_reshardable' all-gathers the state within each DP group first (the whole optimizer
-# state in every rank's host memory: tools/bench_checkpoint.py) so that any TP x PP x DP can load it.
+# state in every rank's host memory: tools/bench/bench_checkpoint.py) so that any TP x PP x DP can load it.
 # Checkpoints from before the setting existed were fully_reshardable (layout.json says which).
 LEGACY_OPTIMIZER_SHARDING = "fully_reshardable"
 
@@ -158,7 +158,7 @@ def _results_queue_that_dies_with_this_rank() -> None:
 
     if _queue_manager is not None or getattr(filesystem_async, "_results_queue", "absent") is not None:
         return  # done, megatron made its own already, or a megatron without that queue
-    from spice_megatron.launch import die_with_parent
+    from spice_megatron.torchrun import die_with_parent
 
     _queue_manager = SyncManager(ctx=mp.get_context("spawn"))
     _queue_manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
@@ -275,8 +275,12 @@ def latest_checkpoint(root: str) -> str | None:
     path = os.path.join(root, LATEST)
     if os.path.exists(path):
         with open(path) as f:
-            candidate = os.path.join(root, f.read().strip())
-        if os.path.exists(os.path.join(candidate, "layout.json")):
+            name = f.read().strip()
+        # a step directory's name only: `latest` never leads out of the tree (an absolute path, ..)
+        candidate = os.path.join(root, name) if name and "/" not in name and not name.startswith(".") else ""
+        if not candidate:
+            log.warning("%s names %r, not a checkpoint of this directory: ignored", path, name[:200])
+        elif os.path.exists(os.path.join(candidate, "layout.json")):
             return candidate
     # `latest` may lag a completed rename if the process died in between: fall back to a scan.
     done = checkpoint_candidates(root)
@@ -371,6 +375,9 @@ def load_checkpoint(learner, path: str, model_only: bool = False) -> dict[str, A
     optimizer, scheduler and, when the layout matches, RNG states; returns the trainer state."""
     from megatron.core import dist_checkpointing
 
+    from spice_megatron.run_dir import check_checkpoint_tree
+
+    check_checkpoint_tree(path)  # right before the load: what it unpickles is ours (security review 2)
     with open(os.path.join(path, "layout.json")) as f:
         saved = json.load(f)
     lay = learner.layout

@@ -58,6 +58,30 @@ def whole_sequence(local: torch.Tensor, cp: int, group) -> torch.Tensor:
     return out
 
 
+def causal_attention_over_gathered_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, cp_rank: int,
+                                        scale: float | None, dropout: float, gqa: bool) -> torch.Tensor:
+    """A CP rank's causal attention: q [b, heads, s/CP, d] at rank_positions(s, cp, cp_rank), k and v
+    [b, groups, s, d] in all-gather order. The keys sorted by position, each of the rank's two
+    chunks (starting at position `first`) attends to keys [0, first + chunk) lower-right causal:
+    torch sends that to the flash kernel on CUDA, which takes grouped K/V heads as they are. A
+    boolean [s/CP, s] mask would not: flash refuses masks and the efficient kernel grouped heads, so
+    the math kernel ran and kept the probabilities (72 GiB for Qwen3-8B at CP=2 and 8k tokens;
+    review 3). Exact against the mask (tested)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    seq, chunk = k.shape[2], q.shape[2] // 2
+    key_pos = torch.cat([rank_positions(seq, cp, r) for r in range(cp)]).to(q.device)
+    order = torch.argsort(key_pos)
+    k, v = k[:, :, order], v[:, :, order]
+    outs = []
+    for j, first in enumerate((cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk)):
+        end = first + chunk
+        outs.append(F.scaled_dot_product_attention(q[:, :, j * chunk:(j + 1) * chunk], k[:, :, :end], v[:, :, :end],
+                                                   attn_mask=causal_lower_right(chunk, end), scale=scale,
+                                                   dropout_p=dropout, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
+
+
 class ContextParallelAttention(LocalCoreAttention):
     """megatron's core-attention interface (q, k, v [s/CP, b, heads, head dim] -> [s/CP, b, heads x
     value dim]) over the whole sequence's keys; no parameters. Causal: a query sees the keys at or
@@ -81,17 +105,12 @@ class ContextParallelAttention(LocalCoreAttention):
             raise ValueError("context-parallel attention is causal over padded rows: no mask, bias or packed "
                              "sequences")
         local, b = query.shape[:2]
-        seq = local * self.cp
         # all-gather along the sequence (dim 0) over the CP ranks; backward: the gradients every rank's
         # queries gave each chunk's K and V, summed and scattered back to the chunk's rank
         key, value = (gather_from_sequence_parallel_region(x.contiguous(), True, self.cp_group) for x in (key, value))
-        key_pos = torch.cat([rank_positions(seq, self.cp, r) for r in range(self.cp)]).to(query.device)
-        query_pos = rank_positions(seq, self.cp, self.cp_rank).to(query.device)
-        visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [s/CP, s]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads (k, v: groups), s, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale,
-                                             dropout_p=self.dropout if self.training else 0.0,
-                                             enable_gqa=self.groups != self.heads)
+        out = causal_attention_over_gathered_keys(q, k, v, self.cp, self.cp_rank, self.scale,
+                                                  self.dropout if self.training else 0.0, self.groups != self.heads)
         return out.permute(2, 0, 1, 3).reshape(local, b, self.heads * self.v_dim)
 
 

@@ -1,9 +1,8 @@
 """The learner: a megatron-core GPTModel under TP x PP x DP, its optimizer and its DrGRPO step.
 
-Every rank of the learner runs the same calls (SPMD). Sequences come in as token ids with their
-advantages; log-probabilities are computed from vocab-parallel logits (each TP rank holds V/TP of
-the vocabulary; megatron's vocab-parallel cross entropy reduces across TP without ever gathering
-full-vocabulary logits).
+Every rank runs the same calls (SPMD). Sequences come in as token ids with their advantages;
+log-probabilities come from vocab-parallel logits (each TP rank holds V/TP of the vocabulary;
+megatron's vocab-parallel cross entropy reduces across TP, never gathering the full vocabulary).
 """
 from __future__ import annotations
 
@@ -18,20 +17,20 @@ import torch
 import torch.distributed as dist
 
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
+from spice_megatron.families import ModelSpec
 from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
 from spice_megatron.policy.context_parallel import rank_micro_batch, whole_sequence
 from spice_megatron.policy.mismatch import mismatch_by_role, mismatch_metrics, mismatch_rows
-from spice_megatron.policy.model import (ModelSpec, build_policy_model, have_transformer_engine, model_spec_from_hf,
-                                         resolve_shared_prefix)
+from spice_megatron.policy.model import build_policy_model, have_transformer_engine, layer_offset, resolve_shared_prefix
 from spice_megatron.policy.packing import minibatch_split, packed_microbatches, split_units_data_parallel
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
 from spice_megatron.policy.shared_prefix import PackedForward, scored_logprobs
 
 log = logging.getLogger(__name__)
-# tools/bench_checkpoint.py measures the distributed optimizer's saves on CPU, where its restore is
+# tools/bench/bench_checkpoint.py measures the distributed optimizer's saves on CPU, where its restore is
 # broken (below): it alone turns the refusal off
 ALLOW_TORCH_DISTRIBUTED_OPTIMIZER = False
 ZERO_ADVANTAGE = 1e-12  # |advantage| at or below it: a group's rewards were equal (rounding aside)
@@ -74,9 +73,12 @@ class Learner:
         """`load_weights(learner)` fills `learner.model` before the optimizer exists: megatron's
         bf16 optimizers copy fp32 main weights from the model when they are built and write them
         back after every step, so weights loaded later would be replaced by the random init."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER, OptimizerConfig, get_megatron_optimizer
 
         for c in (parallel, optim, train):
             c.validate()
@@ -128,8 +130,6 @@ class Learner:
         self.moe_recomputed = train.recompute == "full" or (train.recompute == "selective"
                                                             and "moe" in train.recompute_modules)
         if spec.moe is not None:
-            from spice_megatron.bridge.hf_io import layer_offset
-
             self.replay = RoutingReplay(self.model, layer_offset(self.model), self.routing_replay, self.layout.tp_rank,
                                         self.layout.tp, bool(self.tconfig.sequence_parallel), self.device)
             for chunk in self.chunks[1:]:
@@ -175,18 +175,6 @@ class Learner:
                 and (ps.get_virtual_pipeline_model_parallel_world_size() or 1) == parallel.virtual_pipeline
                 and ps.get_expert_model_parallel_world_size() == parallel.expert_parallel
                 and ps.get_expert_tensor_parallel_world_size() == parallel.expert_tensor_parallel)
-
-    @classmethod
-    def from_hf(cls, hf_dir: str, parallel: ParallelConfig, optim: OptimConfig, train: PolicyTrainConfig,
-                pad_id: int = 0) -> "Learner":
-        """Build the learner and load an HF checkpoint, each rank reading only its slices."""
-        from spice_megatron.bridge.hf_io import HFCheckpointReader, load_hf_weights
-
-        reader = HFCheckpointReader(hf_dir)
-        # With tied embeddings and PP > 1 the last stage's output layer is loaded from the same HF
-        # embedding tensor, so both copies start equal; megatron then reduces their grads together.
-        return cls(model_spec_from_hf(hf_dir), parallel, optim, train, pad_id,
-                   load_weights=lambda lr: [load_hf_weights(c, lr.spec, reader, lr.layout) for c in lr.chunks])
 
     def _scheduler(self, optim: OptimConfig):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -375,13 +363,19 @@ class Learner:
         return trains
 
     def routing_destinations(self, seqs: list[TrainSequence]) -> list[set[int]]:
-        """For each sequence, the data-parallel ranks whose micro-batches hold it in
-        train_on_batch (the old-log-prob pass and the optimiser steps split the batch apart);
-        empty: not trained. What the driver sends each replica's routing by."""
+        """For each sequence, the DP ranks whose micro-batches hold it in train_on_batch (the
+        old-log-prob pass and the steps split the batch apart); empty: not trained."""
         trains, k = self.trained_mask(seqs), self.steps_for(len(seqs))
         passes = [[i for i in part if trains[i]] for part in minibatch_split(seqs, k)]
         if k > 1 and self.train_cfg.old_logprobs == "forward":  # train_on_batch's old-log-prob pass
             passes.append([i for i, t in enumerate(trains) if t])
+        return self._destinations(seqs, passes)
+
+    def forward_destinations(self, seqs: list[TrainSequence]) -> list[set[int]]:
+        """The DP rank whose share of compute_logprobs(seqs) holds each sequence (all of them run)."""
+        return self._destinations(seqs, [list(range(len(seqs)))])
+
+    def _destinations(self, seqs: list[TrainSequence], passes: list[list[int]]) -> list[set[int]]:
         dest: list[set[int]] = [set() for _ in seqs]
         for idx in passes:
             for rank, part in enumerate(self.data_parallel_split([seqs[i] for i in idx])):
@@ -413,7 +407,8 @@ class Learner:
             else:
                 missing = [i for i in kept if seqs[i].rollout_logprobs is None]
                 if missing:
-                    raise ValueError(f"train.old_logprobs=rollout but sequences {missing[:5]} have no rollout log-probs")
+                    raise ValueError(f"train.old_logprobs=rollout but sequences {missing[:5]} have no rollout "
+                                     "log-probs")
                 old_all = {i: seqs[i].rollout_logprobs for i in kept}
         # With one step and recomputed old log-probs the ratio is exactly 1: skip the extra pass.
         metrics = []

@@ -1,307 +1,14 @@
-"""A megatron-core GPTModel from a Hugging Face config.json (the families of FAMILIES: Qwen3, Qwen3-MoE,
-Qwen2/2.5, Llama 3, DeepSeek-V3 and GLM-4.5)."""
+"""A megatron-core GPTModel from a model's `ModelSpec` (spice_megatron/families/: its HF config.json
+parsed by its family), built from the spec's features: experts, latent attention, q/k norms, biases."""
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from spice_megatron.entry import UserError, read_json
 from spice_megatron.config import ConfigError
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
-    qkv_bias: bool  # biases on q/k/v projections (Qwen2)
-    examples: str = ""  # checkpoints of the architecture (docs/checkpoints.md's table)
-    experts: bool = False  # mixture-of-experts layers
-    mla: bool = False  # multi-head latent attention (DeepSeek-V2/V3)
-
-
-# HF architecture name -> family (docs/checkpoints.md's supported-families table is generated from it).
-FAMILIES: dict[str, Family] = {
-    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, qkv_bias=False, examples="Qwen3-4B/8B/14B-Base, Qwen3-32B"),
-    "LlamaForCausalLM": Family("llama", qk_norm=False, qkv_bias=False,
-                               examples="Llama 3.x, OctoThinker, SmolLM2 (llama3 rope scaling or none)"),
-    "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, qkv_bias=False, experts=True,
-                                  examples="Qwen3-30B-A3B-Base, Qwen3-235B-A22B (no shared experts)"),
-    # q/k/v biases (attention_bias), q/k norms where use_qk_norm, rotary on part of each head
-    # (partial_rotary_factor), DeepSeek-V3's routing and shared experts
-    "Glm4MoeForCausalLM": Family("glm4_moe", qk_norm=False, qkv_bias=True, experts=True,
-                                 examples="GLM-4.5, GLM-4.5-Air (multi-token-prediction layers skipped)"),
-    # latent attention, sigmoid routing with a correction bias over expert groups, shared experts
-    "DeepseekV3ForCausalLM": Family("deepseek_v3", qk_norm=False, qkv_bias=False, experts=True, mla=True,
-                                    examples="DeepSeek-V3(-Base), DeepSeek-R1, Kimi-K2, Moonlight (bf16 or FP8 "
-                                             "block-scaled; multi-token-prediction layers skipped)"),
-    # biases on q/k/v (not on o_proj)
-    "Qwen2ForCausalLM": Family("qwen2", qk_norm=False, qkv_bias=True,
-                               examples="Qwen2, Qwen2.5, Qwen2.5-Math, DeepSeek-R1-Distill-Qwen (no sliding window)"),
-}
-MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """The mixture-of-experts facts of an HF config (Qwen3-MoE: no shared experts)."""
-
-    num_experts: int
-    top_k: int
-    expert_ffn_hidden_size: int  # moe_intermediate_size
-    # True: the top-k probabilities are renormalised to sum to 1 (softmax over the k chosen logits);
-    # False: they keep their share of the softmax over all experts
-    norm_topk_prob: bool
-    moe_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
-    score_function: str = "softmax"  # DeepSeek-V3: "sigmoid"
-    expert_bias: bool = False  # DeepSeek-V3's e_score_correction_bias: added to the scores that choose experts
-    num_groups: int | None = None  # n_group: experts in groups, tokens routed within topk_group of them
-    group_topk: int | None = None
-    scaling_factor: float | None = None  # routed_scaling_factor
-    shared_expert_ffn_hidden_size: int = 0  # n_shared_experts x moe_intermediate_size
-
-    @property
-    def num_moe_layers(self) -> int:
-        return sum(self.moe_layers)
-
-
-def _deepseek_moe_spec(config: dict, num_layers: int) -> MoESpec:
-    """DeepSeek-V3's router: sigmoid scores, plus a correction bias where experts are chosen, the
-    chosen scores normalised and scaled by routed_scaling_factor; group-limited top-k. megatron
-    scores a group by its top num_experts_per_tok / topk_group experts, DeepSeek-V3 by its top 2:
-    the same for every published config, and checked."""
-    top_k, groups, group_topk = int(config["num_experts_per_tok"]), int(config.get("n_group") or 1), \
-        int(config.get("topk_group") or 1)
-    if config.get("scoring_func", "sigmoid") != "sigmoid":
-        raise UnsupportedModelError(f"scoring_func={config['scoring_func']!r} is not supported (sigmoid)")
-    if config.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise UnsupportedModelError(f"topk_method={config['topk_method']!r} is not supported (noaux_tc)")
-    if not config.get("norm_topk_prob", True):
-        raise UnsupportedModelError("norm_topk_prob=false is not supported with sigmoid routing (megatron normalises)")
-    if groups > 1 and top_k // group_topk != 2:
-        raise UnsupportedModelError(f"num_experts_per_tok={top_k} over topk_group={group_topk}: megatron scores a "
-                                    f"group by its top {top_k // group_topk} experts, DeepSeek-V3 by its top 2")
-    first_dense, freq = int(config.get("first_k_dense_replace", 0)), int(config.get("moe_layer_freq", 1) or 1)
-    ffn = int(config["moe_intermediate_size"])
-    return MoESpec(num_experts=int(config["n_routed_experts"]), top_k=top_k, expert_ffn_hidden_size=ffn,
-                   norm_topk_prob=True, moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(num_layers)),
-                   score_function="sigmoid", expert_bias=True, num_groups=groups if groups > 1 else None,
-                   group_topk=group_topk if groups > 1 else None,
-                   scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-                   shared_expert_ffn_hidden_size=int(config.get("n_shared_experts") or 0) * ffn)
-
-
-def _moe_spec(config: dict, num_layers: int) -> MoESpec:
-    # transformers 5 writes num_local_experts; the hub's Qwen3-MoE configs say num_experts
-    experts = config.get("num_experts", config.get("num_local_experts"))
-    if not experts:
-        raise UnsupportedModelError("Qwen3MoeForCausalLM: config.json names no num_experts")
-    if config.get("shared_expert_intermediate_size"):
-        raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported")
-    dense = set(config.get("mlp_only_layers") or [])
-    step = int(config.get("decoder_sparse_step", 1) or 1)
-    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    return MoESpec(num_experts=int(experts), top_k=int(config["num_experts_per_tok"]),
-                   expert_ffn_hidden_size=int(config["moe_intermediate_size"]),
-                   norm_topk_prob=bool(config.get("norm_topk_prob", True)), moe_layers=layers)
-
-
-class UnsupportedModelError(UserError, ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class MLASpec:
-    """Multi-head latent attention (DeepSeek-V3): q and k/v through low-rank latents; each head's
-    query and key are a no-position part and a rotary part, its value v_head_dim wide."""
-
-    q_lora_rank: int | None  # None: one q_proj (DeepSeek-V2-Lite, Moonlight)
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool
-
-
-@dataclass(frozen=True)
-class YarnSpec:
-    """YaRN rope scaling (DeepSeek-V3's rope_scaling)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
-    mscale: float
-    mscale_all_dim: float
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The architecture facts the learner and the bridge need, read from an HF config."""
-
-    architecture: str
-    family: Family
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    tied_embeddings: bool
-    rms_eps: float
-    rope_theta: float
-    rope_scaling_factor: float | None  # llama3-style scaling, None when absent
-    max_position_embeddings: int
-    hf_config: dict
-    moe: MoESpec | None = None
-    mla: MLASpec | None = None
-    yarn: YarnSpec | None = None
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3; GLM-4.5 where use_qk_norm)
-    qkv_bias: bool = False  # biases on q/k/v (Qwen2; GLM-4.5 where attention_bias)
-    rotary_percent: float = 1.0  # the share of each head's dims that rotates (GLM-4.5: 0.5)
-
-    def _attention_count(self) -> int:
-        h = self.hidden_size
-        if self.mla is None:
-            return h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) \
-                + (self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0) \
-                + (2 * self.head_dim if self.qk_norm else 0)
-        m, n = self.mla, self.num_heads
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = h * n * qk if m.q_lora_rank is None else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * qk
-        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
-            + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
-        return q + kv + n * m.v_head_dim * h
-
-    def _count(self, experts_per_layer: int) -> int:
-        attn = self._attention_count()
-        emb = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
-        norms = 2 * self.hidden_size
-        dense_mlp = 3 * self.hidden_size * self.ffn_hidden_size
-        total = self.num_layers * (attn + norms) + emb + self.hidden_size
-        if self.moe is None:
-            return total + self.num_layers * dense_mlp
-        moe_mlp = (experts_per_layer * self.moe.expert_ffn_hidden_size + self.moe.shared_expert_ffn_hidden_size) \
-            * 3 * self.hidden_size + self.moe.num_experts * self.hidden_size  # + the router
-        return total + self.moe.num_moe_layers * moe_mlp + (self.num_layers - self.moe.num_moe_layers) * dense_mlp
-
-    @property
-    def num_parameters(self) -> int:
-        return self._count(self.moe.num_experts if self.moe else 0)
-
-    @property
-    def active_parameters(self) -> int:
-        """Parameters one token goes through: the top-k experts of each MoE layer, not all."""
-        return self._count(self.moe.top_k if self.moe else 0)
-
-
-def _rope(cfg: dict, yarn_ok: bool = False) -> tuple[float, float | None, YarnSpec | None]:
-    params = cfg.get("rope_parameters") or {}  # transformers >= 5
-    scaling = cfg.get("rope_scaling") or params
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
-        return float(theta), None, None
-    if rope_type == "yarn" and yarn_ok:  # megatron has YaRN in its latent attention only
-        return float(theta), None, YarnSpec(
-            factor=float(scaling["factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-            beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),
-            mscale=float(scaling.get("mscale", 1.0)), mscale_all_dim=float(scaling.get("mscale_all_dim", 0.0)))
-    if rope_type != "llama3":
-        supported = "default, llama3" + (", yarn" if yarn_ok else "")
-        raise UnsupportedModelError(f"rope_scaling.rope_type={rope_type!r} is not supported ({supported})")
-    # megatron-core implements llama3 scaling with these constants only.
-    expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    for key, value in expected.items():
-        if float(scaling.get(key, value)) != value:
-            raise UnsupportedModelError(f"rope_scaling.{key}={scaling[key]} differs from megatron-core's fixed {value}")
-    return float(theta), float(scaling["factor"]), None
-
-
-def model_spec_from_hf(config: dict | str) -> ModelSpec:
-    """From a config dict, a config.json path or an HF model directory."""
-    where = "config"
-    if isinstance(config, str):
-        where = os.path.join(config, "config.json") if os.path.isdir(config) else config
-        config = read_json(where, " (an HF model directory has a config.json)")
-    try:
-        return _spec(config)
-    except KeyError as e:
-        arch = (config.get("architectures") or [config.get("model_type")])[0]
-        raise UnsupportedModelError(f"{where}: field {e.args[0]!r} is missing ({arch} needs it)") from None
-    except UnsupportedModelError as e:
-        if where == "config":
-            raise
-        raise UnsupportedModelError(f"{where}: {e}") from None
-    except (TypeError, ValueError) as e:
-        raise UnsupportedModelError(f"{where}: a field has the wrong type ({e})") from None
-
-
-def _spec(config: dict) -> ModelSpec:
-    archs = config.get("architectures") or [MODEL_TYPES.get(config.get("model_type", ""), "")]
-    arch = archs[0]
-    if arch not in FAMILIES:
-        raise UnsupportedModelError(f"architecture {arch or config.get('model_type')!r} is not supported; "
-                                    f"supported: {', '.join(sorted(FAMILIES))}")
-    family = FAMILIES[arch]
-    fp8_block_size(config)  # refuses what the import cannot dequantize
-    glm = family.name == "glm4_moe"
-    if config.get("attention_bias", False) and not family.qkv_bias:
-        raise UnsupportedModelError(f"{arch} with attention_bias=true is not supported")
-    if config.get("mlp_bias", False):
-        raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")
-    if config.get("use_sliding_window", False):  # Qwen2's configs carry the switch, off in every published one
-        raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported (full attention only: "
-                                    "set it to false, as Qwen2.5's published configs do)")
-    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
-    theta, scaling, yarn = _rope(config, yarn_ok=family.mla)
-    mla = None
-    if family.mla:
-        mla = MLASpec(q_lora_rank=config.get("q_lora_rank") or None, kv_lora_rank=int(config["kv_lora_rank"]),
-                      qk_nope_head_dim=int(config["qk_nope_head_dim"]),
-                      qk_rope_head_dim=int(config["qk_rope_head_dim"]),
-                      v_head_dim=int(config["v_head_dim"]), rope_interleave=bool(config.get("rope_interleave", True)))
-        if not mla.rope_interleave:  # megatron's latent attention de-interleaves the rotary dims, as HF's V3 does
-            raise UnsupportedModelError(f"{arch} with rope_interleave=false is not supported")
-    moe = None
-    if family.experts:
-        moe = _deepseek_moe_spec(config, layers) if family.mla or glm else _moe_spec(config, layers)
-    return ModelSpec(
-        architecture=arch, family=family, num_layers=layers, hidden_size=config["hidden_size"],
-        # latent attention expands its keys and values to every head
-        num_heads=heads, num_kv_heads=heads if mla else config.get("num_key_value_heads") or heads,
-        head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else
-        config.get("head_dim") or config["hidden_size"] // heads,
-        ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)), rms_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=theta, rope_scaling_factor=scaling,
-        max_position_embeddings=config.get("max_position_embeddings", 4096), hf_config=config,
-        moe=moe, mla=mla, yarn=yarn,
-        qk_norm=bool(config.get("use_qk_norm", False)) if glm else family.qk_norm,
-        qkv_bias=bool(config.get("attention_bias", False)) if glm else family.qkv_bias,
-        rotary_percent=float(config.get("partial_rotary_factor",
-                                        (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))))
-
-
-def fp8_block_size(config: dict) -> tuple[int, int] | None:
-    """The block of an FP8 block-scaled checkpoint's weight_scale_inv (DeepSeek-V3's published
-    format: e4m3 weights, one fp32 scale per 128x128 block), None when unquantized; any other
-    quantization is refused."""
-    q = config.get("quantization_config")
-    if not q:
-        return None
-    method, block = q.get("quant_method"), q.get("weight_block_size")
-    if method != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not (isinstance(block, list) and len(block) == 2):
-        raise UnsupportedModelError(f"quantization_config: quant_method={method!r}, fmt={q.get('fmt')!r}, "
-                                    f"weight_block_size={block!r} is not supported (fp8 e4m3 with block scales, "
-                                    "dequantized to bf16 on import; or an unquantized checkpoint)")
-    return int(block[0]), int(block[1])
+from spice_megatron.families import ModelSpec
 
 
 def pipeline_stage_layers(num_layers: int, pp: int, first: int = 0, last: int = 0) -> list[int]:
@@ -367,12 +74,12 @@ def have_transformer_engine() -> bool:
 
 def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
                routing_replay: bool = False, expert_bias_update_rate: float = 0.0) -> dict[str, Any]:
-    """megatron's MoE settings for a Qwen3-MoE config. Qwen3's router: softmax over all experts in
-    fp32, top-k, then (norm_topk_prob) renormalised; megatron's softmax router computes the same
+    """megatron's MoE settings for a model's experts. A softmax router (Qwen3-MoE's): softmax over
+    all experts in fp32, top-k, then (norm_topk_prob) renormalised; megatron's softmax router computes the same
     as top-k on the logits then a softmax over the k (moe_router_pre_softmax=False), and as
     softmax-then-top-k without renormalising when pre_softmax is True."""
     moe = spec.moe
-    deepseek = dict(
+    sigmoid_routing = dict(
         # the correction bias is the checkpoint's and stays fixed unless train.moe_expert_bias_update_rate
         # says otherwise: megatron's auxiliary-loss-free balancing moves it after a step by the batch's loads
         moe_router_enable_expert_bias=True, moe_router_bias_update_rate=expert_bias_update_rate,
@@ -381,7 +88,7 @@ def moe_kwargs(spec: ModelSpec, ep: int, etp: int, aux_loss_coeff: float = 0.0,
         moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size or None,
     ) if moe.score_function == "sigmoid" else {}
     return dict(
-        **deepseek,
+        **sigmoid_routing,
         num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
         moe_router_score_function=moe.score_function,
         moe_router_pre_softmax=moe.score_function == "softmax" and not moe.norm_topk_prob,
@@ -503,7 +210,7 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
     """The learner's model on this rank, as the Learner trains it: megatron's config for the layout
     and the activation flags of `train` (recompute, fused SwiGLU, sequence parallelism), in `dtype`
     on `device`. Returns (model, transformer config, activation flags). `overrides` go to the
-    transformer config (tools/measure_activations.py: perform_initialization=False)."""
+    transformer config (tools/checks/measure_activations.py: perform_initialization=False)."""
     from spice_megatron.policy import cpu_compat
     from spice_megatron.policy.activation_memory import activation_flags
 
@@ -539,3 +246,10 @@ def build_policy_model(spec: ModelSpec, parallel, train, layout, dtype: torch.dt
         if name.endswith("mlp.router.expert_bias"):
             buf.data = buf.data.float()
     return model, tconfig, flags
+
+
+def layer_offset(model) -> int:
+    """Global index of this pipeline stage's (or model chunk's) first layer."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config, getattr(model, "vp_stage", None))

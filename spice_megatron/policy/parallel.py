@@ -49,6 +49,36 @@ class Layout:
         return self.pp_rank == self.pp - 1
 
 
+WORLD_SECRET_ENV = "SPICE_WORLD_SECRET"
+
+
+def _authenticate_world(rank: int, world: int, backend: str) -> None:
+    """Before any rank unpickles a peer's object (the driver's broadcasts, the batch's scatter):
+    every rank proves it holds the job's secret (HMAC over its rank, all-gathered as bytes, no
+    pickle). A process that took a rank's place through the rendezvous store fails it and the world
+    stops with one line on every rank (security review 2). The secret: $SPICE_WORLD_SECRET (set by
+    `spice train`'s relaunch) or the job's $SPICE_ROLLOUT_TOKEN (fresh per attempt in the Slurm and
+    NeMo-Run scripts); without either the members are not checked."""
+    import hashlib
+    import hmac
+
+    secret = os.environ.get(WORLD_SECRET_ENV) or os.environ.get("SPICE_ROLLOUT_TOKEN", "")
+    if world == 1 or not secret:
+        return
+
+    def proof(r: int) -> torch.Tensor:
+        digest = hmac.new(secret.encode(), f"spice-learner-member\n{r}\n{world}".encode(), hashlib.sha256).digest()
+        return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    proofs = [torch.empty(32, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(proofs, proof(rank).to(device))
+    bad = [r for r in range(world) if not torch.equal(proofs[r].cpu(), proof(r))]
+    if bad:
+        raise RuntimeError(f"learner rank(s) {bad} could not prove they hold this job's secret (a process in a "
+                           "rank's place?): stopping before any object is exchanged")
+
+
 def _env_int(*names: str, default: int) -> int:
     for n in names:
         if os.environ.get(n):
@@ -79,7 +109,7 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
     if backend == "nccl":
         # RL micro-batches change length every step and fragment the caching allocator; its
         # expandable segments grow in place instead (read once, at CUDA's first allocation; a
-        # setting of the user's is kept). tools/gpu_check.py allocator_fragmentation measures it.
+        # setting of the user's is kept). tools/checks/gpu_check.py allocator_fragmentation measures it.
         if expandable_segments:
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         elif "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
@@ -92,10 +122,20 @@ def init_distributed(cfg: ParallelConfig, seed: int = 1234, timeout_minutes: int
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:  # a bare process (a world of one): any free port, so runs can coexist
-            from spice_megatron.launch import free_port
+            from spice_megatron.torchrun import free_port
 
             os.environ["MASTER_PORT"] = str(free_port() if world == 1 else 29500)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes))
+        timeout = timedelta(minutes=timeout_minutes)
+        store = None
+        if world > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # srun tasks, no torchrun agent
+            from spice_megatron.torchrun import listen_on
+
+            # rank 0 serves the world's store on MASTER_ADDR's interface only (torch's would take every one)
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            fd = listen_on(addr, port).detach() if rank == 0 else None
+            store = dist.TCPStore(addr, port, world, rank == 0, timeout, master_listen_fd=fd)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=store)
+        _authenticate_world(rank, world, backend)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     stage = world // cfg.pipeline_parallel

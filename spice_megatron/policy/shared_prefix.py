@@ -12,9 +12,9 @@ On GPU both go to the flash kernel, with no mask in memory; on CPU to the fused 
 completion's piece is recomputed in the backward (torch's checkpoint, its inputs are views), so
 the [prefix; own] K/V it concatenates is never kept: what a row saves is q, k, v, the prefixes'
 outputs and the log-sum-exps, within the planner's attention terms; the recompute is the
-completions' attention forward again (a few % of a step). It replaces megatron's core attention (local DotProductAttention or
-TEDotProductAttention) in the layer spec; the q/k/v projections, rotary embedding and output
-projection stay megatron's, Transformer Engine's on GPU. A forward without a row structure
+completions' attention forward again (a few % of a step). It replaces megatron's core attention
+(local DotProductAttention or TEDotProductAttention) in the layer spec; the q/k/v projections,
+rotary embedding and output projection stay megatron's, Transformer Engine's on GPU. A forward without a row structure
 (attention_mask None) is plain causal attention.
 
 Rotary embedding: megatron's GPTModel applies RoPE at positions 0..S-1 of the row and ignores

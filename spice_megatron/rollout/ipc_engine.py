@@ -5,7 +5,7 @@ The trainer's client adds the learner's checksum of every tensor to each update 
 `names` order: FleetSyncClient, from EveryRankSource), and the tensors vLLM rebuilds from the IPC
 handles are checksummed before `load_weights` takes them, as the spice backend checks its buckets.
 A tied model also gets lm_head.weight with the embedding, as the spice backend gives it (vLLM's
-layerwise reload unties them). Registered with vLLM's factory as `spice_ipc` (rollout/transfer.py);
+layerwise reload unties them). Registered with vLLM's factory as `spice_ipc` (rollout/engine_transfer.py);
 VLLMEngine runs it for `ipc`. The rebuild needs a GPU; `checked_load` is tested on CPU.
 """
 from __future__ import annotations

@@ -2,6 +2,7 @@
 srun on rollout nodes and hand the trainer their addresses instead."""
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -9,13 +10,12 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-import logging
 from dataclasses import dataclass, field
 
 import requests
 
-from spice_megatron.launch import free_port
-from spice_megatron.rollout.auth import AuthError, attest
+from spice_megatron.torchrun import free_port
+from spice_megatron.wire.auth import AuthError, attest, signed_request
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +73,23 @@ def wait_healthy(engines: list[LocalEngine], timeout: float = 600.0) -> None:
     """Until every engine answers and proves it holds the job's token. Something else answering on
     an engine's port is never trusted: our engine binds the port before loading, so it exits when
     the port is taken (start_engines then picks another) and until then this keeps waiting."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, reported = start + timeout, start
     pending = list(engines)
     impostors: dict[str, str] = {}
+    log.info("starting %d rollout engine(s): vLLM loads the model and warms up (logs: %s)", len(engines),
+             os.path.dirname(engines[0].log_path) if engines else "-")
     while pending:
         for e in list(pending):
             if not e.alive():
                 raise EngineExited(e, open(e.log_path, errors="replace").read()[-3000:])
             try:
                 attest(e.url, e.token, timeout=2)
+                # the engine this run started, not a sibling's answer relayed: its signed pid
+                pid = signed_request("GET", e.url, "/status", e.token, timeout=10).json().get("pid")
+                if pid != e.process.pid:
+                    raise AuthError(f"the engine answering at {e.url} is process {pid}, not the one started there "
+                                    f"({e.process.pid}): not trusted")
                 pending.remove(e)
             except requests.RequestException:
                 pass
@@ -93,8 +101,24 @@ def wait_healthy(engines: list[LocalEngine], timeout: float = 600.0) -> None:
             why = "; ".join(impostors[e.url] for e in pending if e.url in impostors)
             raise RuntimeError(f"rollout engines not healthy after {timeout:.0f}s: {[e.url for e in pending]}"
                                + (f" ({why})" if why else ""))
+        if pending and time.monotonic() - reported >= 20:  # engine start is minutes on a large model: say so
+            reported = time.monotonic()
+            log.info("rollout engines: %d of %d ready after %.0fs; %s: %s", len(engines) - len(pending), len(engines),
+                     reported - start, pending[0].url, _last_line(pending[0].log_path))
         if pending:
             time.sleep(0.5)
+    log.info("rollout engines ready: %d in %.0fs", len(engines), time.monotonic() - start)
+
+
+def _last_line(path: str) -> str:
+    """The last non-empty line of an engine's log (what it is doing now), shortened."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log yet)"
+    return (lines[-1][-160:] if lines else "(no log yet)")
 
 
 def start_engines(model_dir: str, token: str, log_dir: str, extra: list[str], envs: list[dict],

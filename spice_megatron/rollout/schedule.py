@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from spice_megatron.config import SelfPlayConfig
-from spice_megatron.doc_rollout import (Attempt, DocumentRollout, GenerateFn, challenger_round, reasoner_prompts,
-                                        reasoner_spec)
+from spice_megatron.doc_rollout import (
+    Attempt,
+    DocumentRollout,
+    GenerateFn,
+    challenger_round,
+    reasoner_prompts,
+    reasoner_spec,
+)
 from spice_megatron.protocol import ChallengerPrompts
 from spice_megatron.tasks import extract_boxed
 from spice_megatron.verify import AnswerVerifier

@@ -8,7 +8,7 @@ token ids, sampled-token log-probs and weight-version spans back for every compl
 exposes its RL control routes only in its dev mode, without authentication. This service maps
 the same routes (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
 `/finish_weight_update`, `/pause`, `/resume`, ...) onto vLLM's own methods. Every route but
-`/health` and `/attest` needs a request signed with the job's token (rollout/auth.py), which
+`/health` and `/attest` needs a request signed with the job's token (wire/auth.py), which
 never crosses the wire; the port is bound before the model loads, so no other process can take
 it meanwhile, and `/attest` lets the trainer check that it talks to the engine it started. Bodies
 are plain JSON (no pickle crosses the wire), their size and `n` and prompt count are capped.
@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -28,13 +29,30 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import Body, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import Body, FastAPI, HTTPException, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
-from spice_megatron.rollout.auth import AuthError, RequestVerifier, attest_proof, read_token
 from spice_megatron.rollout.engine import version_label
-from spice_megatron.rollout.types import SamplingSpec, pack_completions
+from spice_megatron.rollout.engine_cli import (
+    add_engine_args,
+    engine_options,
+    parse_engine_args,
+    span_from_args,
+    watch_port,
+)
+from spice_megatron.wire.auth import (
+    RESPONSE_MAC_HEADER,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    AuthError,
+    RequestVerifier,
+    attest_proof,
+    read_token,
+    request_nonce,
+    response_mac,
+)
+from spice_megatron.wire.types import SamplingSpec, pack_completions
 
 log = logging.getLogger("spice.rollout.serve")
 try:
@@ -44,6 +62,7 @@ try:
 except ImportError:  # older vLLM raises ValueError
     VALIDATION_ERRORS = (ValueError,)
 OPEN_ROUTES = ("/health", "/attest")  # everything else needs a signed request
+MAX_CONNECTIONS = 1024  # uvicorn answers 503 beyond this many connections at once
 
 
 @dataclass(frozen=True)
@@ -56,29 +75,103 @@ class RequestLimits:
     max_body_bytes: int = 64 * 2**20
 
 
-class BodySizeLimit:
-    """ASGI middleware: a request body beyond the limit, or one of unknown length, is refused
-    before it is read."""
+def _refusal(status: int, detail: str) -> tuple[dict, dict]:
+    body = json.dumps({"detail": detail}).encode()
+    # connection: close: a refused body is not drained into the server's memory after the answer
+    return ({"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"connection", b"close")]},
+            {"type": "http.response.body", "body": body})
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+class SignedRequests:
+    """ASGI middleware in front of every route: a body beyond the limit, of unknown length, or on a
+    method that takes none is refused before it is read; a request's header is checked before its
+    body is read and its signature before anything parses it (wire/auth.py); every answer to a
+    signed request carries the engine's MAC over the request's nonce, its status and its body."""
+
+    def __init__(self, app, verifier: RequestVerifier, token: str, max_bytes: int):
+        self.app, self.verifier, self.token, self.max_bytes = app, verifier, token, max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
-            length = dict(scope["headers"]).get(b"content-length")
-            status, detail = None, ""
-            if length is None:
-                status, detail = 411, "a request body needs a Content-Length"
-            elif not length.isdigit() or int(length) > self.max_bytes:
-                status, detail = 413, f"request body over {self.max_bytes} bytes"
-            if status is not None:
-                body = json.dumps({"detail": detail}).encode()
-                await send({"type": "http.response.start", "status": status,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if scope["method"] in ("POST", "PUT", "PATCH") and scope["path"] not in OPEN_ROUTES:
+            refused = ((411, "a request body needs a Content-Length") if length is None else
+                       (413, f"request body over {self.max_bytes} bytes")
+                       if not length.isdigit() or int(length) > self.max_bytes else None)
+        else:  # GET, HEAD, DELETE and the open routes: no body at all
+            refused = ((413, f"{scope['method']} {scope['path']} takes no request body")
+                       if b"transfer-encoding" in headers or length not in (None, b"0") else None)
+        if refused is None and scope["path"] not in OPEN_ROUTES:
+            header = headers.get(b"authorization", b"").decode("latin-1")
+            try:
+                self.verifier.check_header(header)
+                body = await _read_body(receive, int(length or 0))
+                path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+                if scope.get("query_string"):
+                    path += "?" + scope["query_string"].decode("latin-1")
+                self.verifier.verify(header, scope["method"], path, body)
+            except AuthError as e:
+                refused = (401, str(e))
+        if refused is not None:
+            for message in _refusal(*refused):
+                await send(message)
+            return
+        if scope["path"] in OPEN_ROUTES:
+            return await self.app(scope, receive, send)
+        await self.app(scope, _replay(body, receive), self._signing(send, request_nonce(header)))
+
+    def _signing(self, send, nonce: str):
+        start: dict = {}
+        chunks: list[bytes] = []
+
+        async def signed_send(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
                 return
-        await self.app(scope, receive, send)
+            if message["type"] != "http.response.body":
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            body = b"".join(chunks)
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            headers += [(b"content-length", str(len(body)).encode()),
+                        (RESPONSE_MAC_HEADER.encode(), response_mac(self.token, nonce, start["status"], body).encode())]
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        return signed_send
+
+
+async def _read_body(receive, length: int) -> bytes:
+    chunks, got = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise AuthError("the client went away")
+        chunk = message.get("body", b"")
+        got += len(chunk)
+        if got > length:
+            raise AuthError("the body is longer than its Content-Length")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    sent = [False]
+
+    async def replayed():
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 class GenerateBody(BaseModel):
@@ -87,25 +180,15 @@ class GenerateBody(BaseModel):
     packed: bool = False  # token ids and log-probs as packed arrays (types.pack_completions)
 
 
-def build_app(engine, token: str, limits: RequestLimits = RequestLimits()) -> FastAPI:
+def build_app(engine, token: str, port: int, limits: RequestLimits = RequestLimits()) -> FastAPI:
     """`engine`: a VLLMEngine whose `serve_forever` runs on the thread that built it; every call
-    here goes through its inbox and runs between two decoding steps."""
-
-    verifier = RequestVerifier(token)
-
-    async def signed(request: Request) -> None:
-        if request.url.path in OPEN_ROUTES:
-            return
-        try:
-            verifier.verify(request.headers.get("authorization", ""), request.method, request.url.path,
-                            await request.body())
-        except AuthError as e:
-            raise HTTPException(status_code=401, detail=str(e)) from e
-
+    here goes through its inbox and runs between two decoding steps. `port`: the one this engine's
+    socket is bound to, which its attestation names."""
+    instance = secrets.token_hex(16)  # this engine process: signed requests name it
+    verifier = RequestVerifier(token, instance)
     # no /docs, /redoc or /openapi.json: they would describe the engine to anyone who asks
-    app = FastAPI(title="spice rollout engine", dependencies=[Depends(signed)], docs_url=None, redoc_url=None,
-                  openapi_url=None)
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    app = FastAPI(title="spice rollout engine", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(SignedRequests, verifier=verifier, token=token, max_bytes=limits.max_body_bytes)
     state: dict[str, Any] = {"requests": 0, "tokens": 0, "busy_seconds": 0.0}
 
     def control(request: Request, fn, *args):
@@ -123,12 +206,12 @@ def build_app(engine, token: str, limits: RequestLimits = RequestLimits()) -> Fa
 
     @app.get("/attest")
     def attest(nonce: str = Query(min_length=16, max_length=128)):
-        return {"proof": attest_proof(token, nonce)}
+        return {"proof": attest_proof(token, nonce, port, instance), "instance": instance}
 
     @app.get("/status")
     def status():
-        return {"status": "ok", "version": version_label(engine.version), "model": engine.model_dir,
-                "workers": engine.workers, "max_num_seqs": engine.max_num_seqs,
+        return {"status": "ok", "pid": os.getpid(), "version": version_label(engine.version), "model": engine.model_dir,
+                "workers": engine.workers, "max_num_seqs": engine.max_num_seqs, "quantization": engine.quantization,
                 "weight_transfer": engine.weight_transfer, "paused": engine.paused,
                 "updating": engine.updating, "steps": engine.steps, "admissions": engine.admissions,
                 "sleeping": sorted(engine.sleeping), "sleeps": engine.sleeps, "wakes": engine.wakes,
@@ -234,7 +317,7 @@ def _watch_parent(pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="one vLLM rollout engine behind HTTP", allow_abbrev=False)  # no --token
-    ap.add_argument("--model", required=True)
+    add_engine_args(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--token-file", default=None,
@@ -244,27 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompts", type=int, default=RequestLimits.max_prompts, help="prompts per request")
     ap.add_argument("--max-body-mb", type=float, default=RequestLimits.max_body_bytes / 2**20,
                     help="request body size (MiB)")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: 1 GiB on CPU)")
-    ap.add_argument("--weight-transfer", default="spice",
-                    help="vLLM weight-transfer backend (rollout.weight_transfer): spice, nccl, ipc, nccl_m2n")
-    ap.add_argument("--enable-expert-parallel", action="store_true",
-                    help="vLLM's expert parallelism over this engine's GPUs (mixture-of-experts models)")
-    ap.add_argument("--return-routing", choices=["auto", "on", "off"], default="auto",
-                    help="completions carry the experts chosen per token (routing replay); auto: for MoE models")
-    ap.add_argument("--enable-sleep-mode", action="store_true",
-                    help="the engine shares its GPUs with the learner (run.colocate): vLLM's sleep mode")
-    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster start; CPU always)")
     ap.add_argument("--start-asleep", action="store_true",
                     help="sleep (level 1: weights kept in host memory) before answering /health: engines started "
                          "before a colocated learner leave it the GPU memory to build in; the trainer wakes them")
     ap.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                     help="exit when process PID is gone (a trainer that started this engine and was killed)")
-    args = ap.parse_args(argv)
+    args = parse_engine_args(ap, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         token = read_token(args.token_file)
@@ -274,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         print("error: SPICE_ROLLOUT_TOKEN (or a --token-file) is required: it signs every request", file=sys.stderr)
         return 2
+    # vLLM's side of the weight transfer (rollout/engine_transfer.py, in this process and vLLM's workers)
+    # reads the token from the environment: from a file too, or it would receive unsigned weights
+    os.environ.pop(TOKEN_FILE_ENV, None)
+    os.environ[TOKEN_ENV] = token
     try:  # bound before the model loads (minutes on a large model): no other process can take the port meanwhile
         listener = _bind(args.host, args.port)
     except OSError as e:
@@ -287,14 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     from spice_megatron.rollout.engine import VLLMEngine
 
     started: dict = {}
+    if args.nnodes > 1:  # its followers on the other nodes: the engine lives and dies whole
+        from spice_megatron.rollout.node_watch import watch_followers
+
+        watch_followers(args.master_addr, watch_port(args), args.nnodes - 1)
 
     def engine_thread() -> None:  # builds the engine, then runs it: one thread for both (see VLLMEngine)
         try:
-            started["engine"] = VLLMEngine(args.model, args.dtype, args.max_model_len, args.tensor_parallel_size,
-                                           args.gpu_memory_utilization, args.seed, args.enforce_eager or None,
-                                           args.kv_cache_gib,
-                                           args.weight_transfer, args.return_routing, args.enable_expert_parallel,
-                                           args.enable_sleep_mode)
+            started["engine"] = VLLMEngine(**engine_options(args), span=span_from_args(args, 0))
         except BaseException as e:  # noqa: BLE001
             started["error"] = e
         finally:
@@ -314,9 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.start_asleep:
         started["engine"].call(started["engine"].sleep, 1).result()
     limits = RequestLimits(args.max_n, args.max_prompts, int(args.max_body_mb * 2**20))
-    app = build_app(started["engine"], token, limits)
+    app = build_app(started["engine"], token, listener.getsockname()[1], limits)
     log.info("serving %s on %s:%d (signed requests only)", args.model, args.host, args.port)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=MAX_CONNECTIONS)).run(sockets=[listener])
     return 0
 
 
@@ -326,6 +398,10 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on the port of a dead engine
     try:
         sock.bind((host, port))
+        # listening at once: Linux lets another socket with SO_REUSEADDR bind a port that is bound
+        # but not listening (security review 2); connections that come while the model loads wait
+        # in the backlog
+        sock.listen(128)
     except OSError:
         sock.close()
         raise

@@ -1,0 +1,70 @@
+"""RUN/config.json: the resolved config a run was started with, the recipe and the overrides that
+made it. Written at the start; a resume compares its own resolved config with it and refuses, in
+one line naming the field, a value that changed (`--force-config` accepts the new one and records
+it), so a resumed run is the run that was started."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from spice_megatron.config import SpiceConfig
+from spice_megatron.entry import UserError
+
+CONFIG_FILE = "config.json"
+# what a resume may change: how long the run goes on, where it lives, what a cluster hands over
+# afresh at every (re)start (engine addresses, the sync's rendezvous), and how the run is kept and
+# watched (checkpoints kept and how often, logging, timeouts, the kill switch's thresholds): none
+# changes what an iteration computes
+MAY_CHANGE = ("run.iterations", "run.output_dir", "rollout.engines", "rollout.challenger_engines",
+              "rollout.sync_host", "rollout.sync_port", "rollout.token_file",
+              "run.keep_last", "run.checkpoint_every", "run.export_hf", "run.wandb_project", "run.driver_timeout",
+              "run.lock_wait_s", "run.min_valid_task_rate", "run.patience", "run.min_challenger_reward")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_changes(old: dict, new: dict) -> list[str]:
+    """`field: old -> new` for every field that differs (MAY_CHANGE aside)."""
+    a, b = _flat(old), _flat(new)
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k not in MAY_CHANGE and a.get(k) != b.get(k)]
+
+
+def record_run_config(cfg: SpiceConfig, recipe: str, overrides: list[str], resume: bool,
+                      force: bool = False) -> str:
+    """Compares (on a resume) and writes RUN/config.json; returns the line to print."""
+    path = os.path.join(cfg.run.output_dir, CONFIG_FILE)
+    resolved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    accepted = ""
+    if resume and os.path.exists(path):
+        try:
+            with open(path) as f:
+                previous = json.load(f)["config"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path}: unreadable ({type(e).__name__}: {e}); move it away to resume with the "
+                            "command line's config") from None
+        changes = config_changes(previous, resolved)
+        if changes and not force:
+            more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+            raise UserError(f"--resume: the config differs from the run's ({path}): {changes[0]}{more}; resume with "
+                            "the same recipe and overrides, or pass --force-config to accept the new values")
+        accepted = f", {len(changes)} changed value(s) accepted (--force-config)" if changes else ""
+    os.makedirs(cfg.run.output_dir, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"recipe": recipe, "overrides": list(overrides), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                   "config": resolved}, f, indent=1)
+    os.replace(tmp, path)
+    shown = " ".join(overrides) if overrides else "none"
+    return f"config: {path} (recipe {recipe}; overrides: {shown}{accepted})"

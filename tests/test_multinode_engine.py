@@ -1,0 +1,71 @@
+"""Issue 63's engine across nodes, on this machine: vLLM's multi-node serving with the `mp` executor,
+the leader (node 0) our HTTP service, the follower (node 1) `spice_megatron.rollout.follower`, each a
+process of its own holding one of the engine's two tensor-parallel workers, reaching each other
+through the leader's torch.distributed store (gloo on CPU, NCCL on GPU). What a Slurm job does
+with two hosts, on one: the same processes and the same TCP rendezvous, not a stand-in."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from dist_utils import free_port, run_ranks
+from test_rollout import ENGINE_ARGS, PROMPTS, TOKEN, _in_process_greedy, _learner_sends, greedy, status
+
+from spice_megatron.offline_assets import make_tiny_engine_model
+from spice_megatron.rollout.fleet import RolloutFleet
+from spice_megatron.rollout.local import start_engine, wait_healthy
+from spice_megatron.wire.auth import TOKEN_ENV
+
+
+@pytest.mark.slow
+def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_follower(tmp_path):
+    a = make_tiny_engine_model(str(tmp_path / "a"), "qwen3", seed=1)
+    b = make_tiny_engine_model(str(tmp_path / "b"), "qwen3", seed=2)
+    master = free_port()
+    span = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
+            str(master), "--watch-port", str(free_port()), *ENGINE_ARGS]
+    follower_log = open(tmp_path / "follower.log", "w")
+    follower = subprocess.Popen([sys.executable, "-m", "spice_megatron.rollout.follower", "--model", a,
+                                 "--node-rank", "1", *span], stdout=follower_log, stderr=subprocess.STDOUT,
+                                start_new_session=True,  # its group: vLLM's workers and resource tracker
+                                env={**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN})  # every worker checks
+    leader = start_engine(a, TOKEN, str(tmp_path), extra=span, env={"OMP_NUM_THREADS": "1"})
+    try:
+        wait_healthy([leader], timeout=600)
+        assert status(leader.url)["workers"] == 2  # the weight sync's receivers: one worker per node
+        (alone,) = run_ranks(_in_process_greedy, 1, a, PROMPTS, 12, tmp_path=tmp_path)
+        assert greedy(leader.url) == alone  # TP=2 over two nodes decodes what one process does
+
+        go, joined = str(tmp_path / "go"), str(tmp_path / "joined")
+        open(go, "w").close()
+        sent = {}
+        learner = threading.Thread(target=lambda: sent.update(r=run_ranks(
+            _learner_sends, 1, b, free_port(), 3, 2, [leader.url], go, joined, tmp_path=tmp_path)))
+        learner.start()
+        learner.join(600)
+        assert "r" in sent, "the weight sync did not finish"
+        fleet = RolloutFleet([leader.url], TOKEN)
+        fleet.barrier(3)
+        (fresh,) = run_ranks(_in_process_greedy, 1, b, PROMPTS, 12, tmp_path=tmp_path)
+        assert greedy(leader.url) == fresh != alone  # both workers took the new weights, checked per tensor
+        fleet.close()
+
+        follower.kill()  # a follower's death is the engine's (rollout/node_watch.py): the leader exits, to be
+        deadline = time.monotonic() + 60  # restarted whole; vLLM alone would wait in its next collective
+        while leader.alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not leader.alive(), "the leader outlived its follower"
+        assert "follower 127.0.0.1" in open(leader.log_path).read()
+    finally:
+        leader.stop()
+        try:
+            os.killpg(follower.pid, signal.SIGKILL)  # the follower and every process it started
+        except ProcessLookupError:
+            pass
+        follower.wait(30)
+        follower_log.close()
