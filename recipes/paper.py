@@ -176,8 +176,8 @@ def deepseek_v3() -> SpiceConfig:
     so the learner is PP=1: 32 nodes at TP=8, EP=256 (one routed expert
     per GPU per MoE layer), full recompute (a 12,288-token sequence's saved activations would be 55
     GiB at TP=8). 1.34 TB of bf16 weights need engines wider than a node: 2 engines x TP=32 (four
-    nodes each, vLLM's multi-node tensor parallelism; slurm/rollout_node.sh starts one engine per
-    node, so a cluster starts these engines itself and passes rollout.engines). The FP8 checkpoint
+    nodes each, vLLM's multi-node tensor parallelism: slurm/rollout_node.sh starts a leader and three
+    followers per engine; slurm/spice_deepseek_v3.sbatch). The FP8 checkpoint
     is dequantized on import; engines serve its bf16 copy (`spice convert bf16`, rollout.model)."""
     cfg = _engine_experts(paper_config("deepseek_v3", "deepseek-ai/DeepSeek-V3-Base", nodes=40, learner_nodes=32,
                                        tp=8, pp=1, ep=256, engine_tp=32, template="chat"))

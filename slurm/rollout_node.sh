@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Runs on one rollout node (in its container, if any): one vLLM rollout service per group of
 # SPICE_ENGINE_TP GPUs; engine i of this node (the step's SLURM_NODEID k) listens on
-# SPICE_ROLLOUT_PORT + k * engines per node + i. An engine that exits is started again on its port
+# SPICE_ROLLOUT_PORT + k * engines per node + i. An engine wider than a node (SPICE_ENGINE_TP a
+# multiple of the node's GPUs) spans SPICE_ENGINE_TP / GPUs consecutive rollout nodes: the first one
+# leads it (the project's API on SPICE_ROLLOUT_PORT + k, vLLM's torch.distributed store on
+# SPICE_ENGINE_MASTER_PORT + 2 * engine, default 29600, and its follower watch on the port after), each
+# other node runs a headless follower on all its GPUs (rollout/follower.py); the engine lives and dies
+# whole, and each node restarts its part, so a dead follower restarts the engine. An engine that exits is started again on its port
 # and GPUs (up to SPICE_ENGINE_RESTARTS times per engine, default 3; each logged): the trainer sees
 # it come back at weights version 0 and sends it the current weights, so the kill -9 of one engine
 # costs no requeue. Colocated jobs (SPICE_SLEEP_MODE=1) start the engines asleep (SPICE_START_ASLEEP=1)
@@ -24,41 +29,64 @@ node=${SLURMD_NODENAME:-$(hostname -s)}
 node_index=${SLURM_NODEID:-0}
 restarts_allowed=${SPICE_ENGINE_RESTARTS:-3}
 seed=${SPICE_SEED:-1234}
-for name in engine_tp port gpus node_index restarts_allowed seed; do
+master_port=${SPICE_ENGINE_MASTER_PORT:-29600}
+for name in engine_tp port gpus node_index restarts_allowed seed master_port; do
   if [[ ! ${!name} =~ ^[0-9]+$ ]]; then
     echo "rollout_node.sh: $name=${!name} (from the environment) is not a whole number" >&2
     exit 2
   fi
 done
+IFS=, read -ra addrs <<< "${SPICE_ROLLOUT_NODES:-}"
 host=${SPICE_ENGINE_HOST:-}
 if [[ -z $host ]]; then
-  IFS=, read -ra addrs <<< "${SPICE_ROLLOUT_NODES:-}"
   host=${addrs[node_index]:-}
   ip=$(getent ahosts "$host" 2>/dev/null | awk 'NR == 1 {print $1}') || ip=""
   if [[ -z $host || -z $ip || $ip == 127.* || $ip == ::1 ]]; then host=0.0.0.0; fi
 fi
 mkdir -p "$log_dir"
 
-if (( gpus % engine_tp != 0 )); then
+span=1  # the nodes one engine spans
+if (( engine_tp > gpus )); then
+  span=$(( engine_tp / gpus ))
+  if (( engine_tp % gpus != 0 || ${#addrs[@]} % span != 0 )) || [[ -n ${SPICE_SLEEP_MODE:-} ]]; then
+    echo "rollout_node.sh: an engine of SPICE_ENGINE_TP=$engine_tp spans whole nodes of $gpus GPUs: it needs a" \
+         "multiple of $gpus, a multiple of its $span node(s) in SPICE_ROLLOUT_NODES (${#addrs[@]}), and rollout" \
+         "nodes of its own (not colocated)" >&2
+    exit 2
+  fi
+elif (( gpus % engine_tp != 0 )); then
   echo "rollout_node.sh: $gpus GPUs on $node are not a multiple of SPICE_ENGINE_TP=$engine_tp" >&2
   exit 2
 fi
 
-engines=$(( gpus / engine_tp ))
-first_port=$(( port + node_index * engines ))
+engines=$(( span > 1 ? 1 : gpus / engine_tp ))
+group=$(( node_index / span ))  # this node's engine, across nodes
+leader=$(( group * span ))  # the node that leads it (this one when an engine fits a node)
+node_rank=$(( node_index - leader ))
+first_port=$(( port + leader * engines ))
+span_args=()
+if (( span > 1 )); then
+  span_args=(--nnodes "$span" --master-addr "${addrs[leader]}" --master-port $(( master_port + 2 * group ))
+             --watch-port $(( master_port + 2 * group + 1 )))
+fi
 
 start_engine() {  # engine $1 on its GPUs and port, appending to its log; $2: its first start
-  local i=$1 first=${2:-} devices
+  local i=$1 first=${2:-} devices role
   devices=$(seq -s, $(( i * engine_tp )) $(( (i + 1) * engine_tp - 1 )))
-  CUDA_VISIBLE_DEVICES=$devices python -m spice_megatron.rollout.serve \
-    --model "$SPICE_MODEL" --host "$host" --port $(( first_port + i )) \
+  role=(spice_megatron.rollout.serve --host "$host" --port $(( first_port + i )))
+  if (( span > 1 )); then
+    devices=$(seq -s, 0 $(( gpus - 1 )))  # every GPU of the node: its share of the engine's workers
+    if (( node_rank > 0 )); then role=(spice_megatron.rollout.follower --node-rank "$node_rank"); fi
+  fi
+  CUDA_VISIBLE_DEVICES=$devices python -m "${role[@]}" "${span_args[@]}" \
+    --model "$SPICE_MODEL" \
     --tensor-parallel-size "$engine_tp" ${SPICE_ENGINE_EXPERT_PARALLEL:+--enable-expert-parallel} \
     --max-model-len "${SPICE_MAX_MODEL_LEN:-12288}" \
     --gpu-memory-utilization "${SPICE_GPU_MEMORY_UTILIZATION:-0.85}" \
     --weight-transfer "${SPICE_WEIGHT_TRANSFER:-spice}" \
     ${SPICE_SLEEP_MODE:+--enable-sleep-mode} ${first:+${SPICE_START_ASLEEP:+--start-asleep}} \
-    --seed $(( seed + 1000 * node_index + i )) \
-    >> "$log_dir/rollout_${node}_$(( first_port + i )).log" 2>&1 &
+    --seed $(( seed + 1000 * leader + i )) \
+    >> "$log_dir/rollout_${node}_$(( first_port + i ))$( (( node_rank > 0 )) && echo "_node$node_rank").log" 2>&1 &
   pids[i]=$!
 }
 
@@ -68,7 +96,12 @@ for (( i = 0; i < engines; i++ )); do
   start_engine "$i" first
   restarts[i]=0
 done
-echo "rollout_node.sh: $node started $engines engine(s) (TP=$engine_tp) on ports $first_port..$(( first_port + engines - 1 ))"
+if (( span > 1 )); then
+  echo "rollout_node.sh: $node started node $node_rank of $span of the engine (TP=$engine_tp) led by" \
+       "${addrs[leader]}:$first_port"
+else
+  echo "rollout_node.sh: $node started $engines engine(s) (TP=$engine_tp) on ports $first_port..$(( first_port + engines - 1 ))"
+fi
 
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT TERM INT
 set +e

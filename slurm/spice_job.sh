@@ -27,6 +27,10 @@
 #                     docs/weight-sync.md)
 #   ROLLOUT_PORT      first engine port (default: 8100); engine i of rollout node k listens on
 #                     ROLLOUT_PORT + k * engines per node + i, so that nodes sharing a host do not collide
+#   ENGINE_TP         GPUs per engine; a multiple of GPUS_PER_NODE spans that many whole rollout nodes
+#                     (vLLM's multi-node serving; disaggregated jobs only)
+#   SPICE_ENGINE_MASTER_PORT  engines across nodes: engine g's torch.distributed port is this + 2g, its
+#                     follower watch the next (default: 29600)
 #   RDZV_PORT         torchrun rendezvous port on the first learner node (default: 29500)
 #   HEALTH_TIMEOUT    seconds to wait for the engines (default: 1800)
 #   MAX_RESTARTS      requeues after a failure (default: 3); time-limit requeues are not counted
@@ -172,6 +176,26 @@ else
   LEARNER=("${NODES[@]:0:LEARNER_NODES}")
   ROLLOUT=("${NODES[@]:LEARNER_NODES}")
 fi
+# An engine wider than a node spans ENGINE_TP / GPUS_PER_NODE whole rollout nodes (slurm/rollout_node.sh:
+# a leader and headless followers), never a colocated job's: vLLM's CUDA IPC and sleep mode stay in a node.
+ENGINE_NODES=1
+if (( ENGINE_TP > GPUS_PER_NODE )); then
+  ENGINE_NODES=$(( ENGINE_TP / GPUS_PER_NODE ))
+  if [[ $COLOCATE == 1 ]]; then
+    echo "spice: ENGINE_TP=$ENGINE_TP spans $ENGINE_NODES nodes of $GPUS_PER_NODE GPUs; colocated engines stay within" \
+         "a node: use the disaggregated placement (COLOCATE=0 with LEARNER_NODES, rollout nodes of its own) or" \
+         "ENGINE_TP <= $GPUS_PER_NODE; not starting" >&2
+    exit 2
+  fi
+  if (( ENGINE_TP % GPUS_PER_NODE != 0 || ${#ROLLOUT[@]} % ENGINE_NODES != 0 )); then
+    echo "spice: ENGINE_TP=$ENGINE_TP over nodes of $GPUS_PER_NODE GPUs needs a multiple of $GPUS_PER_NODE and a" \
+         "rollout node count (${#ROLLOUT[@]}) that is a multiple of $ENGINE_NODES; not starting" >&2
+    exit 2
+  fi
+elif (( GPUS_PER_NODE % ENGINE_TP != 0 )); then
+  echo "spice: GPUS_PER_NODE=$GPUS_PER_NODE is not a multiple of ENGINE_TP=$ENGINE_TP; not starting" >&2
+  exit 2
+fi
 learner_list=$(IFS=,; echo "${LEARNER[*]}")
 rollout_list=$(IFS=,; echo "${ROLLOUT[*]}")
 # Every srun names its task count: the allocation's SLURM_NTASKS (one task per node) is inherited
@@ -197,7 +221,7 @@ SPICE_ROLLOUT_TOKEN=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 export SPICE_ROLLOUT_TOKEN
 SPICE_ROLLOUT_NODES=$(IFS=,; echo "${ROLLOUT_ADDRS[*]}")
 export SPICE_ROLLOUT_NODES
-export SPICE_ENGINES_PER_NODE=$(( GPUS_PER_NODE / ENGINE_TP ))
+export SPICE_ENGINES_PER_NODE=$(( ENGINE_NODES > 1 ? 1 : GPUS_PER_NODE / ENGINE_TP )) SPICE_ENGINE_NODES=$ENGINE_NODES
 export SPICE_ROLLOUT_PORT=$ROLLOUT_PORT SPICE_ENGINE_TP=$ENGINE_TP SPICE_MAX_MODEL_LEN=$MAX_MODEL_LEN
 # mixture-of-experts recipes: vLLM's expert parallelism inside each engine (ENGINE_EP=1 in the sbatch)
 if [[ "${ENGINE_EP:-0}" == 1 ]]; then export SPICE_ENGINE_EXPERT_PARALLEL=1; fi
@@ -275,6 +299,7 @@ trap 'kill "$rollout_pid" 2>/dev/null || true' EXIT
 # --- wait until every engine answers /health
 deadline=$(( SECONDS + HEALTH_TIMEOUT ))
 for k in "${!ROLLOUT_ADDRS[@]}"; do
+  if (( k % ENGINE_NODES != 0 )); then continue; fi  # an engine across nodes answers on its leader
   for (( i = 0; i < SPICE_ENGINES_PER_NODE; i++ )); do
     url="http://${ROLLOUT_ADDRS[k]}:$(( ROLLOUT_PORT + k * SPICE_ENGINES_PER_NODE + i ))/health"
     until curl -sf -o /dev/null --max-time 5 "$url"; do
@@ -292,7 +317,7 @@ for k in "${!ROLLOUT_ADDRS[@]}"; do
     done
   done
 done
-echo "spice: ${#ROLLOUT[@]} x $SPICE_ENGINES_PER_NODE rollout engine(s) healthy$( [[ $COLOCATE == 1 ]] && echo ' (asleep until the learner has built)')"
+echo "spice: $(( ${#ROLLOUT[@]} * SPICE_ENGINES_PER_NODE / ENGINE_NODES )) rollout engine(s) of TP=$ENGINE_TP healthy$( [[ $COLOCATE == 1 ]] && echo ' (asleep until the learner has built)')"
 
 # --- learner: torchrun over the learner nodes; always --resume (a requeued job continues)
 srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" "${overlap[@]}" \

@@ -395,6 +395,14 @@ class SpiceConfig:
                  "GPUs of its own and name them here")
         _require(not self.run.colocate or self.rollout.weight_transfer in ("ipc", "spice"), "rollout.weight_transfer",
                  "with run.colocate use ipc (GPU) or spice (CPU): nccl cannot put two ranks on one GPU")
+        etp, gpus = self.rollout.engine_tensor_parallel, self.cluster.gpus_per_node
+        _require(etp <= gpus or etp % gpus == 0, "rollout.engine_tensor_parallel",
+                 f"{etp} over nodes of cluster.gpus_per_node={gpus}: an engine wider than a node spans whole nodes "
+                 f"(a multiple of {gpus})")
+        _require(etp <= gpus or not self.run.colocate, "rollout.engine_tensor_parallel",
+                 f"{etp} spans {etp // gpus} nodes of {gpus} GPUs, and colocated engines stay within a node (vLLM's "
+                 f"sleep mode and CUDA IPC do not cross nodes): use run.colocate=false with rollout nodes of their own "
+                 f"(spice plan --choose picks a layout), or at most {gpus}")
         _require(self.parallel.context_parallel == 1 or self.train.shared_prefix != "on", "parallel.context_parallel",
                  "shared-prefix packed rows cannot be split over context-parallel ranks yet; set train.shared_prefix "
                  "off (auto turns it off)")

@@ -14,7 +14,7 @@ On Slurm one job holds both roles: the rollout services on the last nodes (slurm
 one srun task per node; colocated recipes, run.colocate: on every node, beside the learner, started
 asleep) and the learner on the first ones (one srun task per GPU; Megatron reads
 SLURM_PROCID). They meet through the environment the job exports (SPICE_ROLLOUT_NODES,
-SPICE_ENGINES_PER_NODE, SPICE_ROLLOUT_PORT, SPICE_ROLLOUT_TOKEN); the learner waits for the engines
+SPICE_ENGINES_PER_NODE, SPICE_ENGINE_NODES, SPICE_ROLLOUT_PORT, SPICE_ROLLOUT_TOKEN); the learner waits for the engines
 to be healthy (rollout.health_timeout). NeMo-Run requeues a failed job up to --retries times and the
 learner always starts with --resume; after the kill switch (exit code 3, which NeMo-Run's script
 requeues like any failure) the learner refuses to resume and the requeued job ends at once.
@@ -111,6 +111,11 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     elif rollout_nodes < 1:
         raise ValueError(f"cluster.nodes={cfg.cluster.nodes}: a Slurm run needs at least one rollout node")
     gpus = cfg.cluster.gpus_per_node
+    etp = cfg.rollout.engine_tensor_parallel
+    engine_nodes = max(1, etp // gpus)  # an engine wider than a node: a leader and followers (rollout_node.sh)
+    if rollout_nodes % engine_nodes:
+        raise ValueError(f"rollout.engine_tensor_parallel={etp}: each engine spans {engine_nodes} nodes of {gpus} "
+                         f"GPUs, which {rollout_nodes} rollout node(s) do not divide into")
     if not output_dir:
         raise ValueError("--output: a Slurm run needs an output directory under one of the --mount destinations "
                          "(shared storage): checkpoints, metrics and hf_final are lost in the container otherwise")
@@ -153,7 +158,7 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
         f"+{1 if colocated else learner_nodes + 1}); do scontrol show node -o \"$n\" | grep -o 'NodeAddr=[^ ]*' | cut "
         "-d= -f2; done "
         f'| paste -sd, -)"',
-        f"export SPICE_ENGINES_PER_NODE={gpus // cfg.rollout.engine_tensor_parallel} "
+        f"export SPICE_ENGINES_PER_NODE={max(1, gpus // etp)} SPICE_ENGINE_NODES={engine_nodes} "
         f"SPICE_ROLLOUT_PORT={_port('SPICE_ROLLOUT_PORT', ROLLOUT_PORT)}",
     ])
 
@@ -176,7 +181,8 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     rollout = executor([f"--nodes={rollout_nodes}", f"--ntasks={rollout_nodes}", "--ntasks-per-node=1",
                         f"--relative={0 if colocated else learner_nodes}", *overlap],
                        {"SPICE_MODEL": cfg.rollout.model or model_dir,
-                        "SPICE_ENGINE_TP": str(cfg.rollout.engine_tensor_parallel),
+                        "SPICE_ENGINE_TP": str(etp),
+                        "SPICE_ENGINE_MASTER_PORT": str(_port("SPICE_ENGINE_MASTER_PORT", 29600)),
                         "SPICE_MAX_MODEL_LEN": str(cfg.rollout.max_model_len), "SPICE_GPUS_PER_NODE": str(gpus),
                         "SPICE_GPU_MEMORY_UTILIZATION": str(cfg.rollout.gpu_memory_utilization),
                         "SPICE_WEIGHT_TRANSFER": cfg.rollout.weight_transfer,

@@ -201,9 +201,15 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                         f"{cluster.gpu_memory_gib:.0f} GiB beside the learner's resident {resident:.1f} GiB exceeds "
                         f"{budget:.1f} GiB ({headroom:.0%}); at most "
                         f"{(budget - resident) / cluster.gpu_memory_gib:.2f} (`spice plan --choose` picks it)")
-    # engines inside a node first; TP=16 (two nodes, its all-reduces over InfiniBand) when none fits
+    # engines inside a node first; then across up to four whole nodes (slurm/rollout_node.sh starts a leader
+    # and followers; their all-reduces over InfiniBand), never colocated (sleep mode and IPC stay in a node)
     engine_tps = [cfg.rollout.engine_tensor_parallel] if not choose else [
-        t for t in powers_of_two(min(16, 2 * cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0]
+        t for t in powers_of_two(min(4 * cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0
+        and (t <= cluster.gpus_per_node or not colocate and t % cluster.gpus_per_node == 0)]
+    if colocate and engine_tps[-1] > cluster.gpus_per_node:
+        raise PlanError(f"rollout: engine TP={engine_tps[-1]} spans nodes and colocated engines stay within a node of "
+                        f"{cluster.gpus_per_node} GPUs; use the disaggregated placement (run.colocate=false) or "
+                        f"rollout.engine_tensor_parallel <= {cluster.gpus_per_node}")
     for etp in engine_tps:
         em = engine_memory(spec, etp, cluster.gpu_memory_gib, utilization, cfg.rollout.max_model_len)
         if em.kv_tokens >= min_engine_kv_tokens and em.max_sequences >= 1 and rollout_gpus % etp == 0:
@@ -244,9 +250,9 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     if tp > 1 and cluster.nodes > 1:
         notes.append("TP stays within a node; PP and DP cross nodes")
     if etp > cluster.gpus_per_node:
-        notes.append(f"engine TP={etp} spans {etp // cluster.gpus_per_node} nodes: slurm/rollout_node.sh and the "
-                     "colocated launch start engines within a node; start these with vLLM's multi-node serving and "
-                     "pass rollout.engines")
+        notes.append(f"engine TP={etp} spans {etp // cluster.gpus_per_node} nodes: slurm/rollout_node.sh starts a "
+                     f"leader and {etp // cluster.gpus_per_node - 1} follower(s) per engine (vLLM's multi-node serving; "
+                     "its all-reduces cross the inter-node fabric)")
     if ep > cluster.gpus_per_node:
         notes.append(f"EP={ep} spans nodes: the experts' all-to-all crosses the inter-node fabric")
     if tokens > cfg.train.micro_batch_tokens:

@@ -146,15 +146,18 @@ def rollout_urls_from_env(env: dict | None = None) -> list[str]:
     """Engine addresses handed over by a cluster launcher (slurm/*.sbatch, nemo_launcher.py):
     SPICE_ROLLOUT_NODES (comma-separated hosts), SPICE_ENGINES_PER_NODE and SPICE_ROLLOUT_PORT
     (engine i of rollout node k listens on port + k * engines per node + i, as slurm/rollout_node.sh
-    starts them: rollout nodes that share a host do not collide). Empty when SPICE_ROLLOUT_NODES is
-    unset."""
+    starts them: rollout nodes that share a host do not collide). An engine across
+    SPICE_ENGINE_NODES > 1 nodes answers on its first node only (its leader). Empty when
+    SPICE_ROLLOUT_NODES is unset."""
     env = os.environ if env is None else env
     hosts = [h.strip() for h in env.get("SPICE_ROLLOUT_NODES", "").split(",") if h.strip()]
     if not hosts:
         return []
     per_node = int(env.get("SPICE_ENGINES_PER_NODE", "1"))
+    span = int(env.get("SPICE_ENGINE_NODES", "1"))
     port = int(env.get("SPICE_ROLLOUT_PORT", "8100"))
-    return [f"http://{h}:{port + k * per_node + i}" for k, h in enumerate(hosts) for i in range(per_node)]
+    return [f"http://{h}:{port + k * per_node + i}" for k, h in enumerate(hosts) if k % span == 0
+            for i in range(per_node)]
 
 
 def global_rank() -> int:

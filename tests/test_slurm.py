@@ -76,8 +76,8 @@ elif name == "srun" and "spice_megatron.torchrun" in argv:
             time.sleep(0.2)
         open(os.path.join(out, "checkpointed"), "w").close()
         sys.exit(1)  # the trainer exits 130 (Interrupted); torchrun reports 1
-elif name == "python":  # rollout_node.sh starting one engine
-    port = argv[argv.index("--port") + 1]
+elif name == "python":  # rollout_node.sh starting one engine, or its follower on this node
+    port = opt("--port", "follower")
     if port == os.environ.get("FAKE_EXIT_PORT"):
         time.sleep(1); sys.exit(7)
     time.sleep(120)
@@ -194,14 +194,15 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     assert any("rollout_%N" in a for a in rollout["argv"]) and any("learner_%N" in a for a in learner["argv"])
     # the engines are healthy before the learner starts
     order = [c["cmd"] + (":learner" if "spice_megatron.torchrun" in c["argv"] else "") for c in calls]
-    engines = len(rollouts)
-    per_node = 8 // int(s["ENGINE_TP"])
+    per_node = max(1, 8 // int(s["ENGINE_TP"]))
+    span = max(1, int(s["ENGINE_TP"]) // 8)  # an engine wider than a node answers on its first node
     health = [c["argv"][-1] for c in calls if c["cmd"] == "curl"]
     # the engines at Slurm's node addresses; engine i of rollout node k on 8100 + k * per_node + i
     addrs = [f"10.0.0.{nodes.index(h)}" for h in rollouts]
-    assert sorted(health) == sorted(f"http://{a}:{8100 + k * per_node + i}/health"
-                                    for k, a in enumerate(addrs) for i in range(per_node))
-    assert len(health) == engines * per_node and order.index("srun:learner") > max(
+    expected = [f"http://{a}:{8100 + k * per_node + i}/health" for k, a in enumerate(addrs) if k % span == 0
+                for i in range(per_node)]
+    assert sorted(health) == sorted(expected)
+    assert len(health) == len(rollouts) * per_node // span and order.index("srun:learner") > max(
         i for i, o in enumerate(order) if o == "curl")
     # torchrun rendezvous over the learner nodes; the recipe, resume and overrides reach the trainer
     a = learner["argv"]
@@ -211,12 +212,13 @@ def test_sbatch_launches_rollout_then_learner(script, fake_bin, tmp_path):
     # addresses and token through the environment, the token never on a command line
     env = learner["env"]
     assert env["SPICE_ROLLOUT_NODES"] == ",".join(addrs) and env["SPICE_ENGINES_PER_NODE"] == str(per_node)
+    assert env["SPICE_ENGINE_NODES"] == str(span)
     assert len(env["SPICE_ROLLOUT_TOKEN"]) == 32 and rollout["env"]["SPICE_ROLLOUT_TOKEN"] == env["SPICE_ROLLOUT_TOKEN"]
     assert all(env["SPICE_ROLLOUT_TOKEN"] not in " ".join(c["argv"]) for c in calls)
     # NCCL's default cuMem (NVLS for the learner's collectives): no node holds a sender and an engine
     assert "NCCL_CUMEM_ENABLE" not in env and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     from spice_megatron.torchrun import rollout_urls_from_env
-    assert len(rollout_urls_from_env(env)) == engines * per_node
+    assert [u + "/health" for u in rollout_urls_from_env(env)] == expected
     assert not [c for c in calls if c["cmd"] == "scontrol" and "requeue" in c["argv"]]
 
 
@@ -335,6 +337,45 @@ def test_rollout_node_passes_expert_parallelism_to_moe_engines(fake_bin, tmp_pat
                    timeout=60)
     (engine,) = [c for c in _records(log) if c["cmd"] == "python"]
     assert "--enable-expert-parallel" in engine["argv"]
+
+
+def test_rollout_node_starts_the_leader_or_a_follower_of_an_engine_across_nodes(fake_bin, tmp_path):
+    """Engines of TP=16 over nodes of 8 GPUs on four rollout nodes: two engines of two nodes each. Node 2
+    leads the second engine (the API on port 8100 + 2), node 3 runs its follower; both on every GPU of
+    their node, with the same span and seed, restarted on their own when they exit."""
+    log = tmp_path / "calls.jsonl"
+    base = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+            "SPICE_MODEL": "/models/big", "SPICE_ROLLOUT_TOKEN": "t" * 32, "SPICE_ENGINE_TP": "16",
+            "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": "8100", "SPICE_LOG_DIR": str(tmp_path / "logs"),
+            "SPICE_ROLLOUT_NODES": "10.0.0.5,10.0.0.6,10.0.0.7,10.0.0.8", "SPICE_ENGINE_RESTARTS": "1"}
+    for node, exits in (("2", "8102"), ("3", "follower")):
+        r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], capture_output=True, text=True,
+                           env={**base, "SLURM_NODEID": node, "SLURMD_NODENAME": f"gpu00{node}", "FAKE_EXIT_PORT": exits},
+                           timeout=60)
+        assert r.returncode == 7 and "restart 1 of 1" in r.stderr, r.stderr
+    leader, _, follower, _ = [c for c in _records(log) if c["cmd"] == "python"]
+    span = ["--nnodes", "2", "--master-addr", "10.0.0.7", "--master-port", "29602", "--watch-port", "29603"]
+    assert leader["argv"][:5] == ["-m", "spice_megatron.rollout.serve", "--host", "10.0.0.7", "--port"]
+    assert leader["argv"][5:14] == ["8102", *span]
+    assert follower["argv"][:4 + len(span)] == ["-m", "spice_megatron.rollout.follower", "--node-rank", "1", *span]
+    for c in (leader, follower):
+        assert c["env"]["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+        assert c["argv"][c["argv"].index("--tensor-parallel-size") + 1] == "16" and "--seed" in c["argv"]
+        assert c["argv"][c["argv"].index("--seed") + 1] == str(1234 + 2000)  # the same on both nodes
+    assert os.path.exists(tmp_path / "logs" / "rollout_gpu003_8102_node1.log")
+    # an engine that cannot span whole nodes, or would be colocated, is one line and exit 2
+    for bad in ({"SPICE_ENGINE_TP": "12"}, {"SPICE_ROLLOUT_NODES": "a,b,c"}, {"SPICE_SLEEP_MODE": "1"}):
+        r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], capture_output=True, text=True,
+                           env={**base, "SLURM_NODEID": "0", **bad}, timeout=60)
+        assert r.returncode == 2 and "spans whole nodes" in r.stderr, (bad, r.stderr)
+
+
+def test_a_colocated_job_with_an_engine_wider_than_a_node_is_refused_naming_the_placement(fake_bin, tmp_path):
+    r, calls, _, _ = _run_job(os.path.join(ROOT, "slurm", "spice_8b_1node.sbatch"), fake_bin, tmp_path,
+                              SPICE_ENGINE_TP="16")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "colocated engines stay within a node: use the disaggregated placement (COLOCATE=0" in r.stderr
+    assert not [c for c in calls if c["cmd"] == "srun" and "slurm/rollout_node.sh" in c["argv"]]
 
 
 def test_nccl_mismatch_names_a_remedy_that_reaches_torchs_nccl(tmp_path):

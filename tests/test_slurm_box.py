@@ -244,29 +244,73 @@ def test_a_killed_engine_restarts_a_killed_learner_requeues_and_scancel_leaves_a
     print(f"real-Slurm tests c+d: {time.monotonic() - t0:.0f} s")
 
 
+@pytest.mark.timeout(1800)
+def test_an_engine_across_two_nodes_syncs_and_a_killed_follower_restarts_it_whole(box):
+    """g. Issue 63: one learner node and one engine across the two others (ENGINE_TP=2 over nodes of one
+    "GPU"): slurm/rollout_node.sh starts its leader on n2 and a headless follower on n3 (vLLM's
+    multi-node serving, the mp executor, gloo between the two processes), each holding one of the
+    engine's two workers, each worker a receiver of the weight sync that checks every tensor. Held after
+    iteration 2, the follower is killed: the leader follows it, each node restarts its part, the
+    trainer sends the new engine the current weights and the run finishes without a requeue."""
+    from spice_megatron.nemo_launcher import wait_for_job
+
+    env, model, root = box
+    out = str(root / "two_node_engine")
+    os.makedirs(out)
+    hold = _hold(os.path.join(out, "hold"), 2)
+    master = str(free_port())
+    job_env = _job_env(env, model, out, SPICE_LEARNER_NODES="1", SPICE_ENGINE_TP="2",
+                       SPICE_ENGINE_MASTER_PORT=master, SPICE_TEST_HOLD_FILE=hold)
+    port = job_env["ROLLOUT_PORT"]
+    job = _sbatch(job_env, out, "--time=20", iterations=4)
+    _wait_for(hold + ".held", text="2", timeout=1200)
+    follower = subprocess.run(["pgrep", "-f", f"rollout.follower .*--master-port {master}( |$)"], capture_output=True,
+                              text=True).stdout.split()
+    assert len(follower) == 1, follower
+    os.kill(int(follower[0]), signal.SIGKILL)
+    os.remove(hold)
+    state = wait_for_job(job, poll_s=2, timeout_s=1200)
+    log = _log(out, job)
+    assert state == "COMPLETED", log[-4000:]
+    assert "1 rollout engine(s) of TP=2 healthy" in log and "requeueing" not in log
+    rollout = _logs(out, job, 0, "rollout_")
+    assert "node 1 of 2 of the engine (TP=2) led by 127.0.0.1" in rollout
+    assert rollout.count("restart 1 of 3") == 2, rollout[-3000:]  # the follower's node and the leader's
+    assert "is gone: this engine cannot run without it" in _logs(out, job, 0, f"rollout_n2_{port}.log")
+    audit = records(os.path.join(out, "audit.jsonl"))
+    # each iteration's rollouts were served by the weights of the one before, the restarted engine's too
+    assert {(r["iteration"], r["weights_version"]) for r in audit} == {(i, i - 1) for i in range(1, 5)}
+    assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
+    assert not _left_behind(out, port) and not _left_behind(f"--master-port {master}", port)
+
+
 @pytest.mark.timeout(1500)
 def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
     """e. spice launch --recipe tiny_cpu --executor slurm (no container) submits to the
     box through NeMo-Run's own sbatch script and the run completes (NeMo-Run's job directory is the
-    one sbatch reads; status through squeue/scontrol, no sacct)."""
+    one sbatch reads; status through squeue/scontrol, no sacct). One learner node, and the engine
+    across the two others (issue 63: NeMo-Run's rollout group starts its leader and its follower)."""
     env, model, root = box
     out = str(root / "via_nemorun")
     t0 = time.monotonic()
-    port = str(free_port())
+    port, master = str(free_port()), str(free_port())
     r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "launch", "--recipe", "tiny_cpu",
                         "--executor", "slurm",
                         "--account", "box", "--cpu-only", "--wait", "--group-wait", "2", "--time", "00:20:00",
                         "--model-dir", model, "--data-dir", env["SPICE_DATA_DIR"], "--output-dir", out,
-                        "cluster.nodes=2", "cluster.gpus_per_node=1", "run.iterations=1", *TINY_RUN],
+                        "cluster.nodes=3", "cluster.learner_nodes=1", "cluster.gpus_per_node=1",
+                        "rollout.engine_tensor_parallel=2", "run.iterations=1", *TINY_RUN],
                        # not ".../nemo_run": without a container NeMo-Run rewrites every "/nemo_run" in its
                        # script to the job directory, a home path's included
                        cwd=ROOT, env={**env, "NEMORUN_HOME": str(tmp_path / "nemorun_home"), "SPICE_ROLLOUT_PORT": port,
-                                      "SPICE_MASTER_PORT": str(free_port())},
+                                      "SPICE_MASTER_PORT": str(free_port()), "SPICE_ENGINE_MASTER_PORT": master},
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0 and "COMPLETED" in r.stdout, (r.stdout + r.stderr)[-4000:]
     assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1]
     assert weights(out)
-    assert not _left_behind(out, port)
+    logs = os.listdir(os.path.join(out, "logs"))
+    assert f"rollout_n2_{port}.log" in logs and f"rollout_n3_{port}_node1.log" in logs  # a leader, its follower
+    assert not _left_behind(out, port) and not _left_behind(f"--master-port {master}", port)
     print(f"real-Slurm test e: {time.monotonic() - t0:.0f} s")
 
 
