@@ -250,9 +250,9 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     if tp > 1 and cluster.nodes > 1:
         notes.append("TP stays within a node; PP and DP cross nodes")
     if etp > cluster.gpus_per_node:
-        notes.append(f"engine TP={etp} spans {etp // cluster.gpus_per_node} nodes: slurm/rollout_node.sh starts a "
-                     f"leader and {etp // cluster.gpus_per_node - 1} follower(s) per engine (vLLM's multi-node serving; "
-                     "its all-reduces cross the inter-node fabric)")
+        span = etp // cluster.gpus_per_node
+        notes.append(f"engine TP={etp} spans {span} nodes: slurm/rollout_node.sh starts a leader and {span - 1} "
+                     "follower(s) per engine (vLLM's multi-node serving; its all-reduces cross the inter-node fabric)")
     if ep > cluster.gpus_per_node:
         notes.append(f"EP={ep} spans nodes: the experts' all-to-all crosses the inter-node fabric")
     if tokens > cfg.train.micro_batch_tokens:

@@ -259,7 +259,8 @@ def test_spice_plan_command(capsys):
     assert "train.max_staleness" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", PAPER_RECIPES + ("qwen3_30b_a3b", "qwen3_8b_1node", "qwen3_30b_a3b_1node", "deepseek_v3"))
+@pytest.mark.parametrize("name", PAPER_RECIPES + ("qwen3_30b_a3b", "qwen3_8b_1node", "qwen3_30b_a3b_1node",
+                                                  "deepseek_v3"))
 def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     import nemo_run as run
 

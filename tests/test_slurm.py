@@ -349,9 +349,9 @@ def test_rollout_node_starts_the_leader_or_a_follower_of_an_engine_across_nodes(
             "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": "8100", "SPICE_LOG_DIR": str(tmp_path / "logs"),
             "SPICE_ROLLOUT_NODES": "10.0.0.5,10.0.0.6,10.0.0.7,10.0.0.8", "SPICE_ENGINE_RESTARTS": "1"}
     for node, exits in (("2", "8102"), ("3", "follower")):
+        node_env = {"SLURM_NODEID": node, "SLURMD_NODENAME": f"gpu00{node}", "FAKE_EXIT_PORT": exits}
         r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], capture_output=True, text=True,
-                           env={**base, "SLURM_NODEID": node, "SLURMD_NODENAME": f"gpu00{node}", "FAKE_EXIT_PORT": exits},
-                           timeout=60)
+                           env={**base, **node_env}, timeout=60)
         assert r.returncode == 7 and "restart 1 of 1" in r.stderr, r.stderr
     leader, _, follower, _ = [c for c in _records(log) if c["cmd"] == "python"]
     span = ["--nnodes", "2", "--master-addr", "10.0.0.7", "--master-port", "29602", "--watch-port", "29603"]
