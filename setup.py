@@ -45,5 +45,7 @@ setup(
                   # vLLM loads general plugins in every process it starts: its workers get the spice
                   # weight-transfer backend registered before the engine factory looks it up
                   "vllm.general_plugins": [
-                      "spice_weight_transfer=spice_megatron.rollout.engine_transfer:register_spice_backend"]},
+                      "spice_weight_transfer=spice_megatron.rollout.engine_transfer:register_spice_backend",
+                      # a multi-node engine's follower: its workers die with it (rollout/node_watch.py)
+                      "spice_die_with_parent=spice_megatron.rollout.node_watch:die_with_parent"]},
 )

@@ -61,6 +61,11 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
             time.sleep(0.5)
         assert not leader.alive(), "the leader outlived its follower"
         assert "follower 127.0.0.1" in open(leader.log_path).read()
+        # the follower's vLLM workers die with it (node_watch.die_with_parent): on a GPU an orphan would
+        # hold its memory against the restarted follower
+        while _in_group(follower.pid) and time.monotonic() < deadline + 30:
+            time.sleep(0.5)
+        assert not _in_group(follower.pid), "the follower's workers outlived it"
     finally:
         leader.stop()
         try:
@@ -69,3 +74,17 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
             pass
         follower.wait(30)
         follower_log.close()
+
+
+def _in_group(pgid: int) -> list[str]:
+    """The live (not zombie) processes of a process group, by name."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except (OSError, ValueError):
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if entry.isdigit() and fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(stat[stat.index("(") + 1:stat.rindex(")")])
+    return found
