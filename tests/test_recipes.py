@@ -259,6 +259,23 @@ def test_spice_plan_command(capsys):
     assert "train.max_staleness" in capsys.readouterr().err
 
 
+def test_engines_wider_than_a_node_are_planned_as_the_launchers_start_them(capsys):
+    """Issue 63: the plan offers an engine across nodes only where slurm/rollout_node.sh starts one
+    (rollout nodes of its own), and a colocated one is refused naming the placement to use."""
+    from spice_megatron.cli import main
+
+    assert main(["plan", "--recipe", "deepseek_v3"]) == 0
+    out = capsys.readouterr().out
+    assert "2 vLLM engine(s) x TP=32" in out and "do not start" not in out
+    assert "engine TP=32 spans 4 nodes: slurm/rollout_node.sh starts a leader and 3 follower(s)" in out
+    assert main(["plan", "--recipe", "qwen3_235b_a22b", "--nodes", "16", "--choose"]) == 0
+    out = capsys.readouterr().out
+    assert "do not start" not in out and "run.colocate=false" in out.splitlines()[-1]
+    assert main(["plan", "--recipe", "qwen3_32b", "rollout.engine_tensor_parallel=16"]) == 2  # a colocated recipe
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "colocated engines stay within a node" in err and "run.colocate=false" in err
+
+
 @pytest.mark.parametrize("name", PAPER_RECIPES + ("qwen3_30b_a3b", "qwen3_8b_1node", "qwen3_30b_a3b_1node",
                                                   "deepseek_v3"))
 def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
