@@ -6,12 +6,13 @@
 # leads it (the project's API on SPICE_ROLLOUT_PORT + k, vLLM's torch.distributed store on
 # SPICE_ENGINE_MASTER_PORT + 2 * engine, default 29600, and its follower watch on the port after), each
 # other node runs a headless follower on all its GPUs (rollout/follower.py); the engine lives and dies
-# whole, and each node restarts its part, so a dead follower restarts the engine. An engine that exits is started again on its port
-# and GPUs (up to SPICE_ENGINE_RESTARTS times per engine, default 3; each logged): the trainer sees
-# it come back at weights version 0 and sends it the current weights, so the kill -9 of one engine
-# costs no requeue. Colocated jobs (SPICE_SLEEP_MODE=1) start the engines asleep (SPICE_START_ASLEEP=1)
-# so that the learner builds beside them; a restarted one starts awake, to receive the weights at
-# once (on a GPU its memory must then be free: see docs/cluster.md). Past the bound the others are stopped and the script fails, so that srun
+# whole, and each node restarts its part, so a dead follower restarts the engine.
+# An engine that exits is started again on its port and GPUs (up to SPICE_ENGINE_RESTARTS times per
+# engine, default 3; each logged): the trainer sees it come back at weights version 0 and sends it the
+# current weights, so the kill -9 of one engine costs no requeue. Colocated jobs (SPICE_SLEEP_MODE=1)
+# start the engines asleep (SPICE_START_ASLEEP=1) so that the learner builds beside them; a restarted
+# one starts awake, to receive the weights at once (on a GPU its memory must then be free: see
+# docs/cluster.md). Past the bound the others are stopped and the script fails, so that srun
 # (--kill-on-bad-exit) ends the job and Slurm requeues it; the learner resumes from its checkpoint.
 # Each engine listens on this node's address as the trainer knows it (its entry in
 # SPICE_ROLLOUT_NODES), or on every interface where that name resolves to loopback here;
