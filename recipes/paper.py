@@ -233,7 +233,8 @@ def qwen3_235b_a22b() -> SpiceConfig:
     in uneven stages (11 on the first and last, 12 on the six between, as NeMo-RL lays it out), every
     layer recomputed in the backward; 4 engine nodes of one TP=8 engine each at 0.92 of the GPU (470 GB
     of bf16 weights leave ~14 GiB of KV cache per GPU). NeMo-RL's 128-GPU figure needs the engines
-    colocated at TP=16 across two nodes, which the colocated launch does not start yet (docs/layouts.md).
+    colocated at TP=16 across two nodes, which colocated jobs refuse (sleep mode and CUDA IPC stay within a
+    node; docs/layouts.md); on 16 nodes `spice plan --choose` takes TP=8 engines on rollout nodes instead.
     Qwen3-235B-A22B has no published base checkpoint: the post-trained model stands in."""
     cfg = _engine_experts(paper_config("qwen3_235b_a22b", "Qwen/Qwen3-235B-A22B", nodes=20, learner_nodes=16, tp=4,
                                        pp=8, ep=16, engine_tp=8, template="qwen3"))
