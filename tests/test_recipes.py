@@ -663,8 +663,9 @@ def test_rank_layouts_lists_every_fitting_layout_fastest_first_and_choose_is_amo
 
 def test_each_gpu_part_has_its_links_and_engines_and_experts_span_nodes_where_that_pays():
     """B200's NVLink 5 doubles the in-node collectives' bandwidth; H200 nodes have H100's links.
-    Qwen3-235B colocated on 128 H100s: no engine within a node leaves a KV cache beside the learner,
-    so --choose takes TP=16 engines and says that the project's launchers do not start them."""
+    Qwen3-235B colocated on 128 H100s: no engine within a node leaves a KV cache beside the learner, and
+    colocated engines stay within a node (issue 63: no launcher starts one across nodes), so it does not
+    fit colocated. On H200s it does, and its experts spread over a stage's nodes where that pays."""
     from spice_megatron.plan_costs import Throughput
 
     h100, h200, b200 = (Throughput.for_gpu(g) for g in ("h100", "h200", "b200"))
@@ -673,10 +674,14 @@ def test_each_gpu_part_has_its_links_and_engines_and_experts_span_nodes_where_th
     cfg = get_recipe("qwen3_235b_a22b")
     cfg.cluster.nodes, cfg.cluster.learner_nodes, cfg.run.colocate = 16, 0, True
     cfg.train.max_staleness, cfg.rollout.weight_transfer = 0, "ipc"
-    plan = plan_layout(cfg, choose=True)
-    assert plan.engine_tp == 16 and plan.gpus == 128
-    assert any("engine TP=16 spans 2 nodes" in n and "rollout.engines" in n for n in plan.notes)
+    with pytest.raises(PlanError, match="with engine TP=8 the KV cache"):
+        plan_layout(cfg, choose=True)
     assert plan_layout(get_recipe("qwen3_32b"), choose=True).engine_tp <= 8
+    cfg = get_recipe("qwen3_235b_a22b_h200")
+    cfg.cluster.nodes, cfg.cluster.learner_nodes, cfg.run.colocate = 16, 0, True
+    cfg.train.max_staleness, cfg.rollout.weight_transfer = 0, "ipc"
+    plan = plan_layout(cfg, choose=True)
+    assert plan.engine_tp == 8 and plan.gpus == 128
     # the experts across the stage's nodes: ranked by the planned iteration against experts in a node
     from spice_megatron.plan_choice import compare_placements
 
