@@ -149,7 +149,7 @@ class StubEngine:
 
     version, model_dir, workers, weight_transfer, quantization = "3", "/lustre/proj/secret_model_path", 1, "spice", None
     paused = updating = False
-    steps = admissions = sleeps = wakes = requests_while_asleep = 0
+    steps = admissions = sleeps = wakes = requests_while_asleep = running = 0
     sleeping: set = set()
 
     def submit(self, requests_):
@@ -777,3 +777,51 @@ def test_the_nemo_run_script_keeps_hostile_values_inert(tmp_path, monkeypatch):
         slurm_experiment("qwen3_8b", account="acct", partition="p", container_image="/images/x.sqsh",
                          model_dir="/models/m", data_dir="/data", output_dir="/results/r",
                          mounts=["/lustre:/models;id"], job_dir=str(tmp_path / "nemorun"))
+
+
+def test_a_request_posted_again_under_its_id_gets_the_first_posts_answer_without_a_second_run():
+    """The fleet posts a request again under its id when its read timed out on a working engine
+    (rollout/fleet.py): the engine runs it once; an id's answer, once taken, is not kept."""
+    from concurrent.futures import Future
+
+    class CountingEngine(StubEngine):
+        submitted = 0
+        answer: Future | None = None
+
+        def submit(self, requests_):
+            type(self).submitted += 1
+            type(self).answer = super().submit(requests_)
+            if self.submitted == 1:  # the first run is slow: its answer comes after the client gave up
+                slow = Future()
+                threading.Timer(1.5, lambda: slow.set_result(self.answer.result())).start()
+                return slow
+            return self.answer
+
+    import uvicorn
+
+    from spice_megatron.rollout.serve import build_app
+
+    port = free_port()
+    app = build_app(CountingEngine(), TOKEN, port)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                requests.get(url + "/health", timeout=1)
+                break
+            except requests.RequestException:
+                time.sleep(0.05)
+        body = {"prompts": ["a", "b"], "sampling": {"n": 2, "max_tokens": 4}, "request_id": "r" * 32}
+        with pytest.raises(requests.ReadTimeout):
+            signed_request("POST", url, "/generate", TOKEN, body, 0.5)
+        first = signed_request("POST", url, "/generate", TOKEN, body).json()  # posted again: the same run
+        assert CountingEngine.submitted == 1 and len(first["completions"]) == 2
+        second = signed_request("POST", url, "/generate", TOKEN, body).json()  # taken: a new run
+        assert CountingEngine.submitted == 2 and second["completions"] == first["completions"]
+        assert signed_request("GET", url, "/status", TOKEN).json()["running"] == 0
+    finally:
+        server.should_exit = True
+        thread.join(10)

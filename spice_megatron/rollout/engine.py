@@ -185,6 +185,12 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------- called from any thread
 
+    @property
+    def running(self) -> int:
+        """Prompts admitted and not finished, and calls not yet taken from the inbox: 0 when this
+        engine has nothing left to do (a length read from another thread, not the dict walked)."""
+        return len(self._waiting) + self._inbox.qsize()
+
     def submit(self, requests: list[tuple[list[str | list[int]], SamplingSpec]]) -> Future:
         """Generation: a future of, per request, per prompt, its completions."""
         from vllm import SamplingParams

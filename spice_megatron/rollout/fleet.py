@@ -19,6 +19,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
@@ -125,6 +126,7 @@ class RolloutFleet:
         self.engines = [EngineStats(u.rstrip("/")) for u in urls]
         self._lock = threading.Lock()
         self.max_posted_sequences = max_posted_sequences
+        self.liveness_interval = 5.0  # seconds between the two looks at a slow engine's /status
         self._room = threading.Condition(self._lock)
         # Many chunks in flight per engine: the engine merges those that wait into one submission. A
         # streamed iteration has a request per document in flight (threads start only when used).
@@ -175,6 +177,22 @@ class RolloutFleet:
             engine.attested = False
             raise
 
+    def _still_working(self, engine: EngineStats) -> bool:
+        """Whether an engine that has not answered a request in time is alive and working: its
+        /status answers, as the same process, and between two looks its decoding steps advance, or
+        it is paused or asleep (a weight update), or it has nothing left to run (the answer waits
+        for its client). Only an engine that fails this is taken for dead."""
+        try:
+            first = self._control(engine, "/status", None, "GET", timeout=30)
+            time.sleep(self.liveness_interval)
+            second = self._control(engine, "/status", None, "GET", timeout=30)
+        except (requests.RequestException, AuthError, FleetError, ValueError):
+            return False
+        if second.get("pid") != first.get("pid"):
+            return False
+        return (second.get("steps", 0) > first.get("steps", 0) or bool(second.get("paused"))
+                or bool(second.get("sleeping")) or second.get("running", 1) == 0)
+
     def wait_until_healthy(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -215,9 +233,19 @@ class RolloutFleet:
             self._room.wait_for(lambda: engine.posted == 0 or engine.posted + sequences <= room)
             engine.posted += sequences
         t0 = time.perf_counter()
+        body = {"prompts": prompts, "sampling": spec.to_json(), "packed": True, "request_id": uuid.uuid4().hex}
         try:
-            out = unpack_completions(self._control(engine, "/generate",
-                                                   {"prompts": prompts, "sampling": spec.to_json(), "packed": True}))
+            while True:
+                try:
+                    out = unpack_completions(self._control(engine, "/generate", body))
+                    break
+                except requests.ReadTimeout:
+                    if not self._still_working(engine):
+                        raise
+                    # posted again under its id: the engine answers with the first post's completions
+                    log.warning("engine %s is still working on a request of %d sequences after %.0f s (rollout."
+                                "request_timeout %.0f s): waiting for it", engine.url, sequences,
+                                time.perf_counter() - t0, self.request_timeout)
         finally:
             with self._room:
                 engine.posted -= sequences

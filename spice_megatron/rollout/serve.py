@@ -26,6 +26,8 @@ import socket
 import sys
 import threading
 import time
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -178,6 +180,13 @@ class GenerateBody(BaseModel):
     prompts: list[str | list[int]] = Field(min_length=1)
     sampling: dict = Field(default_factory=dict)
     packed: bool = False  # token ids and log-probs as packed arrays (types.pack_completions)
+    # the client's name for this request: a request posted again under the same id (the client's read
+    # timed out while this engine kept working on it) waits for the first one's answer, not a second run
+    request_id: str | None = Field(default=None, max_length=64)
+
+
+# answers to requests posted with an id whose client has not taken them (it timed out and posts again)
+UNCLAIMED_ANSWERS = 256
 
 
 def build_app(engine, token: str, port: int, limits: RequestLimits = RequestLimits()) -> FastAPI:
@@ -190,6 +199,7 @@ def build_app(engine, token: str, port: int, limits: RequestLimits = RequestLimi
     app = FastAPI(title="spice rollout engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(SignedRequests, verifier=verifier, token=token, max_bytes=limits.max_body_bytes)
     state: dict[str, Any] = {"requests": 0, "tokens": 0, "busy_seconds": 0.0}
+    by_request_id: OrderedDict[str, Future] = OrderedDict()  # in flight, or answered but not taken
 
     def control(request: Request, fn, *args):
         try:
@@ -214,6 +224,7 @@ def build_app(engine, token: str, port: int, limits: RequestLimits = RequestLimi
                 "workers": engine.workers, "max_num_seqs": engine.max_num_seqs, "quantization": engine.quantization,
                 "weight_transfer": engine.weight_transfer, "paused": engine.paused,
                 "updating": engine.updating, "steps": engine.steps, "admissions": engine.admissions,
+                "running": engine.running,
                 "sleeping": sorted(engine.sleeping), "sleeps": engine.sleeps, "wakes": engine.wakes,
                 "requests_while_asleep": engine.requests_while_asleep, **state}
 
@@ -234,10 +245,20 @@ def build_app(engine, token: str, port: int, limits: RequestLimits = RequestLimi
             raise HTTPException(status_code=413, detail=f"{len(body.prompts)} prompts x n={spec.n}: this engine takes "
                                 f"at most {limits.max_prompts} prompts and n <= {limits.max_n} per request")
         t0 = time.perf_counter()
+        key = body.request_id
         try:
-            (out,) = await asyncio.wrap_future(engine.submit([(body.prompts, spec)]))
+            future = by_request_id.get(key) if key else None
+            if future is None:
+                future = engine.submit([(body.prompts, spec)])
+                if key:
+                    by_request_id[key] = future
+                    while len(by_request_id) > UNCLAIMED_ANSWERS:
+                        by_request_id.popitem(last=False)
+            (out,) = await asyncio.wrap_future(future)
         except VALIDATION_ERRORS as e:  # vLLM's own checks (e.g. n > 1 with greedy sampling)
             raise HTTPException(status_code=400, detail=f"{type(e).__name__}: {e}") from e
+        if key and not await request.is_disconnected():  # answered to its client: nobody asks again
+            by_request_id.pop(key, None)
         state["requests"] += 1
         state["tokens"] += sum(len(c.token_ids) for comps in out for c in comps)
         state["busy_seconds"] += time.perf_counter() - t0
