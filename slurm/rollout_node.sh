@@ -31,7 +31,9 @@ node_index=${SLURM_NODEID:-0}
 restarts_allowed=${SPICE_ENGINE_RESTARTS:-3}
 seed=${SPICE_SEED:-1234}
 master_port=${SPICE_ENGINE_MASTER_PORT:-29600}
-for name in engine_tp port gpus node_index restarts_allowed seed master_port; do
+step_tokens=${SPICE_MAX_NUM_BATCHED_TOKENS:-0}  # 0: the engine's pinned default (rollout/step_settings.py)
+step_seqs=${SPICE_MAX_NUM_SEQS:-0}
+for name in engine_tp port gpus node_index restarts_allowed seed master_port step_tokens step_seqs; do
   if [[ ! ${!name} =~ ^[0-9]+$ ]]; then
     echo "rollout_node.sh: $name=${!name} (from the environment) is not a whole number" >&2
     exit 2
@@ -84,6 +86,7 @@ start_engine() {  # engine $1 on its GPUs and port, appending to its log; $2: it
     --tensor-parallel-size "$engine_tp" ${SPICE_ENGINE_EXPERT_PARALLEL:+--enable-expert-parallel} \
     --max-model-len "${SPICE_MAX_MODEL_LEN:-12288}" \
     --gpu-memory-utilization "${SPICE_GPU_MEMORY_UTILIZATION:-0.85}" \
+    --max-num-batched-tokens "$step_tokens" --max-num-seqs "$step_seqs" \
     --weight-transfer "${SPICE_WEIGHT_TRANSFER:-spice}" \
     ${SPICE_SLEEP_MODE:+--enable-sleep-mode} ${first:+${SPICE_START_ASLEEP:+--start-asleep}} \
     --seed $(( seed + 1000 * leader + i )) \

@@ -215,6 +215,11 @@ class RolloutConfig:
     engine_expert_parallel: bool = False
     challenger_engine_tensor_parallel: int = 0  # a local fixed challenger's engine (0: engine_tensor_parallel)
     gpu_memory_utilization: float = 0.85  # vLLM's share of each engine GPU (weights + KV cache)
+    # the step every engine builds, the same on every node of an engine and pinned on every device (vLLM's
+    # own defaults differ by device and entry point): tokens and sequences one step schedules; 0: 16384
+    # and 1024 on a GPU, max(8192, max_model_len) and 256 per worker on the CPU (rollout/step_settings.py)
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
     # vLLM weight-transfer backend the engines receive through (see WEIGHT_TRANSFER_REFUSED and docs/weight-sync.md):
     # spice: ours, every pipeline stage sends at once, gloo or NCCL; nccl: vLLM's, one sender (PP=1, GPU);
     # ipc: vLLM's CUDA IPC, for engines on the learner's own GPUs (run.colocate on a GPU)
@@ -243,6 +248,8 @@ class RolloutConfig:
         _require(self.challenger_engine_tensor_parallel >= 0, f"{prefix}.challenger_engine_tensor_parallel",
                  "must be >= 0 (0: engine_tensor_parallel)")
         _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization", "must be in (0, 1]")
+        _require(self.max_num_batched_tokens >= 0, f"{prefix}.max_num_batched_tokens", "must be >= 0 (0: the device's)")
+        _require(self.max_num_seqs >= 0, f"{prefix}.max_num_seqs", "must be >= 0 (0: the device's)")
 
 
 # vLLM 0.32's other built-in backends, and why a Megatron learner behind this service cannot use them

@@ -150,7 +150,8 @@ class Driver:
         colocated = self.cfg.run.colocate and not challenger
         extra = engine_args(ro.max_model_len, ro.kv_cache_gib, self.cfg.run.seed, tensor_parallel=tp,
                             gpu_memory_utilization=ro.gpu_memory_utilization, weight_transfer=ro.weight_transfer,
-                            expert_parallel=ro.engine_expert_parallel and not challenger)
+                            expert_parallel=ro.engine_expert_parallel and not challenger,
+                            max_num_batched_tokens=ro.max_num_batched_tokens, max_num_seqs=ro.max_num_seqs)
         if colocated:
             extra.append("--enable-sleep-mode")
         # on a GPU machine the engines take the GPUs after the learner's local ranks and earlier

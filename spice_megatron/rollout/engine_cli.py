@@ -27,6 +27,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--enable-sleep-mode", action="store_true",
                     help="the engine shares its GPUs with the learner (run.colocate): vLLM's sleep mode")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster start; CPU always)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0,
+                    help="tokens one step schedules (rollout.max_num_batched_tokens; 0: 16384 on a GPU, max(8192, "
+                         "--max-model-len) on the CPU); every node of an engine builds the same")
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="sequences one step runs (rollout.max_num_seqs; 0: 1024 on a GPU, 256 per worker on the CPU)")
+    ap.add_argument("--block-size", type=int, default=0,
+                    help="KV-cache block in tokens (0: what vLLM's attention backend picks for the model)")
     ap.add_argument("--nnodes", type=int, default=1,
                     help="the nodes the engine spans (vLLM's multi-node serving; each of the others runs "
                          "spice_megatron.rollout.follower with the same options)")
@@ -67,7 +74,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                 tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 seed=args.seed, enforce_eager=args.enforce_eager or None, kv_cache_gib=args.kv_cache_gib,
                 weight_transfer=args.weight_transfer, return_routing=args.return_routing,
-                enable_expert_parallel=args.enable_expert_parallel, sleep_mode=args.enable_sleep_mode)
+                enable_expert_parallel=args.enable_expert_parallel, sleep_mode=args.enable_sleep_mode,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                block_size=args.block_size)
 
 
 def follower_engine_kwargs(args: argparse.Namespace, rank: int) -> dict[str, Any]:

@@ -152,7 +152,8 @@ def restart(engine: LocalEngine, token: str) -> LocalEngine:
 
 def engine_args(max_model_len: int, kv_cache_gib: float, seed: int, on_gpu: bool | None = None,
                 tensor_parallel: int = 1, gpu_memory_utilization: float = 0.85,
-                weight_transfer: str = "spice", expert_parallel: bool = False) -> list[str]:
+                weight_transfer: str = "spice", expert_parallel: bool = False, max_num_batched_tokens: int = 0,
+                max_num_seqs: int = 0) -> list[str]:
     """The service's arguments for an engine that lives and dies with this process. The KV cache
     is sized by hand on CPU only; on a GPU vLLM sizes it from gpu_memory_utilization (a fixed
     1 GiB holds less than one 8,192-token sequence of Qwen3-8B, and vLLM would refuse to start)."""
@@ -163,6 +164,8 @@ def engine_args(max_model_len: int, kv_cache_gib: float, seed: int, on_gpu: bool
               if on_gpu else ["--kv-cache-gib", str(kv_cache_gib)])
     if on_gpu and expert_parallel:
         memory.append("--enable-expert-parallel")
+    for flag, value in (("--max-num-batched-tokens", max_num_batched_tokens), ("--max-num-seqs", max_num_seqs)):
+        memory += [flag, str(value)] if value else []  # 0: the engine's pinned default (rollout/step_settings.py)
     return ["--max-model-len", str(max_model_len), *memory, "--seed", str(seed), "--weight-transfer", weight_transfer,
             "--exit-with-parent", str(os.getpid())]
 

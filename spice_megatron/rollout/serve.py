@@ -403,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=engine_thread, daemon=True, name="spice-engine").start()
     ready.wait()
     if "error" in started:
+        from spice_megatron.rollout.engine import EngineSettingsError
+
+        if isinstance(started["error"], EngineSettingsError):
+            print(f"error: {started['error']}", file=sys.stderr)
+            return 2
         raise started["error"]
     if args.start_asleep:
         started["engine"].call(started["engine"].sleep, 1).result()
