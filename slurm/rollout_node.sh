@@ -8,8 +8,10 @@
 # other node runs a headless follower on all its GPUs (rollout/follower.py); the engine lives and dies
 # whole, and each node restarts its part, so a dead follower restarts the engine.
 # An engine that exits is started again on its port and GPUs (up to SPICE_ENGINE_RESTARTS times per
-# engine, default 3; each logged): the trainer sees it come back at weights version 0 and sends it the
-# current weights, so the kill -9 of one engine costs no requeue. Colocated jobs (SPICE_SLEEP_MODE=1)
+# engine, default 3; each logged), once its GPUs and ports are free of the last one's processes (waited
+# for, up to SPICE_ENGINE_FREE_WAIT s, default 120): the trainer sees it come back at weights version 0
+# and sends it the current weights, so the kill -9 of one engine (or of a follower) costs no requeue.
+# An engine across nodes exports VLLM_HOST_IP, this node's address as the others reach it. Colocated jobs (SPICE_SLEEP_MODE=1)
 # start the engines asleep (SPICE_START_ASLEEP=1) so that the learner builds beside them; a restarted
 # one starts awake, to receive the weights at once (on a GPU its memory must then be free: see
 # docs/cluster.md). Past the bound the others are stopped and the script fails, so that srun
@@ -71,16 +73,57 @@ span_args=()
 if (( span > 1 )); then
   span_args=(--nnodes "$span" --master-addr "${addrs[leader]}" --master-port $(( master_port + 2 * group ))
              --watch-port $(( master_port + 2 * group + 1 )))
+  # vLLM's workers advertise their message queues at VLLM_HOST_IP, else at the default route's interface
+  # (vllm/utils/network_utils.py get_ip): this node's address as the other nodes reach it, not a loopback
+  # one its own name may resolve to here; SPICE_ENGINE_HOST_IP overrides
+  if [[ -z ${VLLM_HOST_IP:-} ]]; then
+    VLLM_HOST_IP=${SPICE_ENGINE_HOST_IP:-}
+    if [[ -z $VLLM_HOST_IP && -n ${ip:-} && $ip != 127.* && $ip != ::1 ]]; then VLLM_HOST_IP=$ip; fi
+    if [[ -z $VLLM_HOST_IP ]]; then
+      VLLM_HOST_IP=$(hostname -I 2>/dev/null | tr ' ' '\n' | grep -v -e '^127\.' -e '^::1$' -e '^$' | head -n 1) || true
+    fi
+    if [[ -n $VLLM_HOST_IP ]]; then export VLLM_HOST_IP; else unset VLLM_HOST_IP; fi
+  fi
 fi
+
+port_listened() {  # whether a process on this node listens on TCP port $1 (/proc/net/tcp and tcp6)
+  local hex
+  hex=$(printf ':%04X' "$1")
+  awk -v p="$hex" '$4 == "0A" && substr($2, length($2) - 4) == p {found = 1} END {exit !found}' \
+    /proc/net/tcp /proc/net/tcp6 2>/dev/null
+}
+
+wait_until_free() {  # before a restart: engine $1's GPUs and ports free of the last one's processes, bounded
+  local i=$1 deadline=$(( SECONDS + ${SPICE_ENGINE_FREE_WAIT:-120} )) busy ports=()
+  if (( node_rank == 0 )); then ports=($(( first_port + i ))); fi
+  if (( span > 1 && node_rank == 0 )); then ports+=($(( master_port + 2 * group )) $(( master_port + 2 * group + 1 ))); fi
+  while true; do
+    busy=""
+    for p in "${ports[@]}"; do port_listened "$p" && busy+=" port $p"; done
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      apps=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader -i "$(engine_devices "$i")" 2>/dev/null \
+             | grep -c '[0-9]') || true
+      (( ${apps:-0} > 0 )) && busy+=" $apps process(es) on GPUs $(engine_devices "$i")"
+    fi
+    [[ -z $busy ]] && return 0
+    if (( SECONDS >= deadline )); then
+      echo "rollout_node.sh: engine $i on $node: still held after ${SPICE_ENGINE_FREE_WAIT:-120} s:$busy;" \
+           "restarting anyway" >&2
+      return 0
+    fi
+    sleep 2
+  done
+}
+
+engine_devices() {  # CUDA_VISIBLE_DEVICES of engine $1 on this node
+  if (( span > 1 )); then seq -s, 0 $(( gpus - 1 )); else seq -s, $(( $1 * engine_tp )) $(( ($1 + 1) * engine_tp - 1 )); fi
+}
 
 start_engine() {  # engine $1 on its GPUs and port, appending to its log; $2: its first start
   local i=$1 first=${2:-} devices role
-  devices=$(seq -s, $(( i * engine_tp )) $(( (i + 1) * engine_tp - 1 )))
+  devices=$(engine_devices "$i")  # an engine across nodes: every GPU of the node, its share of the workers
   role=(spice_megatron.rollout.serve --host "$host" --port $(( first_port + i )))
-  if (( span > 1 )); then
-    devices=$(seq -s, 0 $(( gpus - 1 )))  # every GPU of the node: its share of the engine's workers
-    if (( node_rank > 0 )); then role=(spice_megatron.rollout.follower --node-rank "$node_rank"); fi
-  fi
+  if (( span > 1 && node_rank > 0 )); then role=(spice_megatron.rollout.follower --node-rank "$node_rank"); fi
   CUDA_VISIBLE_DEVICES=$devices python -m "${role[@]}" "${span_args[@]}" \
     --model "$SPICE_MODEL" \
     --tensor-parallel-size "$engine_tp" ${SPICE_ENGINE_EXPERT_PARALLEL:+--enable-expert-parallel} \
@@ -123,6 +166,7 @@ while true; do
     restarts[i]=$(( restarts[i] + 1 ))
     echo "rollout_node.sh: engine $i on $node (port $(( first_port + i ))) exited (code $rc); restart" \
          "${restarts[i]} of $restarts_allowed" >&2
+    wait_until_free "$i"
     start_engine "$i"
   done
 done

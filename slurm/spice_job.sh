@@ -196,6 +196,17 @@ elif (( GPUS_PER_NODE % ENGINE_TP != 0 )); then
   echo "spice: GPUS_PER_NODE=$GPUS_PER_NODE is not a multiple of ENGINE_TP=$ENGINE_TP; not starting" >&2
   exit 2
 fi
+# The engines serve what the bf16 weight sync can fill: a quantized directory (an FP8 MODEL_DIR without a
+# ROLLOUT_MODEL_DIR) is refused here, before any srun, not from the engines' /status after the learner
+# has loaded the model, as a failure that requeues (bridge/dequantize.py says the same from Python).
+engine_model=${ROLLOUT_MODEL_DIR:-$MODEL_DIR}
+if [[ -f $engine_model/config.json ]] \
+   && grep -Eq '"quantization_config"[[:space:]]*:[[:space:]]*[{]' "$engine_model/config.json"; then
+  echo "spice: ROLLOUT_MODEL_DIR=$engine_model is quantized (config.json has a quantization_config): the weight" \
+       "sync sends bf16 tensors the engines would cast with stale scales; serve a bf16 copy (spice convert bf16" \
+       "--model $engine_model --output DIR, then ROLLOUT_MODEL_DIR=DIR); not starting" >&2
+  exit 2
+fi
 learner_list=$(IFS=,; echo "${LEARNER[*]}")
 rollout_list=$(IFS=,; echo "${ROLLOUT[*]}")
 # Every srun names its task count: the allocation's SLURM_NTASKS (one task per node) is inherited

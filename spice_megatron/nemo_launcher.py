@@ -28,6 +28,7 @@ import shlex
 import sys
 
 from recipes import get_recipe
+from spice_megatron.bridge.dequantize import check_engine_model
 from spice_megatron.config import SpiceConfig, apply_overrides
 
 CODE_DIR = "/nemo_run/code"  # where NeMo-Run's packager puts the repository inside the container
@@ -116,6 +117,8 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     if rollout_nodes % engine_nodes:
         raise ValueError(f"rollout.engine_tensor_parallel={etp}: each engine spans {engine_nodes} nodes of {gpus} "
                          f"GPUs, which {rollout_nodes} rollout node(s) do not divide into")
+    engine_model = cfg.rollout.model or model_dir
+    check_engine_model(engine_model, "rollout.model" if cfg.rollout.model else "--model")  # where it is seen here
     if not output_dir:
         raise ValueError("--output: a Slurm run needs an output directory under one of the --mount destinations "
                          "(shared storage): checkpoints, metrics and hf_final are lost in the container otherwise")
@@ -158,6 +161,10 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
         f"+{1 if colocated else learner_nodes + 1}); do scontrol show node -o \"$n\" | grep -o 'NodeAddr=[^ ]*' | cut "
         "-d= -f2; done "
         f'| paste -sd, -)"',
+        # the engines' model as the nodes see it: a quantized one is refused before any srun, with no retry
+        f"if grep -Eq '\"quantization_config\"[[:space:]]*:[[:space:]]*[{{]' {shlex.quote(engine_model)}/config.json "
+        "2>/dev/null; then echo \"spice: the engines' model is quantized: serve a bf16 copy (spice convert bf16); "
+        "not starting\" >&2; exit 2; fi",
         f"export SPICE_ENGINES_PER_NODE={max(1, gpus // etp)} SPICE_ENGINE_NODES={engine_nodes} "
         f"SPICE_ROLLOUT_PORT={_port('SPICE_ROLLOUT_PORT', ROLLOUT_PORT)}",
     ])

@@ -35,10 +35,33 @@ def free_port() -> int:
             return port
 
 
+def listen_address(host: str) -> str:
+    """Where a server that other nodes reach as `host` listens: `host` itself, except a name (not an
+    address, not `localhost`) that resolves to loopback on this node, as Debian and Ubuntu write a
+    node's own name into /etc/hosts (`127.0.1.1 node001`) while the other nodes resolve it to the real
+    address: bound there, the server would refuse every other node, so it listens on every interface
+    (slurm/rollout_node.sh's rule for the engines' API ports)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+        return host  # an address means that address
+    except ValueError:
+        pass
+    if host == "localhost":
+        return host
+    try:
+        resolved = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return host  # the bind names it
+    return "0.0.0.0" if ipaddress.ip_address(resolved).is_loopback else host
+
+
 def listen_on(host: str, port: int) -> socket.socket:
     """A listening socket bound to `host` alone (a TCPStore by itself listens on every interface;
-    given this socket's fd it serves on it)."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    given this socket's fd it serves on it), or every interface where `host` is this node's name
+    resolving to loopback here (listen_address)."""
+    info = socket.getaddrinfo(listen_address(host), port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(info[0], socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -1,6 +1,6 @@
 """Builds vLLM engine configs the way the project's own entry points build them, under vLLM's CUDA
 platform with a GPU simulated, and prints them as JSON. Nothing starts: the leader's `vllm.LLM` is
-stopped at `LLMEngine.from_engine_args` and a follower at its `MultiprocExecutor`; each captured
+stopped at `LLMEngine.from_engine_args` and a follower at `EngineArgs.create_engine_config`; each captured
 config is then built by vLLM's own `create_engine_config` with the usage context its entry point
 passes. Run in a fresh interpreter (vLLM's modules bind the platform when they are imported):
 
@@ -116,7 +116,6 @@ def capture(role: str, argv: list[str]):
 
         EngineArgs.create_engine_config = create_engine_config
         node_watch.hold_to_leader = lambda *a, **k: None  # no leader to hold to here
-        node_watch.die_with_parent = lambda: None
         try:
             follower.main(argv)
         except Captured:

@@ -20,14 +20,15 @@ def _run(*args):
 @pytest.mark.slow
 def test_gpu_check_smoke_on_cpu():
     r = _run("--allow-cpu")
-    lines = [x for x in r.stdout.splitlines() if x.startswith("gpu_check ")]
+    lines = [x for x in r.stdout.splitlines() if x.startswith("gpu_check ") and not x.startswith("gpu_check scope:")]
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "gpu_check scope: 0 GPU(s) here; needs 4 GPUs: receive_order_nccl" in r.stdout  # what one GPU cannot show
     verdicts = {x.split(":")[0].split()[1]: x.split(":", 1)[1].split()[0] for x in lines[1:-1]}
     passed = {"versions_and_checksums", "bf16_hf_load_then_step", "logprobs_gpu_vs_cpu", "bf16_checkpoint_resume",
               "moe_bf16_hf_load_then_step", "moe_logprobs_gpu_vs_cpu", "weight_sync_gloo_to_cpu_receiver",
               "activation_memory_vs_planner", "concurrent_receive", "moe_routing_replay_round_trip",
               "shared_prefix_vs_unshared", "long_prefix_row_pad_to_128", "cp_attention_without_te", "fp8_engine_guard",
-              "receive_order_nccl"}
+              "receive_order_nccl", "engine_step_leader_vs_follower"}
     gpu_only = {"stream_handover", "weight_sync_nccl", "weight_sync_nccl_one_rank", "vocab_parallel_logprob_peak",
                 "allocator_fragmentation", "moe_vllm_routed_experts", "colocation_sleep_wake_ipc",
                 "optimizer_offload_round_trip", "ipc_leg_learner_allocator", "te_context_parallel"}

@@ -20,6 +20,7 @@ from spice_megatron.offline_assets import make_tiny_engine_model
 from spice_megatron.rollout.fleet import RolloutFleet
 from spice_megatron.rollout.local import start_engine, wait_healthy
 from spice_megatron.wire.auth import TOKEN_ENV
+from spice_megatron.wire.types import SamplingSpec
 
 
 @pytest.mark.slow
@@ -38,6 +39,8 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
     try:
         wait_healthy([leader], timeout=600)
         assert status(leader.url)["workers"] == 2  # the weight sync's receivers: one worker per node
+        # the leader asked both nodes' workers what they built (rollout/step_settings.py) before serving
+        assert "2 worker(s) on 2 node(s) built the same step" in open(leader.log_path).read()
         (alone,) = run_ranks(_in_process_greedy, 1, a, PROMPTS, 12, tmp_path=tmp_path)
         assert greedy(leader.url) == alone  # TP=2 over two nodes decodes what one process does
 
@@ -55,17 +58,44 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
         assert greedy(leader.url) == fresh != alone  # both workers took the new weights, checked per tensor
         fleet.close()
 
-        follower.kill()  # a follower's death is the engine's (rollout/node_watch.py): the leader exits, to be
-        deadline = time.monotonic() + 60  # restarted whole; vLLM alone would wait in its next collective
+        # a follower's death during a long batch is the engine's (rollout/node_watch.py): the leader exits,
+        # to be restarted whole, with every worker of its own (review 4, finding 2); vLLM alone would wait
+        # in its next collective
+        long = RolloutFleet([leader.url], TOKEN, request_timeout=300)
+        batch = long._pool.submit(long.generate, [f"story {i}:" for i in range(32)],
+                                  SamplingSpec(n=1, temperature=1.0, max_tokens=400, seed=3))
+        steps = status(leader.url)["steps"]
+        deadline = time.monotonic() + 120
+        while status(leader.url)["steps"] < steps + 5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status(leader.url)["running"] > 0, "the long batch is not generating"
+        follower.kill()
+        deadline = time.monotonic() + 60
         while leader.alive() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not leader.alive(), "the leader outlived its follower"
         assert "follower 127.0.0.1" in open(leader.log_path).read()
-        # the follower's vLLM workers die with it (node_watch.die_with_parent): on a GPU an orphan would
-        # hold its memory against the restarted follower
-        while _in_group(follower.pid) and time.monotonic() < deadline + 30:
+        # the workers of both nodes die with their process (node_watch.die_with_parent, end_children): on a
+        # GPU an orphan would hold its memory and ports against the restarted engine
+        while (_in_group(follower.pid) or _in_group(leader.process.pid)) and time.monotonic() < deadline + 30:
             time.sleep(0.5)
         assert not _in_group(follower.pid), "the follower's workers outlived it"
+        assert not _in_group(leader.process.pid), "the leader's workers outlived it"
+        with pytest.raises(Exception):  # noqa: B017 - the batch's engine is gone (the trainer restarts it)
+            batch.result(timeout=120)
+        long.close()
+
+        # restarted whole, as rollout_node.sh restarts each node's part: it serves again, on the same ports
+        follower_log.close()
+        follower_log = open(tmp_path / "follower2.log", "w")
+        follower = subprocess.Popen([sys.executable, "-m", "spice_megatron.rollout.follower", "--model", a,
+                                     "--node-rank", "1", *span], stdout=follower_log, stderr=subprocess.STDOUT,
+                                    start_new_session=True,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN})
+        port = int(leader.url.rsplit(":", 1)[1])
+        leader = start_engine(a, TOKEN, str(tmp_path / "restarted"), port, extra=span, env={"OMP_NUM_THREADS": "1"})
+        wait_healthy([leader], timeout=600)
+        assert greedy(leader.url) == alone
     finally:
         leader.stop()
         try:

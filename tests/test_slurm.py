@@ -31,7 +31,8 @@ SCRIPTS = SBATCH + sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sh")))
 STAND_IN = r'''#!{python}
 import json, os, signal, sys, time
 name = os.path.basename(sys.argv[0]); argv = sys.argv[1:]
-env = {{k: v for k, v in os.environ.items() if k.startswith(("SPICE_", "NCCL_", "TORCH_NCCL", "CUDA_", "HF_HUB"))}}
+env = {{k: v for k, v in os.environ.items()
+       if k.startswith(("SPICE_", "NCCL_", "TORCH_NCCL", "CUDA_", "HF_HUB", "VLLM_"))}}
 rec = {{"cmd": name, "argv": argv, "env": env}}
 def opt(flag, default=None):
     for i, a in enumerate(argv):
@@ -391,3 +392,58 @@ def test_nccl_mismatch_names_a_remedy_that_reaches_torchs_nccl(tmp_path):
     assert r.returncode == 1 and "learner image NCCL 2.27.3, rollout image NCCL 2.26.5" in r.stdout
     assert "nvidia-nccl-cu12==2.27.3" in r.stderr and "same torch/NCCL" in r.stderr
     assert "set VLLM_NCCL_SO_PATH" not in r.stderr
+
+
+def test_a_quantized_engine_model_is_refused_before_any_srun_and_not_requeued(fake_bin, tmp_path, monkeypatch):
+    """Review 4, finding 4: an FP8 MODEL_DIR without ROLLOUT_MODEL_DIR was refused only from the engines'
+    /status after the learner had loaded 671B parameters, as a failure that requeued (four starts)."""
+    import io
+
+    from spice_megatron.bridge.dequantize import QuantizedEngineModel
+    from spice_megatron.nemo_launcher import slurm_experiment
+
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    (fp8 / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    r, calls, _, _ = _run_job(os.path.join(ROOT, "slurm", "spice_8b.sbatch"), fake_bin, tmp_path, MODEL_DIR=str(fp8))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"spice: ROLLOUT_MODEL_DIR={fp8} is quantized") and "spice convert bf16" in r.stderr
+    assert not [c for c in calls if c["cmd"] == "srun"]  # nothing started, nothing requeued
+    # NeMo-Run's launcher, on the submitting host, before anything is written
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    with pytest.raises(QuantizedEngineModel, match=f"--model={fp8}: the engines would serve it quantized"):
+        slurm_experiment("qwen3_8b", account="acct", partition="p", container_image="none", model_dir=str(fp8),
+                         data_dir="/data", output_dir=str(tmp_path / "out"), job_dir=str(tmp_path / "jobs"))
+
+
+def test_an_engine_across_nodes_gets_vllm_host_ip_and_a_restart_waits_for_its_port(fake_bin, tmp_path):
+    """Review 4, findings 2 and 3: vLLM advertises its message queues at VLLM_HOST_IP (else the default
+    route's interface); a restarted engine waits, bounded, until its last one's processes let go of its
+    ports (and GPUs, where nvidia-smi is)."""
+    import socket
+
+    from dist_utils import free_port
+
+    log = tmp_path / "calls.jsonl"
+    port = free_port()
+    base = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+            "SPICE_MODEL": "/models/big", "SPICE_ROLLOUT_TOKEN": "t" * 32, "SPICE_ENGINE_TP": "16",
+            "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": str(port), "SPICE_LOG_DIR": str(tmp_path / "logs"),
+            "SPICE_ROLLOUT_NODES": "10.0.0.5,10.0.0.6", "SPICE_ENGINE_RESTARTS": "1", "SLURM_NODEID": "0",
+            "FAKE_EXIT_PORT": str(port), "SPICE_ENGINE_FREE_WAIT": "3", "SPICE_ENGINE_HOST_IP": "10.0.0.5",
+            "SPICE_ENGINE_MASTER_PORT": str(free_port())}
+    base.pop("VLLM_HOST_IP", None)
+    with socket.create_server(("127.0.0.1", port)):  # an orphan of the last engine holding the API port
+        r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], capture_output=True, text=True,
+                           env=base, timeout=60)
+    assert r.returncode == 7 and "restart 1 of 1" in r.stderr, r.stderr
+    assert f"still held after 3 s: port {port}; restarting anyway" in r.stderr
+    engines = [c for c in _records(log) if c["cmd"] == "python"]
+    assert len(engines) == 2 and all(c["env"]["VLLM_HOST_IP"] == "10.0.0.5" for c in engines)
+    # a single-node engine is left to vLLM's own choice
+    single = {**base, "SPICE_ENGINE_TP": "8", "SPICE_ENGINE_RESTARTS": "0"}
+    log.unlink()
+    subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], capture_output=True, text=True,
+                   env=single, timeout=60)
+    assert all("VLLM_HOST_IP" not in c["env"] for c in _records(log) if c["cmd"] == "python")

@@ -33,11 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     from spice_megatron.rollout.engine_transfer import register_spice_backend
-    from spice_megatron.rollout.node_watch import DIE_WITH_PARENT_ENV, die_with_parent, hold_to_leader
+    from spice_megatron.rollout.node_watch import hold_to_leader, workers_die_with_this_process
+    from spice_megatron.torchrun import die_with_parent
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ[DIE_WITH_PARENT_ENV] = "1"  # this process and the workers vLLM starts (the plugin in setup.py)
-    die_with_parent()
+    die_with_parent(os.getppid())  # this process with the node's script (rollout_node.sh)
+    workers_die_with_this_process()  # and the workers vLLM starts with this process (the plugin in setup.py)
     register_spice_backend()
     hold_to_leader(args.master_addr, watch_port(args))  # the engine lives and dies whole
     config = EngineArgs(**follower_engine_kwargs(args, args.node_rank)).create_engine_config(

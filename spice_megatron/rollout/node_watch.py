@@ -25,13 +25,18 @@ def _exit_when_closed(conn: socket.socket, what: str) -> None:
     except OSError:
         pass
     log.error("%s is gone: this engine cannot run without it, exiting so that it is restarted whole", what)
+    end_children()
     os._exit(1)
 
 
 def watch_followers(host: str, port: int, followers: int, timeout_s: float = 600.0) -> None:
     """On the leader: wait (in the background) for `followers` connections on host:port; exit the
-    process as soon as any of them closes, or if they have not all come within `timeout_s`."""
-    server = socket.create_server((host, port))
+    process as soon as any of them closes, or if they have not all come within `timeout_s`. `host`:
+    the leader's address as its followers know it (every interface where it names this node and
+    resolves to loopback here: torchrun.listen_address)."""
+    from spice_megatron.torchrun import listen_on
+
+    server = listen_on(host, port)
 
     def accept() -> None:
         server.settimeout(timeout_s)
@@ -40,6 +45,7 @@ def watch_followers(host: str, port: int, followers: int, timeout_s: float = 600
                 conn, peer = server.accept()
             except OSError:
                 log.error("only %d of %d followers connected within %.0f s: exiting", i, followers, timeout_s)
+                end_children()
                 os._exit(1)
             log.info("follower %d of %d connected from %s", i + 1, followers, peer[0])
             threading.Thread(target=_exit_when_closed, args=(conn, f"follower {peer[0]}:{peer[1]}"),
@@ -70,16 +76,48 @@ DIE_WITH_PARENT_ENV = "SPICE_DIE_WITH_PARENT"
 
 
 def die_with_parent() -> None:
-    """A vLLM general plugin (setup.py), run in every process vLLM starts: where a follower asked for it
-    ($SPICE_DIE_WITH_PARENT=1, inherited by its workers), the kernel kills this process when its parent
-    goes. A headless follower's workers otherwise outlive a kill -9 of the follower (their death pipe
-    shuts down message queues that a remote leader feeds, not a worker waiting on them: measured with
-    vLLM 0.32 on CPU) and would hold their GPUs' memory against the follower restarted beside them."""
-    if os.environ.get(DIE_WITH_PARENT_ENV) != "1" or not sys.platform.startswith("linux"):
+    """A vLLM general plugin (setup.py), run in every process vLLM starts: where a leader or a follower
+    of an engine across nodes asked for it ($SPICE_DIE_WITH_PARENT = its own pid, inherited by its
+    workers), the kernel kills this process when its parent goes. Such a worker otherwise outlives a
+    kill -9 or an `os._exit` of its engine's process (its death pipe only shuts down message queues,
+    which a worker inside a collective never reads again: measured with vLLM 0.32 on CPU) and keeps its
+    GPU memory, the store's port and, forked, the API port against the engine restarted beside it.
+    A parent gone before the signal took hold shows as a parent other than the one that asked (init, or
+    a subreaper: compared with its pid, not with 1); the asking process itself is left alone."""
+    owner = os.environ.get(DIE_WITH_PARENT_ENV, "")
+    if not owner.isdigit() or int(owner) == os.getpid() or not sys.platform.startswith("linux"):
         return
     import ctypes
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if os.getppid() == 1:  # the parent went before the request took hold
+    if os.getppid() != int(owner) and not _alive(int(owner)):  # a process of a worker's: its own parent holds it
         os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def workers_die_with_this_process() -> None:
+    """Before vLLM starts this engine's workers: each one is killed when this process goes."""
+    os.environ[DIE_WITH_PARENT_ENV] = str(os.getpid())
+
+
+def end_children() -> None:
+    """SIGKILL every process this one started (vLLM's workers, their helpers) before an `os._exit`,
+    which runs no executor shutdown: the parent-death signal covers a kill -9 of this process, this
+    covers its own exit, on any platform."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass

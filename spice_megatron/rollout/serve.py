@@ -381,9 +381,10 @@ def main(argv: list[str] | None = None) -> int:
 
     started: dict = {}
     if args.nnodes > 1:  # its followers on the other nodes: the engine lives and dies whole
-        from spice_megatron.rollout.node_watch import watch_followers
+        from spice_megatron.rollout.node_watch import watch_followers, workers_die_with_this_process
 
-        watch_followers(args.master_addr, watch_port(args), args.nnodes - 1)
+        workers_die_with_this_process()  # and its own workers with it (they are built on the engine thread,
+        watch_followers(args.master_addr, watch_port(args), args.nnodes - 1)  # which lives as long as this)
 
     def engine_thread() -> None:  # builds the engine, then runs it: one thread for both (see VLLMEngine)
         try:

@@ -28,6 +28,7 @@ from gpu_check_colocation import (  # noqa: E402
     check_long_prefix_row,
     check_optimizer_offload_round_trip,
 )
+from gpu_check_engines import NEEDS_MORE, check_engine_step_agrees  # noqa: E402
 from gpu_check_review3 import (  # noqa: E402
     check_cp_attention_without_te,
     check_fp8_engine_guard,
@@ -322,6 +323,7 @@ def main() -> int:
     if not on_gpu and not args.allow_cpu:
         print("gpu_check env: FAIL no CUDA device (pass --allow-cpu for the CPU smoke run)")
         return 1
+    print(f"gpu_check scope: {torch.cuda.device_count() if on_gpu else 0} GPU(s) here; {NEEDS_MORE}", flush=True)
     failed = 0
     with tempfile.TemporaryDirectory(prefix="spice_gpu_check_") as work:
         model_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3"))
@@ -357,7 +359,9 @@ def main() -> int:
                   ("cp_attention_without_te", check_cp_attention_without_te),
                   ("fp8_engine_guard", lambda: check_fp8_engine_guard(work)),
                   ("receive_order_nccl", lambda: check_receive_order(work)),
-                  ("te_context_parallel", lambda: check_te_context_parallel(model_dir, work))]
+                  ("te_context_parallel", lambda: check_te_context_parallel(model_dir, work)),
+                  # GPU review 4 (issue 70): tools/checks/gpu_check_engines.py
+                  ("engine_step_leader_vs_follower", lambda: check_engine_step_agrees(work))]
         if args.only:
             unknown = set(args.only.split(",")) - {name for name, _ in checks}
             if unknown:
