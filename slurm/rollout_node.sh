@@ -2,11 +2,12 @@
 # Runs on one rollout node (in its container, if any): one vLLM rollout service per group of
 # SPICE_ENGINE_TP GPUs; engine i of this node (the step's SLURM_NODEID k) listens on
 # SPICE_ROLLOUT_PORT + k * engines per node + i. An engine wider than a node (SPICE_ENGINE_TP a
-# multiple of the node's GPUs) spans SPICE_ENGINE_TP / GPUs consecutive rollout nodes: the first one
-# leads it (the project's API on SPICE_ROLLOUT_PORT + k, vLLM's torch.distributed store on
-# SPICE_ENGINE_MASTER_PORT + 2 * engine, default 29600, and its follower watch on the port after), each
-# other node runs a headless follower on all its GPUs (rollout/follower.py); the engine lives and dies
-# whole, and each node restarts its part, so a dead follower restarts the engine.
+# multiple of the node's GPUs) spans SPICE_ENGINE_TP / GPUs consecutive rollout nodes, on a network the
+# operator declared the job's alone (SPICE_TRUSTED_NETWORK): the first one leads it (the project's API
+# on SPICE_ROLLOUT_PORT + k, its follower watch on SPICE_ENGINE_MASTER_PORT + 2 * engine + 1, default
+# 29601, vLLM's torch.distributed store on a port the leader picks per start and tells its proven
+# followers), each other node runs a headless follower on all its GPUs (rollout/follower.py); the
+# engine lives and dies whole, and each node restarts its part, so a dead follower restarts the engine.
 # An engine that exits is started again on its port and GPUs (up to SPICE_ENGINE_RESTARTS times per
 # engine, default 3; each logged), once its GPUs and ports are free of the last one's processes (waited
 # for, up to SPICE_ENGINE_FREE_WAIT s, default 120): the trainer sees it come back at weights version 0
@@ -71,11 +72,32 @@ node_rank=$(( node_index - leader ))
 first_port=$(( port + leader * engines ))
 span_args=()
 if (( span > 1 )); then
-  span_args=(--nnodes "$span" --master-addr "${addrs[leader]}" --master-port $(( master_port + 2 * group ))
+  # vLLM's store and message queues are not authenticated: an engine across nodes only on a network the
+  # operator declared this job's alone (SPICE_TRUSTED_NETWORK: 1, or the interface on it)
+  trusted=${SPICE_TRUSTED_NETWORK:-}
+  if [[ -z $trusted || $trusted == 0 ]]; then
+    echo "rollout_node.sh: an engine across nodes (SPICE_ENGINE_TP=$engine_tp) runs vLLM's unauthenticated store" \
+         "and message queues: set SPICE_TRUSTED_NETWORK=1 (or the interface, e.g. ib0) where only this job reaches" \
+         "the rollout nodes (docs/cluster.md, 'Security on a shared cluster')" >&2
+    exit 2
+  fi
+  # the store's port is the leader's choice per start (--master-port 0), told to proven followers only
+  span_args=(--nnodes "$span" --master-addr "${addrs[leader]}" --master-port 0
              --watch-port $(( master_port + 2 * group + 1 )))
   # vLLM's workers advertise their message queues at VLLM_HOST_IP, else at the default route's interface
-  # (vllm/utils/network_utils.py get_ip): this node's address as the other nodes reach it, not a loopback
-  # one its own name may resolve to here; SPICE_ENGINE_HOST_IP overrides
+  # (vllm/utils/network_utils.py get_ip): this node's address on the trusted network (the interface
+  # SPICE_TRUSTED_NETWORK names), else as the other nodes reach it, not a loopback one its own name may
+  # resolve to here; SPICE_ENGINE_HOST_IP overrides
+  if [[ $trusted != 1 ]]; then
+    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$trusted}
+    if [[ -z ${SPICE_ENGINE_HOST_IP:-} ]]; then
+      SPICE_ENGINE_HOST_IP=$(ip -o -4 addr show dev "$trusted" 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}') || true
+      if [[ -z $SPICE_ENGINE_HOST_IP ]]; then
+        echo "rollout_node.sh: SPICE_TRUSTED_NETWORK=$trusted: no IPv4 address on that interface on $node" >&2
+        exit 2
+      fi
+    fi
+  fi
   if [[ -z ${VLLM_HOST_IP:-} ]]; then
     VLLM_HOST_IP=${SPICE_ENGINE_HOST_IP:-}
     if [[ -z $VLLM_HOST_IP && -n ${ip:-} && $ip != 127.* && $ip != ::1 ]]; then VLLM_HOST_IP=$ip; fi
@@ -96,7 +118,7 @@ port_listened() {  # whether a process on this node listens on TCP port $1 (/pro
 wait_until_free() {  # before a restart: engine $1's GPUs and ports free of the last one's processes, bounded
   local i=$1 deadline=$(( SECONDS + ${SPICE_ENGINE_FREE_WAIT:-120} )) busy ports=()
   if (( node_rank == 0 )); then ports=($(( first_port + i ))); fi
-  if (( span > 1 && node_rank == 0 )); then ports+=($(( master_port + 2 * group )) $(( master_port + 2 * group + 1 ))); fi
+  if (( span > 1 && node_rank == 0 )); then ports+=($(( master_port + 2 * group + 1 ))); fi
   while true; do
     busy=""
     for p in "${ports[@]}"; do port_listened "$p" && busy+=" port $p"; done

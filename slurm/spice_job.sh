@@ -192,6 +192,14 @@ if (( ENGINE_TP > GPUS_PER_NODE )); then
          "rollout node count (${#ROLLOUT[@]}) that is a multiple of $ENGINE_NODES; not starting" >&2
     exit 2
   fi
+  # vLLM's store and message queues are not authenticated (code execution for whoever reaches them while
+  # an engine starts): only on a network the operator declares this job's alone
+  if [[ -z ${SPICE_TRUSTED_NETWORK:-} || ${SPICE_TRUSTED_NETWORK} == 0 ]]; then
+    echo "spice: ENGINE_TP=$ENGINE_TP spans $ENGINE_NODES nodes, and an engine across nodes runs vLLM's" \
+         "unauthenticated store and message queues: set SPICE_TRUSTED_NETWORK=1 (or the interface, e.g. ib0) where" \
+         "only this job reaches the rollout nodes (docs/cluster.md, 'Security on a shared cluster'); not starting" >&2
+    exit 2
+  fi
 elif (( GPUS_PER_NODE % ENGINE_TP != 0 )); then
   echo "spice: GPUS_PER_NODE=$GPUS_PER_NODE is not a multiple of ENGINE_TP=$ENGINE_TP; not starting" >&2
   exit 2

@@ -30,6 +30,7 @@ import sys
 from recipes import get_recipe
 from spice_megatron.bridge.dequantize import check_engine_model
 from spice_megatron.config import SpiceConfig, apply_overrides
+from spice_megatron.rollout.node_watch import TRUSTED_NETWORK_ENV, trusted_network_refusal
 
 CODE_DIR = "/nemo_run/code"  # where NeMo-Run's packager puts the repository inside the container
 ROLLOUT_PORT = 8100
@@ -117,6 +118,9 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
     if rollout_nodes % engine_nodes:
         raise ValueError(f"rollout.engine_tensor_parallel={etp}: each engine spans {engine_nodes} nodes of {gpus} "
                          f"GPUs, which {rollout_nodes} rollout node(s) do not divide into")
+    trusted = (env or {}).get(TRUSTED_NETWORK_ENV) or os.environ.get(TRUSTED_NETWORK_ENV, "")
+    if engine_nodes > 1 and trusted_network_refusal(trusted):
+        raise ValueError(f"rollout.engine_tensor_parallel={etp}: {trusted_network_refusal(trusted)}")
     engine_model = cfg.rollout.model or model_dir
     check_engine_model(engine_model, "rollout.model" if cfg.rollout.model else "--model")  # where it is seen here
     if not output_dir:
@@ -196,7 +200,8 @@ def slurm_experiment(recipe: str, *, account: str, partition: str | None, contai
                         "SPICE_MAX_NUM_SEQS": str(cfg.rollout.max_num_seqs),
                         "SPICE_WEIGHT_TRANSFER": cfg.rollout.weight_transfer,
                         **({"SPICE_ENGINE_EXPERT_PARALLEL": "1"} if cfg.rollout.engine_expert_parallel else {}),
-                        "SPICE_LOG_DIR": f"{output_dir}/logs", **sleep_env}, rollout_image)
+                        "SPICE_LOG_DIR": f"{output_dir}/logs", **sleep_env,
+                        **({TRUSTED_NETWORK_ENV: trusted} if engine_nodes > 1 else {})}, rollout_image)
     # One task per GPU (srun, not torchrun): Megatron's init reads SLURM_PROCID / SLURM_NTASKS.
     learner = executor([f"--nodes={learner_nodes}", f"--ntasks={learner_nodes * gpus}", f"--ntasks-per-node={gpus}",
                         "--relative=0", *overlap],

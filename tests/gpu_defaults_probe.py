@@ -30,6 +30,9 @@ class Captured(Exception):
     pass
 
 
+told: list[int] = [0]  # the store's port the leader picked and tells its followers (rollout/node_watch.py)
+
+
 def simulate(device: str) -> None:
     name, gib, capability = DEVICES[device]
     sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
@@ -86,6 +89,7 @@ def capture(role: str, argv: list[str]):
     from vllm.v1.engine.llm_engine import LLMEngine
 
     got = {}
+    os.environ.setdefault("SPICE_TRUSTED_NETWORK", "1")  # the launchers' environment for an engine across nodes
     if role == "leader":
         import socket
 
@@ -99,7 +103,7 @@ def capture(role: str, argv: list[str]):
         LLMEngine.from_engine_args = classmethod(from_engine_args)
         os.environ.setdefault("SPICE_ROLLOUT_TOKEN", "probe-token-" + "x" * 20)
         serve._bind = lambda host, port: socket.socket()  # nothing listens
-        node_watch.watch_followers = lambda *a, **k: None
+        node_watch.watch_followers = lambda *a, master_port=0, **k: told.append(master_port)
         try:
             serve.main(argv)
         except Captured:
@@ -115,7 +119,7 @@ def capture(role: str, argv: list[str]):
             raise Captured
 
         EngineArgs.create_engine_config = create_engine_config
-        node_watch.hold_to_leader = lambda *a, **k: None  # no leader to hold to here
+        node_watch.hold_to_leader = lambda *a, **k: told[-1]  # the port the leader told (no leader here)
         try:
             follower.main(argv)
         except Captured:

@@ -29,7 +29,8 @@ def _rollout_node_argv(tmp_path, model: str, node: int, **env) -> list[str]:
                    env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGV_OUT": str(out), "SPICE_MODEL": model,
                         "SPICE_ROLLOUT_TOKEN": "t" * 32, "SPICE_ROLLOUT_NODES": NODES, "SLURM_NODEID": str(node),
                         "SPICE_ENGINE_TP": "4", "SPICE_GPUS_PER_NODE": "2", "SPICE_MAX_MODEL_LEN": "2048",
-                        "SPICE_ENGINE_RESTARTS": "0", "SPICE_LOG_DIR": str(tmp_path / "logs"), **env})
+                        "SPICE_ENGINE_RESTARTS": "0", "SPICE_LOG_DIR": str(tmp_path / "logs"),
+                        "SPICE_TRUSTED_NETWORK": "1", **env})
     argv = out.read_text().splitlines()
     assert argv[0] == "-m" and argv[1] == ("spice_megatron.rollout.serve" if node == 0 else
                                            "spice_megatron.rollout.follower"), argv

@@ -22,20 +22,23 @@ from spice_megatron.rollout.local import start_engine, wait_healthy
 from spice_megatron.wire.auth import TOKEN_ENV
 from spice_megatron.wire.types import SamplingSpec
 
+# an engine across nodes starts only where the operator declared a network only the job reaches
+TRUSTED = {"OMP_NUM_THREADS": "1", "SPICE_TRUSTED_NETWORK": "1"}
+
 
 @pytest.mark.slow
 def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_follower(tmp_path):
     a = make_tiny_engine_model(str(tmp_path / "a"), "qwen3", seed=1)
     b = make_tiny_engine_model(str(tmp_path / "b"), "qwen3", seed=2)
-    master = free_port()
-    span = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port",
-            str(master), "--watch-port", str(free_port()), *ENGINE_ARGS]
+    # vLLM's store on a port the leader picks per start and tells its proven follower (rollout/node_watch.py)
+    span = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "0",
+            "--watch-port", str(free_port()), *ENGINE_ARGS]
     follower_log = open(tmp_path / "follower.log", "w")
     follower = subprocess.Popen([sys.executable, "-m", "spice_megatron.rollout.follower", "--model", a,
                                  "--node-rank", "1", *span], stdout=follower_log, stderr=subprocess.STDOUT,
                                 start_new_session=True,  # its group: vLLM's workers and resource tracker
-                                env={**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN})  # every worker checks
-    leader = start_engine(a, TOKEN, str(tmp_path), extra=span, env={"OMP_NUM_THREADS": "1"})
+                                env={**os.environ, **TRUSTED, TOKEN_ENV: TOKEN})  # every worker checks
+    leader = start_engine(a, TOKEN, str(tmp_path), extra=span, env=TRUSTED)
     try:
         wait_healthy([leader], timeout=600)
         assert status(leader.url)["workers"] == 2  # the weight sync's receivers: one worker per node
@@ -74,7 +77,7 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
         while leader.alive() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not leader.alive(), "the leader outlived its follower"
-        assert "follower 127.0.0.1" in open(leader.log_path).read()
+        assert "follower node 1 of 1 proved itself from 127.0.0.1" in open(leader.log_path).read()
         # the workers of both nodes die with their process (node_watch.die_with_parent, end_children): on a
         # GPU an orphan would hold its memory and ports against the restarted engine
         while (_in_group(follower.pid) or _in_group(leader.process.pid)) and time.monotonic() < deadline + 30:
@@ -91,9 +94,9 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
         follower = subprocess.Popen([sys.executable, "-m", "spice_megatron.rollout.follower", "--model", a,
                                      "--node-rank", "1", *span], stdout=follower_log, stderr=subprocess.STDOUT,
                                     start_new_session=True,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: TOKEN})
+                                    env={**os.environ, **TRUSTED, TOKEN_ENV: TOKEN})
         port = int(leader.url.rsplit(":", 1)[1])
-        leader = start_engine(a, TOKEN, str(tmp_path / "restarted"), port, extra=span, env={"OMP_NUM_THREADS": "1"})
+        leader = start_engine(a, TOKEN, str(tmp_path / "restarted"), port, extra=span, env=TRUSTED)
         wait_healthy([leader], timeout=600)
         assert greedy(leader.url) == alone
     finally:

@@ -17,6 +17,18 @@ from dist_utils import free_port
 from spice_megatron.torchrun import listen_address
 
 pytestmark = pytest.mark.multiprocess
+TOKEN = "r" * 32
+FOLLOWER = ("import sys, time\nfrom spice_megatron.rollout.node_watch import hold_to_leader\n"
+            "print(hold_to_leader('127.0.0.1', int(sys.argv[1]), 1, timeout_s=float(sys.argv[2])), flush=True)\n"
+            "time.sleep(600)\n")
+
+
+def _follower(watch: int, timeout_s: float = 120, token: str = TOKEN) -> subprocess.Popen:
+    """The follower's side of the watch (proved with `token`), in a process of its own: it prints the
+    store's port its leader told it, then holds on (it exits when the leader goes)."""
+    return subprocess.Popen([sys.executable, "-c", FOLLOWER, str(watch), str(timeout_s)], text=True,
+                            env={**os.environ, "SPICE_ROLLOUT_TOKEN": token}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
 
 LEADER = r"""
 import multiprocessing, os, sys, threading, time
@@ -43,7 +55,7 @@ sys.exit(serve.main(sys.argv[1:]))
 
 
 def _leader(api: int, watch: int, master_addr: str, pid_file: str = "") -> subprocess.Popen:
-    env = {**os.environ, "SPICE_ROLLOUT_TOKEN": "r" * 32, "PID_FILE": pid_file}
+    env = {**os.environ, "SPICE_ROLLOUT_TOKEN": TOKEN, "PID_FILE": pid_file, "SPICE_TRUSTED_NETWORK": "1"}
     env.pop("SPICE_DIE_WITH_PARENT", None)
     return subprocess.Popen([sys.executable, "-c", LEADER, "--model", "unused", "--host", "127.0.0.1", "--port",
                              str(api), "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", master_addr,
@@ -117,19 +129,15 @@ def test_a_leaders_workers_die_with_it_when_a_follower_goes_and_free_its_port():
     tmp = f"/tmp/spice_watch_{os.getpid()}_{time.monotonic_ns()}"
     watch, api = free_port(), free_port()
     leader = _leader(api, watch, "127.0.0.1", tmp)
-    worker = None
+    worker, follower = None, _follower(watch)
     try:
-        deadline, follower = time.monotonic() + 120, None
-        while follower is None and time.monotonic() < deadline and leader.poll() is None:
-            try:
-                follower = socket.create_connection(("127.0.0.1", watch), timeout=2)
-            except OSError:
-                time.sleep(0.5)
+        assert int(follower.stdout.readline()) > 0  # proved both ways: the leader named its store's port
+        deadline = time.monotonic() + 120
         while not os.path.exists(tmp) and time.monotonic() < deadline and leader.poll() is None:
             time.sleep(0.2)
-        assert follower is not None and os.path.exists(tmp), leader.stderr.read().decode()[-2000:]
+        assert os.path.exists(tmp), leader.stderr.read().decode()[-2000:]
         worker = int(open(tmp).read())
-        follower.close()  # the follower is gone: the leader exits, its engine with it
+        follower.kill()  # the follower is gone: the leader exits, its engine with it
         assert leader.wait(30) == 1
         deadline = time.monotonic() + 10
         while _alive(worker) and time.monotonic() < deadline:
@@ -139,6 +147,8 @@ def test_a_leaders_workers_die_with_it_when_a_follower_goes_and_free_its_port():
 
         _bind("127.0.0.1", api).close()  # what the restarted leader does first
     finally:
+        follower.kill()
+        follower.wait(30)
         if leader.poll() is None:
             leader.kill()
             leader.wait(30)

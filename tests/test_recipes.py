@@ -284,6 +284,7 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     from spice_megatron.nemo_launcher import dryrun_sbatch, slurm_experiment
 
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
+    monkeypatch.setenv("SPICE_TRUSTED_NETWORK", "1")  # deepseek_v3's engines span nodes: a network the job's alone
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # NeMo-Run's local tunnel (invoke) reads stdin
     cfg = get_recipe(name)
     learner_nodes, rollout_nodes = cfg.cluster.split()

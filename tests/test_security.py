@@ -18,7 +18,7 @@ import pytest
 import requests
 from dist_utils import free_port, run_ranks
 
-from spice_megatron.wire.auth import AuthError, attest, read_token, signed_request
+from spice_megatron.wire.auth import TOKEN_ENV, AuthError, attest, read_token, signed_request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "job-secret-token"
@@ -825,3 +825,118 @@ def test_a_request_posted_again_under_its_id_gets_the_first_posts_answer_without
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+WATCH_LEADER = r'''
+import sys, time
+from spice_megatron.rollout.node_watch import watch_followers
+try:
+    watch_followers("127.0.0.1", int(sys.argv[1]), 1, timeout_s=60, master_port=int(sys.argv[2]))
+except OSError as e:
+    print(f"leader: cannot open its watch: {e.strerror}", flush=True)
+    sys.exit(1)
+time.sleep(float(sys.argv[3]))
+print("leader: alive", flush=True)
+'''
+WATCH_FOLLOWER = r'''
+import sys, time
+from spice_megatron.rollout.node_watch import hold_to_leader
+try:
+    print("follower: told", hold_to_leader("127.0.0.1", int(sys.argv[1]), 1, timeout_s=float(sys.argv[2])), flush=True)
+except OSError as e:
+    print(f"follower: gave up: {e}", flush=True)
+    sys.exit(1)
+time.sleep(60)  # a follower holds on for as long as it lives
+'''
+
+
+def _watch_py(code: str, *args: object, token: str = TOKEN) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env={**os.environ, TOKEN_ENV: token},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.multiprocess
+def test_the_follower_watch_counts_only_peers_that_prove_the_job_token_both_ways():
+    """Security review 3, M4 and the seat of M1/M2 (watch_port_probe.py, engine_follower_slot.py,
+    engine_master_squat.py), played by a process without the token (the attack needs only the network,
+    so no second user here). A: a stranger that connects first and hangs up ends nothing. B: one that
+    holds a slot keeps the job's follower out of nothing. C: one that binds the watch port before the
+    leader is not followed, and learns no store port. The store's port (M1's second squat) is told only
+    to a follower that proved itself, and only after the leader proved itself to it."""
+    import socket as socket_
+
+    store = free_port()
+    for mode in ("hangup", "hold"):
+        watch = free_port()
+        leader = _watch_py(WATCH_LEADER, watch, store, 6)
+        deadline, stranger = time.monotonic() + 30, None
+        while stranger is None and time.monotonic() < deadline:
+            try:
+                stranger = socket_.create_connection(("127.0.0.1", watch), timeout=1)
+            except OSError:
+                time.sleep(0.05)
+        assert stranger is not None
+        if mode == "hangup":
+            stranger.close()
+        follower = _watch_py(WATCH_FOLLOWER, watch, 30)
+        assert follower.stdout.readline().strip() == f"follower: told {store}", mode
+        out = leader.communicate(timeout=60)[0]
+        assert "leader: alive" in out and "is gone" not in out, (mode, out)  # ended by nothing
+        follower.kill()
+        follower.wait(30)
+        if mode == "hold":
+            stranger.settimeout(15)  # the stranger was sent a nonce, proved nothing and was closed
+            assert b"nonce" in stranger.recv(200) and stranger.recv(200) == b""
+            stranger.close()
+    # C. the watch port is another process's before the leader binds it: the follower does not follow it
+    watch = free_port()
+    squatter = socket_.create_server(("127.0.0.1", watch))
+    follower = _watch_py(WATCH_FOLLOWER, watch, 4)
+    conn, _ = squatter.accept()
+    conn.sendall(b'{"nonce": "' + b"0" * 32 + b'"}\n')  # it plays the leader as far as it can
+    assert conn.recv(1000)  # the follower's proof, of nothing the squatter can use
+    conn.sendall(b'{"master_port": 4444, "proof": "forged"}\n')
+    out = follower.communicate(timeout=60)[0]
+    assert "gave up" in out and "did not prove it is this job's leader" in out and "told" not in out
+    conn.close()
+    squatter.close()
+    # a follower holding another token is refused by the leader, and the leader ended by nothing
+    watch = free_port()
+    leader = _watch_py(WATCH_LEADER, watch, store, 8)
+    follower = _watch_py(WATCH_FOLLOWER, watch, 5, token="not-the-job-token" * 2)
+    assert "gave up" in follower.communicate(timeout=60)[0]
+    out = leader.communicate(timeout=60)[0]
+    assert "leader: alive" in out and "did not prove it holds the job's token" in out
+
+
+@pytest.mark.multiprocess
+def test_an_engine_across_nodes_starts_only_on_a_declared_trusted_network(tmp_path, monkeypatch):
+    """Security review 3, M1-M3: vLLM's store and message queues are not authenticated (vLLM's security
+    guide: an isolated network; vllm#29565): an engine across nodes starts only where the operator
+    declared a network only the job reaches, one line and exit 2 otherwise, on every path."""
+    env = {k: v for k, v in os.environ.items() if k != "SPICE_TRUSTED_NETWORK"}
+    span = ["--model", str(tmp_path), "--tensor-parallel-size", "2", "--nnodes", "2", "--watch-port", "29999"]
+    for module, extra in (("spice_megatron.rollout.serve", []), ("spice_megatron.rollout.follower", ["--node-rank",
+                                                                                                    "1"])):
+        r = subprocess.run([sys.executable, "-m", module, *span, *extra], env={**env, TOKEN_ENV: TOKEN},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (module, r.stderr)
+        assert "error: --nnodes 2: an engine across nodes runs vLLM's store" in r.stderr
+        assert "SPICE_TRUSTED_NETWORK=1" in r.stderr
+    r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], capture_output=True, text=True,
+                       timeout=60, env={**env, "SPICE_MODEL": "/m", "SPICE_ROLLOUT_TOKEN": TOKEN,
+                                        "SPICE_ENGINE_TP": "16", "SPICE_GPUS_PER_NODE": "8",
+                                        "SPICE_ROLLOUT_NODES": "a,b", "SLURM_NODEID": "0",
+                                        "SPICE_LOG_DIR": str(tmp_path / "logs")})
+    assert r.returncode == 2 and "set SPICE_TRUSTED_NETWORK=1" in r.stderr
+    import io
+
+    from spice_megatron.nemo_launcher import slurm_experiment
+
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    with pytest.raises(ValueError, match="rollout.engine_tensor_parallel=16: an engine across nodes runs vLLM's"):
+        slurm_experiment("qwen3_8b", account="acct", partition="p", container_image="none", model_dir="/m",
+                         data_dir="/data", output_dir=str(tmp_path / "out"),
+                         overrides=["rollout.engine_tensor_parallel=16", "cluster.nodes=4", "cluster.learner_nodes=2"],
+                         env={"SPICE_TRUSTED_NETWORK": "0"})

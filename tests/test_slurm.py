@@ -147,7 +147,8 @@ def _job_env(script, fake_bin, tmp_path, learner="finish", restart=0, **extra_en
            "SLURM_NTASKS": str(len(nodes)), "SLURM_NTASKS_PER_NODE": "1",
            "SLURM_SUBMIT_DIR": ROOT, "SLURM_RESTART_COUNT": str(restart), "SLURM_GPUS_ON_NODE": "8",
            "MODEL_DIR": "/models/base", "OUTPUT_DIR": str(tmp_path / "run"), "CONTAINER_IMAGE": "/images/spice.sqsh",
-           "ROLLOUT_CONTAINER_IMAGE": "/images/vllm.sqsh", "CONTAINER_MOUNTS": "/lustre/models:/models", **extra_env}
+           "ROLLOUT_CONTAINER_IMAGE": "/images/vllm.sqsh", "CONTAINER_MOUNTS": "/lustre/models:/models",
+           "SPICE_TRUSTED_NETWORK": "1", **extra_env}  # engines across nodes: a network only the job reaches
     env.pop("SPICE_ROLLOUT_TOKEN", None)
     return env, nodes, s
 
@@ -348,14 +349,16 @@ def test_rollout_node_starts_the_leader_or_a_follower_of_an_engine_across_nodes(
     base = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_LOG": str(log),
             "SPICE_MODEL": "/models/big", "SPICE_ROLLOUT_TOKEN": "t" * 32, "SPICE_ENGINE_TP": "16",
             "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": "8100", "SPICE_LOG_DIR": str(tmp_path / "logs"),
-            "SPICE_ROLLOUT_NODES": "10.0.0.5,10.0.0.6,10.0.0.7,10.0.0.8", "SPICE_ENGINE_RESTARTS": "1"}
+            "SPICE_ROLLOUT_NODES": "10.0.0.5,10.0.0.6,10.0.0.7,10.0.0.8", "SPICE_ENGINE_RESTARTS": "1",
+            "SPICE_TRUSTED_NETWORK": "1"}
     for node, exits in (("2", "8102"), ("3", "follower")):
         node_env = {"SLURM_NODEID": node, "SLURMD_NODENAME": f"gpu00{node}", "FAKE_EXIT_PORT": exits}
         r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], capture_output=True, text=True,
                            env={**base, **node_env}, timeout=60)
         assert r.returncode == 7 and "restart 1 of 1" in r.stderr, r.stderr
     leader, _, follower, _ = [c for c in _records(log) if c["cmd"] == "python"]
-    span = ["--nnodes", "2", "--master-addr", "10.0.0.7", "--master-port", "29602", "--watch-port", "29603"]
+    # vLLM's store: a port the leader picks per start and tells proven followers (--master-port 0)
+    span = ["--nnodes", "2", "--master-addr", "10.0.0.7", "--master-port", "0", "--watch-port", "29603"]
     assert leader["argv"][:5] == ["-m", "spice_megatron.rollout.serve", "--host", "10.0.0.7", "--port"]
     assert leader["argv"][5:14] == ["8102", *span]
     assert follower["argv"][:4 + len(span)] == ["-m", "spice_megatron.rollout.follower", "--node-rank", "1", *span]
@@ -432,6 +435,7 @@ def test_an_engine_across_nodes_gets_vllm_host_ip_and_a_restart_waits_for_its_po
             "SPICE_GPUS_PER_NODE": "8", "SPICE_ROLLOUT_PORT": str(port), "SPICE_LOG_DIR": str(tmp_path / "logs"),
             "SPICE_ROLLOUT_NODES": "10.0.0.5,10.0.0.6", "SPICE_ENGINE_RESTARTS": "1", "SLURM_NODEID": "0",
             "FAKE_EXIT_PORT": str(port), "SPICE_ENGINE_FREE_WAIT": "3", "SPICE_ENGINE_HOST_IP": "10.0.0.5",
+            "SPICE_TRUSTED_NETWORK": "1",
             "SPICE_ENGINE_MASTER_PORT": str(free_port())}
     base.pop("VLLM_HOST_IP", None)
     with socket.create_server(("127.0.0.1", port)):  # an orphan of the last engine holding the API port
@@ -447,3 +451,17 @@ def test_an_engine_across_nodes_gets_vllm_host_ip_and_a_restart_waits_for_its_po
     subprocess.run(["bash", os.path.join(ROOT, "slurm", "rollout_node.sh")], capture_output=True, text=True,
                    env=single, timeout=60)
     assert all("VLLM_HOST_IP" not in c["env"] for c in _records(log) if c["cmd"] == "python")
+
+
+def test_an_engine_across_nodes_needs_a_declared_trusted_network_before_any_srun(fake_bin, tmp_path):
+    """Security review 3, M1-M3: vLLM's store and queues are not authenticated; the job starts an engine
+    across nodes only where SPICE_TRUSTED_NETWORK says the rollout nodes' network is the job's alone."""
+    script = os.path.join(ROOT, "slurm", "spice_deepseek_v3.sbatch")
+    r, calls, _, _ = _run_job(script, fake_bin, tmp_path, SPICE_TRUSTED_NETWORK="")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "runs vLLM's unauthenticated store" in r.stderr and "SPICE_TRUSTED_NETWORK=1" in r.stderr
+    assert not [c for c in calls if c["cmd"] == "srun"]
+    r, calls, _, _ = _run_job(script, fake_bin, tmp_path, SPICE_TRUSTED_NETWORK="1")
+    assert r.returncode == 0, r.stderr
+    rollout = next(c for c in calls if c["cmd"] == "srun" and "slurm/rollout_node.sh" in c["argv"])
+    assert rollout["env"]["SPICE_TRUSTED_NETWORK"] == "1"

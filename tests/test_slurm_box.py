@@ -260,11 +260,12 @@ def test_an_engine_across_two_nodes_syncs_and_a_killed_follower_restarts_it_whol
     hold = _hold(os.path.join(out, "hold"), 2)
     master = str(free_port())
     job_env = _job_env(env, model, out, SPICE_LEARNER_NODES="1", SPICE_ENGINE_TP="2",
-                       SPICE_ENGINE_MASTER_PORT=master, SPICE_TEST_HOLD_FILE=hold)
+                       SPICE_ENGINE_MASTER_PORT=master, SPICE_TEST_HOLD_FILE=hold, SPICE_TRUSTED_NETWORK="1")
+    watch = f"--watch-port {int(master) + 1}"  # the store's port is the leader's, a new one per start
     port = job_env["ROLLOUT_PORT"]
     job = _sbatch(job_env, out, "--time=20", iterations=3)
     _wait_for(hold + ".held", text="2", timeout=1200)
-    follower = subprocess.run(["pgrep", "-f", f"rollout.follower .*--master-port {master}( |$)"], capture_output=True,
+    follower = subprocess.run(["pgrep", "-f", f"rollout.follower .*{watch}( |$)"], capture_output=True,
                               text=True).stdout.split()
     assert len(follower) == 1, follower
     os.kill(int(follower[0]), signal.SIGKILL)
@@ -281,7 +282,7 @@ def test_an_engine_across_two_nodes_syncs_and_a_killed_follower_restarts_it_whol
     # each iteration's rollouts were served by the weights of the one before, the restarted engine's too
     assert {(r["iteration"], r["weights_version"]) for r in audit} == {(1, 0), (2, 1), (3, 2)}
     assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
-    assert not _left_behind(out, port) and not _left_behind(f"--master-port {master}", port)
+    assert not _left_behind(out, port) and not _left_behind(watch, port)
 
 
 @pytest.mark.timeout(1500)
@@ -294,6 +295,7 @@ def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
     out = str(root / "via_nemorun")
     t0 = time.monotonic()
     port, master = str(free_port()), str(free_port())
+    watch = f"--watch-port {int(master) + 1}"  # the store's port is the leader's, a new one per start
     r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "launch", "--recipe", "tiny_cpu",
                         "--executor", "slurm",
                         "--account", "box", "--cpu-only", "--wait", "--group-wait", "2", "--time", "00:20:00",
@@ -303,14 +305,15 @@ def test_nemo_run_submits_to_slurm_and_the_run_completes(box, tmp_path):
                        # not ".../nemo_run": without a container NeMo-Run rewrites every "/nemo_run" in its
                        # script to the job directory, a home path's included
                        cwd=ROOT, env={**env, "NEMORUN_HOME": str(tmp_path / "nemorun_home"), "SPICE_ROLLOUT_PORT": port,
-                                      "SPICE_MASTER_PORT": str(free_port()), "SPICE_ENGINE_MASTER_PORT": master},
+                                      "SPICE_MASTER_PORT": str(free_port()), "SPICE_ENGINE_MASTER_PORT": master,
+                                      "SPICE_TRUSTED_NETWORK": "1"},
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0 and "COMPLETED" in r.stdout, (r.stdout + r.stderr)[-4000:]
     assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1]
     assert weights(out)
     logs = os.listdir(os.path.join(out, "logs"))
     assert f"rollout_n2_{port}.log" in logs and f"rollout_n3_{port}_node1.log" in logs  # a leader, its follower
-    assert not _left_behind(out, port) and not _left_behind(f"--master-port {master}", port)
+    assert not _left_behind(out, port) and not _left_behind(watch, port)
     print(f"real-Slurm test e: {time.monotonic() - t0:.0f} s")
 
 

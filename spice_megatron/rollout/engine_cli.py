@@ -39,11 +39,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                          "spice_megatron.rollout.follower with the same options)")
     ap.add_argument("--master-addr", default="127.0.0.1",
                     help="a multi-node engine: the leader's address for torch.distributed (every node the same)")
-    ap.add_argument("--master-port", type=int, default=29600,
-                    help="a multi-node engine: the leader's torch.distributed port (every node the same)")
+    ap.add_argument("--master-port", type=int, default=0,
+                    help="a multi-node engine: the port of vLLM's torch.distributed store on the leader (0: a free one "
+                         "per start, told to proven followers only; a follower always takes its leader's)")
     ap.add_argument("--watch-port", type=int, default=None,
-                    help="a multi-node engine: where the leader watches its followers (default: --master-port + 1; "
-                         "rollout/node_watch.py)")
+                    help="a multi-node engine: where the leader watches its followers, each proved with the job's "
+                         "token (required with --master-port 0; else default --master-port + 1; rollout/node_watch.py)")
 
 
 def span_from_args(args: argparse.Namespace, rank: int) -> NodeSpan | None:
@@ -61,6 +62,8 @@ def parse_engine_args(ap: argparse.ArgumentParser, argv: list[str] | None) -> ar
         span_from_args(args, 0)
     except ValueError as e:
         ap.error(str(e))
+    if args.nnodes > 1 and not args.watch_port and not args.master_port:
+        ap.error("--watch-port: an engine across nodes needs it where --master-port is 0 (a port per start)")
     return args
 
 

@@ -8,7 +8,9 @@ down with it, and the job restarts the engine as a whole. Its workers verify the
 signatures, so a follower needs the job's token too ($SPICE_ROLLOUT_TOKEN_FILE, as the leader).
 
   python -m spice_megatron.rollout.follower --node-rank 1 --nnodes 2 --master-addr LEADER \\
-      --master-port 29600 --model M --tensor-parallel-size 16 [the leader's other engine options]
+      --watch-port 29601 --model M --tensor-parallel-size 16 [the leader's other engine options]
+
+Its --master-port is the leader's to say: the follower takes the one its leader names once proved.
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_engine_args(ap, argv)
     if not 1 <= args.node_rank < args.nnodes:
         ap.error(f"--node-rank {args.node_rank}: a follower is node 1..{args.nnodes - 1} of --nnodes {args.nnodes}")
+    from spice_megatron.rollout.node_watch import trusted_network_refusal
+
+    if refusal := trusted_network_refusal():  # before vLLM is imported: one line
+        print(f"error: --nnodes {args.nnodes}: {refusal}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from vllm import EngineArgs
     from vllm.usage.usage_lib import UsageContext
@@ -40,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(os.getppid())  # this process with the node's script (rollout_node.sh)
     workers_die_with_this_process()  # and the workers vLLM starts with this process (the plugin in setup.py)
     register_spice_backend()
-    hold_to_leader(args.master_addr, watch_port(args))  # the engine lives and dies whole
+    # the engine lives and dies whole; the leader proves itself and names vLLM's store before any worker starts
+    args.master_port = hold_to_leader(args.master_addr, watch_port(args), args.node_rank)
     config = EngineArgs(**follower_engine_kwargs(args, args.node_rank)).create_engine_config(
         usage_context=UsageContext.OPENAI_API_SERVER, headless=True)
     logging.getLogger("spice.rollout.follower").info(

@@ -355,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="exit when process PID is gone (a trainer that started this engine and was killed)")
     args = parse_engine_args(ap, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.nnodes > 1:
+        from spice_megatron.rollout.node_watch import trusted_network_refusal
+
+        if refusal := trusted_network_refusal():
+            print(f"error: --nnodes {args.nnodes}: {refusal}", file=sys.stderr)
+            return 2
     try:
         token = read_token(args.token_file)
     except AuthError as e:
@@ -382,9 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     started: dict = {}
     if args.nnodes > 1:  # its followers on the other nodes: the engine lives and dies whole
         from spice_megatron.rollout.node_watch import watch_followers, workers_die_with_this_process
+        from spice_megatron.torchrun import free_port
 
+        watching = watch_port(args)
+        if args.master_port == 0:  # vLLM's store: a port of this start's, told only to proven followers
+            args.master_port = free_port()
         workers_die_with_this_process()  # and its own workers with it (they are built on the engine thread,
-        watch_followers(args.master_addr, watch_port(args), args.nnodes - 1)  # which lives as long as this)
+        watch_followers(args.master_addr, watching, args.nnodes - 1, token=token,  # which lives as long as this)
+                        master_port=args.master_port)
 
     def engine_thread() -> None:  # builds the engine, then runs it: one thread for both (see VLLMEngine)
         try:
