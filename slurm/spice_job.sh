@@ -129,7 +129,11 @@ for trusted in "$OUTPUT_DIR" "$SPICE_HOME"; do
   fi
 done
 # The code every node runs: another user's, or writable by others, it would run as this user on every node.
-unsafe_code=$(find "$SPICE_HOME/spice_megatron" "$SPICE_HOME/recipes" "$SPICE_HOME/slurm" \
+# SPICE_HOME itself and what lies directly in it too: every node's command runs from it (`python -m` puts
+# it first on sys.path), so a module another user could drop there (SPICE_HOME/secrets.py) would run.
+unsafe_code=$(find "$SPICE_HOME" -maxdepth 1 \( \( ! -type l -perm /022 \) -o ! -user "$(id -u)" \) -print -quit \
+  2>/dev/null || true)
+[[ -n $unsafe_code ]] || unsafe_code=$(find "$SPICE_HOME/spice_megatron" "$SPICE_HOME/recipes" "$SPICE_HOME/slurm" \
   \( -perm /022 -o ! -user "$(id -u)" \) -print -quit 2>/dev/null || true)
 if [[ -n $unsafe_code ]]; then
   echo "spice: $unsafe_code is another user's or writable by group or others: the job would run what they put" \

@@ -104,8 +104,10 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
 def cmd_bf16(args: argparse.Namespace) -> int:
     """A bf16 copy of an FP8 checkpoint for the rollout engines (bridge/dequantize.py)."""
     from spice_megatron.bridge.dequantize import write_bf16_copy
+    from spice_megatron.run_dir import check_ancestors
 
     require_dir(args.model, "--model")
+    check_ancestors(args.output, "--output")  # a parent another user can write could swap the copy after it
     counts = write_bf16_copy(args.model, args.output)
     print(f"bf16 copy of {args.model} in {args.output}: {counts['tensors']} tensors, {counts['dequantized']} "
           f"dequantized, {counts['scales_dropped']} scales dropped; serve it with rollout.model={args.output}")

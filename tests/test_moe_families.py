@@ -168,3 +168,37 @@ def test_another_quantization_is_refused_before_any_rank_starts():
 
     with pytest.raises(UnsupportedModelError, match="quant_method='awq'.*not supported \\(fp8 e4m3 with block scales"):
         model_spec_from_hf({**tiny_hf_config("deepseek_v3"), "quantization_config": {"quant_method": "awq"}})
+
+
+def test_the_bf16_copy_writes_only_a_fresh_directory_of_its_own_and_removes_nothing_it_did_not_make(
+        deepseek_dir, tmp_path):
+    """Security review 3, C1 (bf16_output_probe.py): `spice convert bf16` wrote into an existing empty
+    directory (or a link) another user owned, who then rewrote what the engines serve, and deleted
+    OUTPUT.partial unasked. Now: any existing output or link refused, an output under a directory
+    another user could change refused, the copy written in a directory of its own and renamed in."""
+    import os
+
+    from spice_megatron.bridge.dequantize import write_bf16_copy
+    from spice_megatron.bridge.hf_io import CheckpointError
+    from spice_megatron.cli import main
+
+    fp8 = str(tmp_path / "fp8")
+    _fp8_copy(deepseek_dir, fp8)
+    empty = tmp_path / "someone_elses"
+    empty.mkdir()
+    link = tmp_path / "a_link"
+    link.symlink_to(tmp_path / "elsewhere")
+    for out in (empty, link):
+        with pytest.raises(CheckpointError, match=f"--output {out}: already exists"):
+            write_bf16_copy(fp8, str(out))
+    notes = tmp_path / "mine.partial"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    write_bf16_copy(fp8, str(tmp_path / "mine"), progress=lambda line: None)
+    assert (notes / "notes.txt").read_text() == "mine" and os.path.isfile(tmp_path / "mine" / "config.json")
+    assert sorted(p.name for p in tmp_path.iterdir() if ".partial" in p.name) == ["mine.partial"]
+    shared = tmp_path / "shared_models"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)  # writable by everyone, not sticky: another user could swap the copy
+    assert main(["convert", "bf16", "--model", fp8, "--output", str(shared / "copy")]) == 2
+    assert not os.path.exists(shared / "copy")

@@ -940,3 +940,46 @@ def test_an_engine_across_nodes_starts_only_on_a_declared_trusted_network(tmp_pa
                          data_dir="/data", output_dir=str(tmp_path / "out"),
                          overrides=["rollout.engine_tensor_parallel=16", "cluster.nodes=4", "cluster.learner_nodes=2"],
                          env={"SPICE_TRUSTED_NETWORK": "0"})
+
+
+def test_the_job_refuses_a_spice_home_others_can_write_or_a_file_of_anothers_in_it(tmp_path):
+    """Security review 3, J1 (spice_home_probe.py): the job checked SPICE_HOME's ancestors and three
+    subtrees, not SPICE_HOME itself; every node runs `python -m` from it, so another group member's
+    SPICE_HOME/secrets.py ran as the job's user. Refused now: a SPICE_HOME writable by group or others,
+    or anything directly in it that is another user's (the second case needs root to play that user)."""
+    import shutil
+
+    from test_slurm import STAND_IN, _job_env
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for name in ("srun", "scontrol", "curl", "python", "squeue"):
+        (fake_bin / name).write_text(STAND_IN.format(python=sys.executable))
+        (fake_bin / name).chmod(0o755)
+    home = tmp_path / "proj" / "spice"
+    home.mkdir(parents=True)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(home.parent, 0o755)
+    for d in ("spice_megatron", "recipes", "slurm"):
+        shutil.copytree(os.path.join(ROOT, d), home / d, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["chmod", "-R", "go-w", str(home)], check=True)
+    out = tmp_path / "runs" / "mine"
+    out.mkdir(parents=True, mode=0o700)
+    script = str(home / "slurm" / "spice_8b.sbatch")
+
+    def job() -> subprocess.CompletedProcess:
+        run_dir = tmp_path / f"cwd{time.monotonic_ns()}"
+        run_dir.mkdir()
+        env, _, _ = _job_env(script, fake_bin, run_dir, SPICE_HOME=str(home), OUTPUT_DIR=str(out))
+        return subprocess.run(["bash", script], env=env, cwd=run_dir, capture_output=True, text=True, timeout=100)
+
+    os.chmod(home, 0o777)  # a group project directory (2775 on a cluster)
+    r = job()
+    assert r.returncode == 2 and f"spice: {home} is another user's or writable by group or others" in r.stderr
+    os.chmod(home, 0o755)
+    assert job().returncode == 0
+    if os.geteuid() == 0:  # another user's module beside the code (written while the directory was open)
+        (home / "secrets.py").write_text("import os\nos.system('touch RAN')\n")
+        os.chown(home / "secrets.py", 65534, 65534)
+        r = job()
+        assert r.returncode == 2 and f"spice: {home}/secrets.py is another user's" in r.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from typing import Callable
 
 from spice_megatron.entry import UserError
@@ -51,21 +52,41 @@ def check_engine_model(model_dir: str, field: str = "rollout.model") -> None:
 def write_bf16_copy(src: str, dst: str, progress: Callable[[str], None] = print) -> dict[str, int]:
     """Writes `dst`: `src` with every FP8 weight dequantized to bf16 and no quantization_config, shard
     by shard under the source's shard names. Returns counts (tensors, dequantized, scales dropped)."""
-    from safetensors.torch import save_file
-
     from spice_megatron.bridge.hf_io import CheckpointError, HFCheckpointReader
 
     if os.path.abspath(src) == os.path.abspath(dst):
         raise CheckpointError(f"--output {dst}: the copy must not overwrite its source")
-    if os.path.exists(dst) and os.listdir(dst):
-        raise CheckpointError(f"--output {dst}: exists and is not empty (the copy writes a fresh directory)")
+    # a fresh directory only: an existing one (or a link) may be another user's, who could rewrite what
+    # the engines serve (security review 3, C1)
+    if os.path.lexists(dst):
+        raise CheckpointError(f"--output {dst}: already exists (the copy writes a fresh directory of its own; "
+                              "choose another path, or remove it if it is yours)")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"--output {dst}: its parent directory {parent} does not exist")
     reader = HFCheckpointReader(src)
     if reader.fp8_block is None:
         raise CheckpointError(f"{src}: config.json has no fp8 quantization_config: nothing to dequantize")
-    os.makedirs(dst, exist_ok=True)
-    tmp = dst.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    # written into a directory of this process's own beside it (0700, a name no one can know in advance)
+    # and renamed into place once complete: a killed copy leaves no half directory under --output, and
+    # nothing this process did not create is ever removed
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(dst.rstrip("/")) + ".partial.", dir=parent)
+    try:
+        counts = _write_copy(reader, src, tmp, progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # this process's own directory
+        raise
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # as a directory made here would be
+    os.rename(tmp, dst)  # refused where dst appeared meanwhile and is not an empty directory
+    return counts
+
+
+def _write_copy(reader, src: str, tmp: str, progress: Callable[[str], None]) -> dict[str, int]:
+    """The copy's files in `tmp`: each shard dequantized, then the index, the other files and the config."""
+    from safetensors.torch import save_file
+
     shards = sorted(set(reader.weight_map.values()))
     counts = {"tensors": 0, "dequantized": 0, "scales_dropped": 0}
     weight_map: dict[str, str] = {}
@@ -97,7 +118,4 @@ def write_bf16_copy(src: str, dst: str, progress: Callable[[str], None] = print)
     config["dtype" if "dtype" in config else "torch_dtype"] = "bfloat16"  # transformers 5 writes dtype
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    for fname in os.listdir(tmp):  # in place only once complete: a killed copy leaves no half directory
-        os.replace(os.path.join(tmp, fname), os.path.join(dst, fname))
-    os.rmdir(tmp)
     return counts
