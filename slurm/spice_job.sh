@@ -343,6 +343,10 @@ done
 echo "spice: $(( ${#ROLLOUT[@]} * SPICE_ENGINES_PER_NODE / ENGINE_NODES )) rollout engine(s) of TP=$ENGINE_TP healthy$( [[ $COLOCATE == 1 ]] && echo ' (asleep until the learner has built)')"
 
 # --- learner: torchrun over the learner nodes; always --resume (a requeued job continues)
+# The learner world's own secret, fresh per attempt and exported only now: the rollout step, started
+# above, never holds it (its nodes run vLLM's unauthenticated plane; security review 3, L1)
+SPICE_WORLD_SECRET=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+export SPICE_WORLD_SECRET
 srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" "${overlap[@]}" \
   "${learner_container[@]}" \
   --output="$LOG_DIR/learner_%N_%n.out" --kill-on-bad-exit=1 \

@@ -68,6 +68,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         p = cfg.parallel  # one data-parallel replica: its TP x PP x CP ranks
         relaunch_with_torchrun(p.tensor_parallel * p.pipeline_parallel * p.context_parallel, [sys.argv[0], *argv])
     elif global_rank() == 0 and not os.environ.get(CONFIG_RECORDED_ENV):  # ranks a cluster launcher started
+        from spice_megatron.run_dir import prepare_run_dir
+
+        # the run directory checked before anything is written into it (security review 3, R2)
+        prepare_run_dir(cfg.run.output_dir, cfg.run.group_readable)
         print(record_run_config(cfg, args.recipe, args.overrides, resuming, args.force_config), flush=True)
     from spice_megatron.driver import EnginesLost, KillSwitch
     from spice_megatron.policy.checkpoint import NoUsableCheckpoint

@@ -236,8 +236,9 @@ class RolloutConfig:
         _require(self.weight_transfer in ("spice", "nccl", "ipc"), f"{prefix}.weight_transfer",
                  f"unknown backend {self.weight_transfer!r} (spice, nccl, ipc)")
         _require(self.weight_transfer != "nccl" or self.unsigned_sync, f"{prefix}.weight_transfer",
-                 "nccl is vLLM's backend: no bucket is signed and its store listens on every interface, so anyone "
-                 f"who reaches it can feed the engines weights; use spice, or set {prefix}.unsigned_sync=true")
+                 "nccl is vLLM's backend: no bucket is signed and its store listens on every interface and unpickles "
+                 "what it holds, so anyone who reaches it can run code in the engines and feed them weights; use "
+                 f"spice, or set {prefix}.unsigned_sync=true on a network only the job reaches")
         _require(self.sleep_level in (1, 2), f"{prefix}.sleep_level", "must be 1 (weights to host) or 2 (discarded)")
         _require(bool(self.engines) or self.local_engines >= 1, f"{prefix}.local_engines",
                  "needs >= 1 when no rollout.engines are given")

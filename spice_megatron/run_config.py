@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import time
 
 from spice_megatron.config import SpiceConfig
@@ -61,8 +62,12 @@ def record_run_config(cfg: SpiceConfig, recipe: str, overrides: list[str], resum
                             "the same recipe and overrides, or pass --force-config to accept the new values")
         accepted = f", {len(changes)} changed value(s) accepted (--force-config)" if changes else ""
     os.makedirs(cfg.run.output_dir, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    # a fresh file of its own (never through a link someone left at a fixed name), renamed into place
+    fd, tmp = tempfile.mkstemp(prefix=CONFIG_FILE + ".", suffix=".tmp", dir=cfg.run.output_dir)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # as an open() here would make it (run.group_readable: the group reads it)
+    with os.fdopen(fd, "w") as f:
         json.dump({"recipe": recipe, "overrides": list(overrides), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
                    "config": resolved}, f, indent=1)
     os.replace(tmp, path)

@@ -43,6 +43,7 @@ def check_ancestors(path: str, what: str = "run directory") -> None:
     another user could swap the run directory (or its checkpoints) for their own between the checks
     and the load (security review 2)."""
     me = os.geteuid()
+    _check_links_on_the_way(path, what, me)
     real = os.path.realpath(path)
     parts = real.split(os.sep)
     for depth in range(len(parts) - 1, 0, -1):
@@ -61,6 +62,29 @@ def check_ancestors(path: str, what: str = "run directory") -> None:
             why = f"sticky, but {child} is not yours" if sticky else "not sticky"
             raise UnsafeRunDir(f"{what} {path}: the directory above it, {parent}, is writable by others (mode "
                                f"{stat.S_IMODE(st.st_mode):o}, {why}): they could replace what it holds")
+
+
+def _check_links_on_the_way(path: str, what: str, me: int) -> None:
+    """Every link on `path` as given (the checks above see the resolved path only) is root's or the
+    user's, in a directory nobody else can rewrite it in (writable by no one else, or sticky): another
+    user's link, or one another user can replace, can be flipped between the checks and a load
+    (security review 3, R1)."""
+    parts = os.path.abspath(path).split(os.sep)
+    for depth in range(2, len(parts) + 1):
+        here = os.sep.join(parts[:depth])
+        try:
+            st = os.lstat(here)
+        except OSError:
+            return  # made by this run from here on
+        if not stat.S_ISLNK(st.st_mode):
+            continue
+        parent = os.stat(os.path.dirname(here))
+        open_parent = parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not parent.st_mode & stat.S_ISVTX
+        if st.st_uid not in (0, me) or open_parent:
+            whose = f"owned by {_owner(st.st_uid)}" if st.st_uid not in (0, me) else "in a directory others can write"
+            raise UnsafeRunDir(f"{what} {path}: its way passes through {here}, a link {whose}: they could point "
+                               "it elsewhere between the checks and a load; use the path it resolves to, or a link of "
+                               "your own")
 
 
 def check_run_dir(path: str) -> None:

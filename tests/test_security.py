@@ -983,3 +983,89 @@ def test_the_job_refuses_a_spice_home_others_can_write_or_a_file_of_anothers_in_
         os.chown(home / "secrets.py", 65534, 65534)
         r = job()
         assert r.returncode == 2 and f"spice: {home}/secrets.py is another user's" in r.stderr
+
+
+def test_a_rank_a_launcher_started_checks_the_run_directory_before_it_writes_the_config(tmp_path):
+    """Security review 3, R2 (config_json_probe.py): rank 0 of a srun task wrote config.json.tmp through
+    another user's link, into a private file of its user, before the run directory was refused."""
+    os.chmod(tmp_path, 0o755)
+    results = tmp_path / "results"
+    results.mkdir()
+    os.chmod(results, 0o777)  # a group's results area
+    run = results / "run"
+    run.mkdir()
+    victim = tmp_path / "private_notes.txt"
+    victim.write_text("mine\n")
+    (run / "config.json.tmp").symlink_to(victim)
+    env = {**os.environ, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "train", "--resume", "--output", str(run)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f"run directory {run}: the directory above it, {results}, is writable" in r.stderr
+    assert victim.read_text() == "mine\n" and not (run / "config.json").exists()
+
+
+def test_a_link_on_the_way_to_a_run_directory_is_refused_unless_it_is_the_users_in_a_safe_place(tmp_path):
+    """Security review 3, R1 (rundir_link_probe.py): the checks resolved links first, so another user's
+    link in a sticky scratch (flipped between the check and a load) was never checked."""
+    from spice_megatron.run_dir import UnsafeRunDir, prepare_run_dir
+
+    os.chmod(tmp_path, 0o755)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)  # sticky, like /tmp
+    (scratch / "my_link").symlink_to(mine)  # the user's own link in a sticky directory: fine
+    prepare_run_dir(str(scratch / "my_link" / "run1"))
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)  # not sticky: anyone can replace the link
+    (open_dir / "link").symlink_to(mine)
+    with pytest.raises(UnsafeRunDir, match="a link in a directory others can write"):
+        prepare_run_dir(str(open_dir / "link" / "run2"))
+    if os.geteuid() == 0:  # another user's link in the sticky scratch
+        (scratch / "alice").symlink_to(mine)
+        os.lchown(scratch / "alice", 65534, 65534)
+        with pytest.raises(UnsafeRunDir, match="a link owned by"):
+            prepare_run_dir(str(scratch / "alice" / "run3"))
+
+
+def test_only_an_engine_across_nodes_arms_the_parent_death_switch_of_its_workers():
+    """Security review 3, I1: SPICE_DIE_WITH_PARENT inherited from the submitting shell (sbatch exports
+    it) armed the plugin in any vLLM process; `spice` and a single-node engine drop it, and a leader or
+    follower sets it to its own pid."""
+    code = ("import os\nfrom spice_megatron import cli\n"
+            "try:\n    cli.main(['audit', '/nonexistent'])\nexcept SystemExit:\n    pass\n"
+            "print('left:', os.environ.get('SPICE_DIE_WITH_PARENT'))\n")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPICE_DIE_WITH_PARENT": "1"},
+                       capture_output=True, text=True, timeout=120)
+    assert "left: None" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_an_unsigned_body_is_refused_before_the_engine_reads_any_of_it(stub_service):
+    """Security review 3, H1 (unsigned_body_probe.py): a well-formed header with a made-up MAC made the
+    engine buffer its body (up to 64 MiB, ~69 MiB RSS per connection, 1,024 connections) before the MAC
+    was checked. The header now signs the body's SHA-256: a forged one is answered 401 while the body is
+    still unsent."""
+    import hashlib
+
+    from spice_megatron.wire.auth import SCHEME
+
+    _, url = stub_service
+    host, port = url.rsplit("/", 1)[1].split(":")
+    body_size = 4000  # under the stub's 4096-byte cap: only the signature can refuse it
+    forged = (f"{SCHEME} ts={time.time():.3f},nonce={'n' * 32},sha={hashlib.sha256(b'x').hexdigest()},"
+              f"mac={'0' * 64}")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall((f"POST /generate HTTP/1.1\r\nHost: {host}\r\nAuthorization: {forged}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {body_size}\r\n\r\n").encode() + b"{")
+        answer = s.recv(4096).decode()  # the other 3,999 bytes are never sent
+    assert answer.startswith("HTTP/1.1 401") and "wrong signature" in answer
+    # and a signed header whose body is not the one signed
+    from spice_megatron.wire.auth import sign_request
+
+    instance = attest(url, TOKEN)
+    header = sign_request(TOKEN, "POST", "/generate", b'{"prompts": ["a"]}', instance)
+    r = requests.post(url + "/generate", data=b'{"prompts": ["b"]}', headers={"Authorization": header,
+                                                                          "Content-Type": "application/json"})
+    assert r.status_code == 401 and "the body is not the one signed" in r.text

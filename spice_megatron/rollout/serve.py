@@ -110,11 +110,11 @@ class SignedRequests:
         if refused is None and scope["path"] not in OPEN_ROUTES:
             header = headers.get(b"authorization", b"").decode("latin-1")
             try:
-                self.verifier.check_header(header)
-                body = await _read_body(receive, int(length or 0))
                 path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
                 if scope.get("query_string"):
                     path += "?" + scope["query_string"].decode("latin-1")
+                self.verifier.verify_header(header, scope["method"], path)  # before any of the body is read
+                body = await _read_body(receive, int(length or 0))
                 self.verifier.verify(header, scope["method"], path, body)
             except AuthError as e:
                 refused = (401, str(e))
@@ -355,9 +355,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="exit when process PID is gone (a trainer that started this engine and was killed)")
     args = parse_engine_args(ap, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.nnodes > 1:
-        from spice_megatron.rollout.node_watch import trusted_network_refusal
+    from spice_megatron.rollout.node_watch import DIE_WITH_PARENT_ENV, trusted_network_refusal
 
+    os.environ.pop(DIE_WITH_PARENT_ENV, None)  # only an engine across nodes arms it, with its own pid (below)
+    if args.nnodes > 1:
         if refusal := trusted_network_refusal():
             print(f"error: --nnodes {args.nnodes}: {refusal}", file=sys.stderr)
             return 2
