@@ -1069,3 +1069,60 @@ def test_an_unsigned_body_is_refused_before_the_engine_reads_any_of_it(stub_serv
     r = requests.post(url + "/generate", data=b'{"prompts": ["b"]}', headers={"Authorization": header,
                                                                           "Content-Type": "application/json"})
     assert r.status_code == 401 and "the body is not the one signed" in r.text
+
+
+def test_an_engines_proof_names_its_address_so_a_relay_at_another_address_is_refused():
+    """Security review 3, A1 (attest_host_probe.py): the attestation bound the engine's port, not its
+    address; a process at the same port on another address relayed to a sibling engine, was trusted,
+    and read every prompt. The proof now names the address the engine's socket is bound to, and the
+    fleet refuses a proof for an address the URL it dialled does not name."""
+    import uvicorn
+
+    from spice_megatron.rollout.serve import build_app
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 loopback to stand for a second host")
+    port = free_port()
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", port))
+    except OSError:
+        pytest.skip("no IPv6 loopback to stand for a second host")
+    app = build_app(StubEngine(), TOKEN, port, host="::1")  # engine B, bound to [::1]:port
+    server = uvicorn.Server(uvicorn.Config(app, host="::1", port=port, log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    relay = socket.create_server(("127.0.0.1", port))  # another process at 127.0.0.1:port, relaying to B
+
+    def pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            b.close()
+
+    def relay_loop():
+        while True:
+            try:
+                c, _ = relay.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("::1", port))
+            threading.Thread(target=pipe, args=(c, upstream), daemon=True).start()
+            threading.Thread(target=pipe, args=(upstream, c), daemon=True).start()
+
+    threading.Thread(target=relay_loop, daemon=True).start()
+    try:
+        for _ in range(200):
+            try:
+                requests.get(f"http://[::1]:{port}/health", timeout=1)
+                break
+            except requests.RequestException:
+                time.sleep(0.05)
+        assert attest(f"http://[::1]:{port}", TOKEN)  # B itself, at its own address
+        with pytest.raises(AuthError, match="proved it holds this job's token for ::1, an address 127.0.0.1 does not"):
+            attest(f"http://127.0.0.1:{port}", TOKEN)
+    finally:
+        relay.close()
+        server.should_exit = True

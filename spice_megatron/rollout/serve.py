@@ -189,10 +189,19 @@ class GenerateBody(BaseModel):
 UNCLAIMED_ANSWERS = 256
 
 
-def build_app(engine, token: str, port: int, limits: RequestLimits = RequestLimits()) -> FastAPI:
+def bound_host(listener: socket.socket) -> str:
+    """The address a listening socket is bound to, as its attestation names it ("" for every interface)."""
+    import ipaddress
+
+    address = ipaddress.ip_address(listener.getsockname()[0].split("%")[0])
+    return "" if address.is_unspecified else str(address)
+
+
+def build_app(engine, token: str, port: int, limits: RequestLimits = RequestLimits(), host: str = "") -> FastAPI:
     """`engine`: a VLLMEngine whose `serve_forever` runs on the thread that built it; every call
-    here goes through its inbox and runs between two decoding steps. `port`: the one this engine's
-    socket is bound to, which its attestation names."""
+    here goes through its inbox and runs between two decoding steps. `port` and `host`: what this
+    engine's socket is bound to, which its attestation names (host "": every interface, where only the
+    port is bound into the proof)."""
     instance = secrets.token_hex(16)  # this engine process: signed requests name it
     verifier = RequestVerifier(token, instance)
     # no /docs, /redoc or /openapi.json: they would describe the engine to anyone who asks
@@ -216,7 +225,7 @@ def build_app(engine, token: str, port: int, limits: RequestLimits = RequestLimi
 
     @app.get("/attest")
     def attest(nonce: str = Query(min_length=16, max_length=128)):
-        return {"proof": attest_proof(token, nonce, port, instance), "instance": instance}
+        return {"proof": attest_proof(token, nonce, port, instance, host), "instance": instance, "host": host}
 
     @app.get("/status")
     def status():
@@ -425,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.start_asleep:
         started["engine"].call(started["engine"].sleep, 1).result()
     limits = RequestLimits(args.max_n, args.max_prompts, int(args.max_body_mb * 2**20))
-    app = build_app(started["engine"], token, listener.getsockname()[1], limits)
+    app = build_app(started["engine"], token, listener.getsockname()[1], limits, bound_host(listener))
     log.info("serving %s on %s:%d (signed requests only)", args.model, args.host, args.port)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=MAX_CONNECTIONS)).run(sockets=[listener])
     return 0

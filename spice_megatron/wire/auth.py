@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import socket
 import stat
 import threading
 import time
@@ -46,17 +47,28 @@ def mac(key: str | bytes, message: bytes) -> str:
     return hmac.new(key.encode() if isinstance(key, str) else key, message, hashlib.sha256).hexdigest()
 
 
-def attest_proof(token: str, nonce: str, port: int, instance: str) -> str:
-    return mac(token, f"spice-engine-attest\n{nonce}\n{port}\n{instance}".encode())
+def attest_proof(token: str, nonce: str, port: int, instance: str, host: str = "") -> str:
+    """`host`: the address the engine's socket is bound to ("" where it listens on every interface)."""
+    return mac(token, f"spice-engine-attest\n{nonce}\n{port}\n{instance}\n{host}".encode())
 
 
 def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
-def check_attestation(token: str, nonce: str, port: int, instance: object, proof: object) -> bool:
-    return (isinstance(proof, str) and isinstance(instance, str)
-            and hmac.compare_digest(proof.encode(), attest_proof(token, nonce, port, instance).encode()))
+def check_attestation(token: str, nonce: str, port: int, instance: object, proof: object, host: object = "") -> bool:
+    return (isinstance(proof, str) and isinstance(instance, str) and isinstance(host, str)
+            and hmac.compare_digest(proof.encode(), attest_proof(token, nonce, port, instance, host).encode()))
+
+
+def _addresses(host: str) -> set[str]:
+    import ipaddress
+
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return set()
+    return {str(ipaddress.ip_address(a.split("%")[0])) for a in found}
 
 
 def _request_message(method: str, path: str, ts: str, nonce: str, body_sha: str, instance: str) -> bytes:
@@ -216,12 +228,20 @@ def attest(url: str, token: str, timeout: float = 10.0) -> str:
     r = requests.get(url + "/attest", params={"nonce": nonce}, timeout=timeout)
     answer = r.json() if r.ok and r.headers.get("content-type", "").startswith("application/json") else {}
     answer = answer if isinstance(answer, dict) else {}
-    instance = answer.get("instance")
-    if not check_attestation(token, nonce, _port_of(url), instance, answer.get("proof")):
+    instance, bound = answer.get("instance"), answer.get("host", "")
+    if not check_attestation(token, nonce, _port_of(url), instance, answer.get("proof"), bound):
         with _instances_lock:
             _instances.pop(url, None)
         raise AuthError(f"the process answering at {url} could not prove it holds this job's token: not our engine "
                         "(another process on its port?); nothing was sent to it")
+    from urllib.parse import urlsplit
+
+    dialled = urlsplit(url).hostname or ""
+    if bound and bound not in _addresses(dialled):  # proved for another address: a relay (security review 3, A1)
+        with _instances_lock:
+            _instances.pop(url, None)
+        raise AuthError(f"the engine answering at {url} proved it holds this job's token for {bound}, an address "
+                        f"{dialled} does not name: another process relays to it; nothing was sent to it")
     with _instances_lock:
         _instances[url] = instance
     return instance
