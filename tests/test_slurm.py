@@ -465,3 +465,16 @@ def test_an_engine_across_nodes_needs_a_declared_trusted_network_before_any_srun
     assert r.returncode == 0, r.stderr
     rollout = next(c for c in calls if c["cmd"] == "srun" and "slurm/rollout_node.sh" in c["argv"])
     assert rollout["env"]["SPICE_TRUSTED_NETWORK"] == "1"
+
+
+def test_the_learners_world_secret_is_fresh_and_reaches_the_learners_step_only(fake_bin, tmp_path):
+    """Security review 3, L1: the learner's world secret fell back to the engines' token, which every
+    rollout node (vLLM's open plane) holds. The job gives the learner's step a secret of its own."""
+    r, calls, _, _ = _run_job(os.path.join(ROOT, "slurm", "spice_8b.sbatch"), fake_bin, tmp_path)
+    assert r.returncode == 0, r.stderr
+    rollout = next(c for c in calls if c["cmd"] == "srun" and "slurm/rollout_node.sh" in c["argv"])
+    learner = next(c for c in calls if c["cmd"] == "srun" and "spice_megatron.torchrun" in c["argv"])
+    assert "SPICE_WORLD_SECRET" not in rollout["env"]
+    secret = learner["env"]["SPICE_WORLD_SECRET"]
+    assert len(secret) == 32 and secret != learner["env"]["SPICE_ROLLOUT_TOKEN"]
+    assert secret not in " ".join(learner["argv"])  # never on a command line
