@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.set_defaults(func=_cmd_corpus)
 
     st = sub.add_parser("train", help="run SPICE self-play training from a recipe")
-    st.add_argument("--recipe", default=DEFAULT_RECIPE, help=recipe_help)
+    st.add_argument("--recipe", default=None, help=recipe_help + f" (default: {DEFAULT_RECIPE}; with --resume, the "
+                    "run's own, and its overrides before the command line's: its config.json)")
     st.add_argument("--model", help="HF directory of the base model (tiny_cpu default: SmolLM2-135M-Instruct)")
     st.add_argument("--output", "--output-dir", dest="output", help="the run directory (default: the recipe's "
                     "run.output_dir)")

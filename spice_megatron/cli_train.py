@@ -14,17 +14,32 @@ CONFIG_RECORDED_ENV = "SPICE_CONFIG_RECORDED"
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run SPICE: the recipe's config, overridden by key=value pairs."""
-    from recipes import resolve_recipe
+    from recipes import DEFAULT_RECIPE, resolve_recipe
     from spice_megatron import offline_data
     from spice_megatron.run_config import record_run_config
     from spice_megatron.torchrun import global_rank, relaunch_with_torchrun, rollout_urls_from_env, under_launcher
 
-    cfg = resolve_recipe(args.recipe, args.overrides, args.general_corpus)
     resuming = args.resume or args.resume_after_kill_switch
+    checking = not under_launcher() or (global_rank() == 0 and not os.environ.get(CONFIG_RECORDED_ENV))
+    if resuming and args.output and args.recipe is None:  # the run's own recipe and overrides, then the new ones
+        from spice_megatron.run_config import recorded_run
+
+        if recorded := recorded_run(args.output):
+            args.recipe, args.overrides = recorded["recipe"], [*recorded["overrides"], *args.overrides]
+    args.recipe = args.recipe or DEFAULT_RECIPE
+    cfg = resolve_recipe(args.recipe, args.overrides, args.general_corpus)
     if args.output:
         cfg.run.output_dir = args.output
     if args.model:
         cfg.run.model = args.model
+    if checking:  # before any model or data is loaded: one run per run directory, a resume the run's config
+        from spice_megatron.run_config import refuse_changed_config, run_held
+
+        if resuming:
+            refuse_changed_config(cfg, args.force_config)
+        elif held := run_held(cfg.run.output_dir):
+            raise UserError(f"{cfg.run.output_dir} holds a run ({held}); nothing was touched: --resume to continue "
+                            "it, or another --output (or remove that directory) to start a new one")
     if args.corpus:
         from spice_megatron.config import SourceConfig
 

@@ -42,6 +42,53 @@ def config_changes(old: dict, new: dict) -> list[str]:
             if k not in MAY_CHANGE and a.get(k) != b.get(k)]
 
 
+def recorded_run(output_dir: str) -> dict | None:
+    """RUN/config.json as the run's start wrote it (recipe, overrides, config), or None where there is none."""
+    path = os.path.join(output_dir, CONFIG_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            recorded = json.load(f)
+        if not isinstance(recorded.get("recipe"), str) or not isinstance(recorded.get("overrides"), list):
+            raise ValueError("no recipe and overrides")
+        return recorded
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"{path}: unreadable ({type(e).__name__}: {e}); move it away to resume with the command "
+                        "line's config") from None
+
+
+def run_held(output_dir: str) -> str | None:
+    """What RUN holds of an earlier run, in words (None: nothing, or only a failed start's empty directory)."""
+    recorded = recorded_run(output_dir) if os.path.isdir(output_dir) else None
+    steps = sorted(d for d in os.listdir(os.path.join(output_dir, "checkpoints"))
+                   if d.startswith("step_")) if os.path.isdir(os.path.join(output_dir, "checkpoints")) else []
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    rows = sum(1 for _ in open(metrics)) if os.path.isfile(metrics) else 0
+    if recorded is None and not steps and not rows:
+        return None
+    parts = [f"recipe {recorded['recipe']}"] if recorded else []
+    parts += [f"{rows} iteration(s) logged"] if rows else []
+    parts += [f"checkpoint {steps[-1]}"] if steps else []
+    return ", ".join(parts)
+
+
+def refuse_changed_config(cfg: SpiceConfig, force: bool) -> None:
+    """A resume's config against the run's, before any model or data is loaded: one line naming every
+    field that differs, unless --force-config (run.model only where the command line gives one: its
+    default is filled in later, the same as at the start)."""
+    recorded = recorded_run(cfg.run.output_dir)
+    if recorded is None or force:
+        return
+    resolved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    changes = [c for c in config_changes(recorded["config"], resolved)
+               if cfg.run.model or not c.startswith("run.model:")]
+    if changes:
+        raise UserError(f"--resume: the config differs from the run's ({os.path.join(cfg.run.output_dir, CONFIG_FILE)}"
+                        f"): {'; '.join(changes)}; resume without --recipe and overrides to take the run's, or pass "
+                        "--force-config to accept the new values")
+
+
 def record_run_config(cfg: SpiceConfig, recipe: str, overrides: list[str], resume: bool,
                       force: bool = False) -> str:
     """Compares (on a resume) and writes RUN/config.json; returns the line to print."""

@@ -198,7 +198,7 @@ def test_every_command_says_its_options_alike_with_their_defaults_and_plans_ever
         for old in ("--output-dir", "--out ", "--save", "--eval-data", "--ckpt", "--hf "):
             assert old not in text, (name, old)
         if name in ("train", "plan", "coevolution"):
-            assert f"(default: {DEFAULT_RECIPE})" in text and "qwen3_8b_1node" in text, name
+            assert f"(default: {DEFAULT_RECIPE}" in text and "qwen3_8b_1node" in text, name
     with pytest.raises(SystemExit):
         main(["launch", "--help"])
     assert "--output OUTPUT_DIR" in capsys.readouterr().out

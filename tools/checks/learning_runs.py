@@ -9,6 +9,7 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -106,6 +107,9 @@ def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr
            f"run.iterations={args.iterations}", f"run.seed={seed}", f"train.seed={seed}",
            f"run.eval_every={args.eval_every}", f"run.checkpoint_every={args.iterations}", "run.export_hf=false",
            "rollout.max_model_len=1024", "rollout.kv_cache_gib=1.0", "run.min_valid_task_rate=0.0", *args.extra]
+    if os.path.isdir(run_dir):  # an earlier invocation's unfinished run (a finished one is kept as .done.json)
+        print(f"{name}: an unfinished earlier run in {run_dir}: started again", flush=True)
+        shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         rc = run_to_end(cmd, log)
