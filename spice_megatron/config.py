@@ -148,6 +148,24 @@ class SelfPlayConfig:
                  f"challenger=tasks needs a JSONL task file; {self.tasks_file!r} is not a file")
 
 
+def _closest_field(cfg: Any, key: str) -> str:
+    """", did you mean X?" for the config field nearest to `key` (its own last name first), or ""."""
+    from spice_megatron.entry import did_you_mean
+
+    def leaves(obj: Any, prefix: str = "") -> list[str]:
+        out = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            out += leaves(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
+        return out
+
+    names = leaves(cfg)
+    same_name = [n for n in names if n.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+    if len(same_name) == 1:
+        return f", did you mean {same_name[0]}?"
+    return did_you_mean(key, names)
+
+
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     """Apply `a.b.c=value` strings to a nested dataclass; values are parsed as the field's type."""
     for item in overrides:
@@ -157,7 +175,7 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
         obj, parts = cfg, key.split(".")
         for i, part in enumerate(parts):
             if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
-                raise ConfigError(f"{'.'.join(parts[:i + 1])}: no such config field")
+                raise ConfigError(f"{'.'.join(parts[:i + 1])}: no such config field{_closest_field(cfg, key)}")
             if i < len(parts) - 1:
                 obj = getattr(obj, part)
         current = getattr(obj, parts[-1])

@@ -88,9 +88,23 @@ class ArgumentParser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        import re
+
         self.print_usage(sys.stderr)
+        choice = re.match(r"argument .*: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:  # argparse (before Python 3.14) names the choices, not the near one
+            message += did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)) or
+                                    [c.strip() for c in choice.group(2).split(",")]).replace(",", ":", 1)
         print(f"error: {self.prog}: {message}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
+
+
+def did_you_mean(given: str, known) -> str:
+    """", did you mean X?" for the one close match of `given` among `known` (difflib), or ""."""
+    import difflib
+
+    close = difflib.get_close_matches(given, list(known), n=1, cutoff=0.6)
+    return f", did you mean {close[0]}?" if close else ""
 
 
 def positive_int(value: str) -> int:

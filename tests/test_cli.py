@@ -1,9 +1,12 @@
+import os
 import subprocess
 import sys
 
 import pytest
 
 from spice_megatron.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_help_lists_subcommands():
@@ -213,3 +216,53 @@ def test_every_command_says_its_options_alike_with_their_defaults_and_plans_ever
     for recipe in recipe_names():
         assert main(["plan", "--recipe", recipe]) == 0, recipe
     assert "tokens/s/GPU" in capsys.readouterr().out
+
+
+def test_a_near_miss_gets_the_one_close_match(capsys):
+    """Newcomer review F6: no "did you mean" for a recipe, an override field or a command."""
+    from spice_megatron.cli import main
+
+    for argv, want in ((["train", "--recipe", "tiny-cpu"], "--recipe 'tiny-cpu' is unknown, did you mean tiny_cpu?"),
+                       (["train", "train.max_stalenes=1"], "train.max_stalenes: no such config field, did you mean "
+                                                             "train.max_staleness?"),
+                       (["train", "iterations=5"], "iterations: no such config field, did you mean run.iterations?"),
+                       (["plan", "run.iteratons=5"], "did you mean run.iterations?")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert want in err and err.count("\n") == 1, (argv, err)
+    with pytest.raises(SystemExit) as e:
+        main(["trian"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().endswith("did you mean train?")
+
+
+def test_spice_says_its_version_and_a_failed_start_leaves_no_run_directory(tmp_path, capsys):
+    """Newcomer review F12 (`spice --version` was unknown) and F14.1 (a refused start left an empty
+    run directory)."""
+    from spice_megatron.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("spice-megatron ")
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tmp_path / "nope"), "--output", str(out)]) == 2
+    assert "run.model" in capsys.readouterr().err and not out.exists()
+
+
+def test_the_summary_prints_counts_as_integers_and_small_values_with_their_digits():
+    """Newcomer review F9: a count printed as 3.0000, a log-prob gap of 1.87e-06 as 0.0000."""
+    from spice_megatron.cli_train import shown
+
+    assert [shown(v) for v in (3.0, 3, 1.87e-06, 0.0, 0.39123, -2.5e-05, 12.5)] == [
+        "3", "3", "1.87e-06", "0", "0.3912", "-2.5e-05", "12.5000"]
+
+
+def test_the_job_script_run_by_hand_or_without_its_settings_is_one_spice_line():
+    """Newcomer review F7: `bash slurm/spice_8b.sbatch` ended in `!name: unbound variable`, exit 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MODEL_DIR"))}
+    r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "spice_8b.sbatch")], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr == ("spice: SLURM_JOB_ID is unset: submit this file with sbatch (or try it "
+                                              "on tools/env/slurm_box.sh)\n")
+    r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "spice_8b.sbatch")], env={**env, "SLURM_JOB_ID": "7"},
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("spice: set MODEL_DIR to the HF directory")
