@@ -64,10 +64,18 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+PLAN_DEFAULT_RECIPE = "qwen3_8b"  # the planner lays out GPUs: its default is a GPU recipe, not the CPU demo
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Check a recipe's layout against a cluster (or choose one) and estimate its step time."""
+    from recipes import CPU_RECIPES
     from spice_megatron.plan_report import plan_command
 
+    if args.recipe in CPU_RECIPES and not args.gpus_per_node:
+        raise UserError(f"--recipe {args.recipe} runs on one machine without a GPU: there is no layout to plan; plan a "
+                        f"GPU recipe (--recipe {PLAN_DEFAULT_RECIPE}, the default), or give --gpus-per-node to plan "
+                        f"{args.recipe} on GPUs")
     return plan_command(args)
 
 
@@ -148,21 +156,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     sl = sub.add_parser("plan",
                         help="check or choose a cluster layout for a recipe, with memory and step-time estimates")
-    sl.add_argument("--recipe", default=DEFAULT_RECIPE, help=recipe_help)
+    sl.add_argument("--recipe", default=PLAN_DEFAULT_RECIPE, help=recipe_help + " (a GPU recipe: the planner lays "
+                    "out GPUs; a CPU recipe only with --gpus-per-node)")
     sl.add_argument("--model", help="HF directory whose config.json to plan for (default: the recipe's model)")
-    sl.add_argument("--nodes", type=int)
-    sl.add_argument("--gpus-per-node", type=int)
+    sl.add_argument("--nodes", type=int, help="nodes of the cluster (default: the recipe's cluster.nodes)")
+    sl.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the recipe's cluster.gpus_per_node)")
     sl.add_argument("--gpu", choices=list(GPU_PARTS),
                     help="the GPU part: its memory, FLOP/s and HBM bandwidth (cluster.gpu)")
-    sl.add_argument("--gpu-memory-gib", type=float)
-    sl.add_argument("--learner-nodes", type=int)
+    sl.add_argument("--gpu-memory-gib", type=float, help="memory per GPU (default: the --gpu part's)")
+    sl.add_argument("--learner-nodes", type=int, help="nodes of the learner, the others the engines' (default: the "
+                    "recipe's cluster.learner_nodes)")
     sl.add_argument("--choose", action="store_true",
                     help="choose the layout (TP/PP/EP, engine TP) and the placement (colocated when one node is all "
                          "there is or when it is faster) instead of checking the recipe's")
     sl.add_argument("--rank", type=positive_int, metavar="N",
                     help="also list the N fastest of every learner layout that fits (TP, PP, CP, VPP, recompute, "
                          "experts within or across nodes; colocated and disaggregated), each with its overrides")
-    sl.add_argument("--json", action="store_true")
+    sl.add_argument("--json", action="store_true", help="the plan as JSON, for scripts")
     sl.add_argument("overrides", nargs="*", help="config overrides key=value")
     sl.set_defaults(func=_cmd_plan)
 
