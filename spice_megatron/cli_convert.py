@@ -17,7 +17,7 @@ from spice_megatron.entry import Spelled, non_negative_int, positive_int, requir
 def add_convert_parser(sub) -> None:
     sn = sub.add_parser("convert", help="convert a checkpoint: to-hf, from-hf, or bf16 (an FP8 model's copy for the "
                         "rollout engines)")
-    kinds = sn.add_subparsers(dest="kind", metavar="KIND", required=True)
+    kinds = sn.add_subparsers(dest="kind", metavar="KIND", required=True, help="to-hf, from-hf or bf16")
     th = kinds.add_parser("to-hf", help="a Megatron checkpoint (a root or one step directory) -> a Hugging Face "
                           "safetensors directory")
     th.add_argument("--model", "--ckpt", dest="model", action=Spelled, required=True, help="the Megatron checkpoint")

@@ -288,3 +288,18 @@ def test_audit_filters_that_match_nothing_say_so_like_the_iteration_filter(tmp_p
     assert "--doc nope (no record of this run names it" in capsys.readouterr().err
     assert main(["audit", str(tmp_path), "--valid"]) == 1
     assert capsys.readouterr().err.strip() == "no record matches these filters together"
+
+
+def test_every_option_of_every_command_says_what_it_is():
+    """Newcomer review F12: about 20 of spice's options printed no description."""
+    import argparse
+
+    from spice_megatron.cli import build_parser
+
+    parser = build_parser()
+    silent = [("spice", a.option_strings) for a in parser._actions
+              if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        silent += [(name, a.option_strings or a.dest) for a in sub._actions
+                   if not isinstance(a, argparse._HelpAction) and a.help in (None, "", "(default: %(default)s)")]
+    assert not silent, silent
