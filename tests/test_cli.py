@@ -303,3 +303,14 @@ def test_every_option_of_every_command_says_what_it_is():
         silent += [(name, a.option_strings or a.dest) for a in sub._actions
                    if not isinstance(a, argparse._HelpAction) and a.help in (None, "", "(default: %(default)s)")]
     assert not silent, silent
+
+
+def test_the_converter_wrappers_answer_like_spice_in_one_line():
+    """Newcomer review F11: tools/convert_to_hf.py printed 8 lines of megatron's import warnings before
+    its error line, where `spice convert to-hf` printed the line alone."""
+    for tool, argv in (("convert_to_hf.py", ["--ckpt", "x", "--out", "y"]),
+                       ("convert_from_hf.py", ["--hf", "x", "--out", "y"])):
+        env = {k: v for k, v in os.environ.items() if k != "SPICE_DEBUG"}
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *argv], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), (tool, r.stderr)
