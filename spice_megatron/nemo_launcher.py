@@ -4,7 +4,7 @@
     spice launch --recipe tiny_cpu --executor local run.iterations=2
     # a paper recipe on a Slurm cluster: print the sbatch script, or submit it
     spice launch --recipe qwen3_8b --executor slurm --account ACCT --partition batch \
-        --container-image /images/spice-megatron.sqsh --mount /lustre/models:/models \
+        --container-image /images/spice-learner.sqsh --mount /lustre/models:/models \
         --mount /lustre/results:/results --mount /lustre/spice_data:/data --model /models/Qwen3-8B-Base \
         --data /data --output /results/qwen3_8b --dryrun
 (output, data and model directories must lie under a --mount destination: the container's own

@@ -478,3 +478,17 @@ def test_the_learners_world_secret_is_fresh_and_reaches_the_learners_step_only(f
     secret = learner["env"]["SPICE_WORLD_SECRET"]
     assert len(secret) == 32 and secret != learner["env"]["SPICE_ROLLOUT_TOKEN"]
     assert secret not in " ".join(learner["argv"])  # never on a command line
+
+
+def test_one_set_of_image_names_and_every_disaggregated_example_names_both_images():
+    """Newcomer review F8: three names for the images, and sbatch headers whose example gave one image
+    where the job needs two (vLLM's torch breaks an NGC image's TE/apex: slurm/spice_job.sh)."""
+    names = set()
+    for path in [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md")),
+                 *glob.glob(os.path.join(ROOT, "slurm", "*"))]:
+        names |= set(re.findall(r"([\w.-]+)\.sqsh", open(path).read()))
+    assert names <= {"spice-learner", "spice-rollout", "spice-colocated"}, names
+    for script in SBATCH:
+        header = "".join(line for line in open(script) if line.startswith("#   "))
+        if "CONTAINER_IMAGE=" in header and "colocated" not in header:
+            assert "ROLLOUT_CONTAINER_IMAGE=/images/spice-rollout.sqsh" in header, script
