@@ -119,7 +119,23 @@ def plan_command(args: argparse.Namespace) -> int:
         for i, (p, st) in enumerate(ranked[:args.rank], 1):
             print(f"  {i}. {st['tokens_per_s_per_gpu']:7,.0f} tokens/s/GPU, {st['total']:6.1f} s, learner "
                   f"{p.learner.total:5.1f} GiB/GPU: {plan_overrides(p, cfg)}")
+        if args.choose and ranked:
+            print(choice_in_ranking(plan_overrides(plan, cfg), [(plan_overrides(p, cfg), st) for p, st in ranked]))
     return 0
+
+
+def choice_in_ranking(chosen: str, ranked: list[tuple[str, dict]]) -> str:
+    """Where --choose's layout stands in the ranking, and why it need not be first (newcomer review F2)."""
+    place = next((i for i, (overrides, _) in enumerate(ranked, 1) if overrides == chosen), None)
+    best = ranked[0][1]["tokens_per_s_per_gpu"]
+    if place == 1:
+        return "--choose's layout is the fastest of the ranking (#1)"
+    where = f"#{place} of the ranking" if place else "not in the ranking"
+    gap = (f", {100 * (1 - ranked[place - 1][1]['tokens_per_s_per_gpu'] / best):.0f}% below #1" if place else "")
+    return (f"--choose's layout is {where}{gap}: --choose takes the first layout that fits in its order (no "
+            "optimizer offload, no full recompute and no context parallelism before they are needed, then the "
+            "smallest TP x PP: docs/layouts.md), not the fastest planned; #1's overrides above are the planned "
+            "fastest")
 
 
 def plan_overrides(plan, cfg) -> str:

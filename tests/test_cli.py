@@ -314,3 +314,16 @@ def test_the_converter_wrappers_answer_like_spice_in_one_line():
         r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *argv], capture_output=True, text=True,
                            timeout=120, env=env)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), (tool, r.stderr)
+
+
+def test_choose_says_where_its_layout_stands_in_the_ranking():
+    """Newcomer review F2: `--choose --rank 5` recommended the third of its own ranking (14% slower
+    than the first) without saying so."""
+    from spice_megatron.plan_report import choice_in_ranking
+
+    ranked = [("a", {"tokens_per_s_per_gpu": 1526.0}), ("b", {"tokens_per_s_per_gpu": 1380.0}),
+              ("c", {"tokens_per_s_per_gpu": 1336.0})]
+    assert choice_in_ranking("a", ranked) == "--choose's layout is the fastest of the ranking (#1)"
+    line = choice_in_ranking("c", ranked)
+    assert line.startswith("--choose's layout is #3 of the ranking, 12% below #1: --choose takes the first layout")
+    assert "not the fastest planned" in choice_in_ranking("z", ranked)
