@@ -31,14 +31,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.run.output_dir = args.output
     if args.model:
         cfg.run.model = args.model
-    if checking:  # before any model or data is loaded: one run per run directory, a resume the run's config
-        from spice_megatron.run_config import refuse_changed_config, run_held
-
-        if resuming:
-            refuse_changed_config(cfg, args.force_config)
-        elif held := run_held(cfg.run.output_dir):
-            raise UserError(f"{cfg.run.output_dir} holds a run ({held}); nothing was touched: --resume to continue "
-                            "it, or another --output (or remove that directory) to start a new one")
     if args.corpus:
         from spice_megatron.config import SourceConfig
 
@@ -53,6 +45,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if refusal:
             print(f"kill switch: {refusal}", file=sys.stderr)
             return 3
+    if checking:  # before any model or data is loaded: one run per run directory, a resume the run's config
+        from spice_megatron.run_config import refuse_changed_config, run_held
+
+        if resuming:
+            refuse_changed_config(cfg, args.force_config)
+        elif held := run_held(cfg.run.output_dir):
+            raise UserError(f"{cfg.run.output_dir} holds a run ({held}); nothing was touched: --resume to continue "
+                            "it, or another --output (or remove that directory) to start a new one")
     if not cfg.rollout.engines:  # a cluster launcher started the engines and exported their hosts
         cfg.rollout.engines = rollout_urls_from_env()
     if not under_launcher():  # one-machine conveniences, done once before any rank starts
