@@ -177,13 +177,13 @@ class StubEngine:
         return method
 
 
-def _serve_stub(port: int, limits=None):
-    """A real build_app with the stub engine on `port`, in a thread: (server, thread, url, app)."""
+def _serve_stub(port: int, limits=None, engine=None):
+    """A real build_app with the stub engine (or `engine`) on `port`, in a thread: (server, thread, url, app)."""
     import uvicorn
 
     from spice_megatron.rollout.serve import RequestLimits, build_app
 
-    app = build_app(StubEngine(), TOKEN, port, limits or RequestLimits())
+    app = build_app(engine or StubEngine(), TOKEN, port, limits or RequestLimits())
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -797,23 +797,8 @@ def test_a_request_posted_again_under_its_id_gets_the_first_posts_answer_without
                 return slow
             return self.answer
 
-    import uvicorn
-
-    from spice_megatron.rollout.serve import build_app
-
-    port = free_port()
-    app = build_app(CountingEngine(), TOKEN, port)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
+    server, thread, url, _ = _serve_stub(free_port(), engine=CountingEngine())
     try:
-        for _ in range(200):
-            try:
-                requests.get(url + "/health", timeout=1)
-                break
-            except requests.RequestException:
-                time.sleep(0.05)
         body = {"prompts": ["a", "b"], "sampling": {"n": 2, "max_tokens": 4}, "request_id": "r" * 32}
         with pytest.raises(requests.ReadTimeout):
             signed_request("POST", url, "/generate", TOKEN, body, 0.5)
