@@ -72,10 +72,16 @@ def iterations(records: Iterator[dict]) -> Iterator[list[dict]]:
         yield group
 
 
+def _number(value: object, sign: str = "") -> str:
+    """A reward or an advantage as the task blocks print them (3 decimals), else as it is ('-' when absent)."""
+    return f"{value:{sign}.3f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
 def one_line(r: dict) -> str:
     what = (r.get("task") or {}).get("question") or r.get("reason") or r.get("extracted") or r.get("text")
     return (f"it={r.get('iteration')} v={r.get('weights_version')} {r.get('kind'):10s} doc={r.get('doc_id')} "
-            f"reward={r.get('reward', '-')} adv={r.get('advantage', '-')} :: {str(what)[:100]!r}")
+            f"reward={_number(r.get('reward', '-'))} adv={_number(r.get('advantage', '-'), '+')} "
+            f":: {str(what)[:100]!r}")
 
 
 class IterationIndex:

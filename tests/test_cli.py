@@ -327,3 +327,14 @@ def test_choose_says_where_its_layout_stands_in_the_ranking():
     line = choice_in_ranking("c", ranked)
     assert line.startswith("--choose's layout is #3 of the ranking, 12% below #1: --choose takes the first layout")
     assert "not the fastest planned" in choice_in_ranking("z", ranked)
+
+
+def test_audit_lines_print_rewards_and_advantages_with_three_decimals():
+    """Newcomer review F14.3: challenger advantages came with 16 decimals (-0.4079527002175556), the
+    task blocks' with 3."""
+    from spice_megatron.audit import one_line
+
+    line = one_line({"iteration": 1, "weights_version": 0, "kind": "challenger", "doc_id": "stories/1/0",
+                     "reward": -0.5, "advantage": -0.4079527002175556, "reason": "no_question"})
+    assert "reward=-0.500 adv=-0.408 ::" in line
+    assert "reward=- adv=- ::" in one_line({"iteration": 1, "kind": "document", "doc_id": "d"})
