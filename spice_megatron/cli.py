@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # the parent-death switch of an engine's workers belongs to the engine that sets it (rollout/node_watch.py):
     # one inherited from the submitting shell (sbatch exports it) arms nothing here or in what this starts
-    os.environ.pop("SPICE_DIE_WITH_PARENT", None)
+    from spice_megatron.rollout.node_watch import DIE_WITH_PARENT_ENV
+
+    os.environ.pop(DIE_WITH_PARENT_ENV, None)
     if argv[:1] == ["launch"]:  # the NeMo-Run launcher's own options (nemo_launcher.py)
         from spice_megatron.nemo_launcher import main as launch_main
 
