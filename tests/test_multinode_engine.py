@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -88,17 +89,29 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
             batch.result(timeout=120)
         long.close()
 
-        # restarted whole, as rollout_node.sh restarts each node's part: it serves again, on the same ports
+        # restarted whole, as rollout_node.sh restarts each node's part: it serves again, on the same ports.
+        # A stranger without the token reaches the watch first (security review 3, M2 and M4, against the
+        # real engine): one connection closes at once, one holds its slot and one sends a made-up hello;
+        # none ends the leader, keeps the job's follower out or learns the engine's store port
+        port = int(leader.url.rsplit(":", 1)[1])
+        leader = start_engine(a, TOKEN, str(tmp_path / "restarted"), port, extra=span, env=TRUSTED)
+        watch = int(span[span.index("--watch-port") + 1])
+        strangers = _stranger_at_the_watch(watch)
         follower_log.close()
         follower_log = open(tmp_path / "follower2.log", "w")
         follower = subprocess.Popen([sys.executable, "-m", "spice_megatron.rollout.follower", "--model", a,
                                      "--node-rank", "1", *span], stdout=follower_log, stderr=subprocess.STDOUT,
                                     start_new_session=True,
                                     env={**os.environ, **TRUSTED, TOKEN_ENV: TOKEN})
-        port = int(leader.url.rsplit(":", 1)[1])
-        leader = start_engine(a, TOKEN, str(tmp_path / "restarted"), port, extra=span, env=TRUSTED)
         wait_healthy([leader], timeout=600)
         assert greedy(leader.url) == alone
+        said = b"".join(_drain(s) for s in strangers)
+        assert b"master_port" not in said and b"proof" not in said, said
+        log = open(leader.log_path).read()
+        assert "follower node 1 of 1 proved itself from 127.0.0.1" in log
+        assert "did not prove it holds the job's token" in log
+        for s in strangers:
+            s.close()
     finally:
         leader.stop()
         try:
@@ -107,6 +120,35 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
             pass
         follower.wait(30)
         follower_log.close()
+
+
+def _stranger_at_the_watch(port: int) -> list:
+    """Three connections to the leader's watch as soon as it listens, without the token."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()  # connect and close
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    holder = socket.create_connection(("127.0.0.1", port), timeout=5)  # says nothing, holds a slot
+    liar = socket.create_connection(("127.0.0.1", port), timeout=5)
+    liar.sendall(b'{"role": "follower", "node_rank": 1, "proof": "00"}\n')
+    return [holder, liar]
+
+
+def _drain(conn) -> bytes:
+    """What the leader sent a stranger before closing on it (nothing that helps it)."""
+    conn.settimeout(1)
+    got = b""
+    try:
+        while chunk := conn.recv(4096):
+            got += chunk
+    except OSError:
+        pass
+    return got
 
 
 def _in_group(pgid: int) -> list[str]:
