@@ -47,5 +47,7 @@ setup(
                   "vllm.general_plugins": [
                       "spice_weight_transfer=spice_megatron.rollout.engine_transfer:register_spice_backend",
                       # a multi-node engine's follower: its workers die with it (rollout/node_watch.py)
-                      "spice_die_with_parent=spice_megatron.rollout.node_watch:die_with_parent"]},
+                      "spice_die_with_parent=spice_megatron.rollout.node_watch:die_with_parent",
+                      # an engine across nodes: vLLM's queues between its nodes speak CURVE with the job token
+                      "spice_engine_channels=spice_megatron.rollout.engine_channels:encrypt_engine_channels"]},
 )

@@ -45,8 +45,15 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
         assert status(leader.url)["workers"] == 2  # the weight sync's receivers: one worker per node
         # the leader asked both nodes' workers what they built (rollout/step_settings.py) before serving
         assert "2 worker(s) on 2 node(s) built the same step" in open(leader.log_path).read()
+        # a stranger subscribed to every other port the leader listens on (vLLM's queues to the other
+        # node among them) reads nothing of the requests: they speak CURVE with the job token's keys
+        # (rollout/engine_channels.py; security review 3, M3)
+        listening = _listening_ports(leader.process.pid) - {int(leader.url.rsplit(":", 1)[1])}
+        assert listening, "the leader's queues to the follower's node were not found"
+        stranger = _subscribed_everywhere(listening)
         (alone,) = run_ranks(_in_process_greedy, 1, a, PROMPTS, 12, tmp_path=tmp_path)
         assert greedy(leader.url) == alone  # TP=2 over two nodes decodes what one process does
+        assert _heard(stranger) == 0, "a process without the token read the engine's broadcast"
 
         go, joined = str(tmp_path / "go"), str(tmp_path / "joined")
         open(go, "w").close()
@@ -120,6 +127,55 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
             pass
         follower.wait(30)
         follower_log.close()
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports a process listens on (its sockets in /proc/net/tcp, as a port scan finds them)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    ports = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(name).read().splitlines()[1:]:
+            f = row.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _subscribed_everywhere(ports: set[int]) -> list:
+    import zmq
+
+    context = zmq.Context()
+    subs = []
+    for port in ports:
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt_string(zmq.SUBSCRIBE, "")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        subs.append(sub)
+    return subs
+
+
+def _heard(subs: list) -> int:
+    """Messages the subscribers received (none wait: whatever arrived is queued by now)."""
+    import zmq
+
+    got = 0
+    for sub in subs:
+        while True:
+            try:
+                sub.recv(zmq.NOBLOCK)
+                got += 1
+            except zmq.Again:
+                break
+        sub.close()
+    return got
 
 
 def _stranger_at_the_watch(port: int) -> list:

@@ -1111,3 +1111,49 @@ def test_an_engines_proof_names_its_address_so_a_relay_at_another_address_is_ref
     finally:
         relay.close()
         server.should_exit = True
+
+
+def test_an_engines_queues_across_nodes_are_read_only_with_the_job_token(monkeypatch):
+    """Security review 3, M3: vLLM's message queues between an engine's nodes (the broadcast of every
+    step's prompts) bound unauthenticated on the node's address. With the plugin they speak CURVE with
+    keys from the job token: the job's subscriber reads, a plain one and one of another token do not;
+    the plugin changes vLLM's queue module only where the token is set."""
+    import zmq
+
+    from spice_megatron.rollout import engine_channels
+
+    def context(token: str):
+        class Context(zmq.Context):
+            _socket_class = engine_channels.curve_socket_class(token)
+
+        return Context()
+
+    writer = context(TOKEN).socket(zmq.XPUB)
+    writer.setsockopt(zmq.XPUB_VERBOSE, True)
+    writer.bind("tcp://127.0.0.1:0")
+    address = writer.getsockopt(zmq.LAST_ENDPOINT).decode()
+    readers = {}
+    for name, ctx in (("job", context(TOKEN)), ("plain", zmq.Context()), ("other token", context("not-the-job's"))):
+        readers[name] = ctx.socket(zmq.SUB)
+        readers[name].setsockopt_string(zmq.SUBSCRIBE, "")
+        readers[name].RCVTIMEO = 1500
+        readers[name].connect(address)
+    writer.RCVTIMEO = 5000
+    assert writer.recv() == b"\x01"  # one subscription: the job's reader
+    time.sleep(0.5)
+    writer.send(b"a prompt's token ids")
+    assert readers["job"].recv() == b"a prompt's token ids"
+    for name in ("plain", "other token"):
+        with pytest.raises(zmq.Again):
+            readers[name].recv()
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    before = shm_broadcast.Context
+    monkeypatch.setattr(engine_channels, "_PATCHED", False)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    engine_channels.encrypt_engine_channels()
+    assert shm_broadcast.Context is before  # no token: vLLM as it is
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setattr(shm_broadcast, "Context", before)
+    engine_channels.encrypt_engine_channels()
+    assert issubclass(shm_broadcast.Context._socket_class, zmq.Socket) and shm_broadcast.Context is not before
