@@ -30,9 +30,11 @@ Why these settings (measured with the base model, docs/learning.md):
   frontier (0 < pass rate < 1) where it has one; the paper draws among all its valid tasks. At 4-6
   documents an iteration most random draws are tasks nobody solves (zero advantage): in the lr 1e-5
   check seed 4321's reasoner trained on 0-2 frontier groups an iteration while 1-5 documents had one.
-- Two documents x G=8 per iteration: the main job's three iterations took 1 min 32 s on 2 cores
-  (the newcomer review of 2026-12; the learner's fp32 step on ~16 challenger sequences of ~340
-  tokens and up to 16 reasoner ones dominates); the learning check takes 6 per iteration.
+- Two documents x G=8 per iteration: the main job's three iterations take about 2 minutes on 2
+  cores (the learner's fp32 step on ~16 challenger sequences of ~340 tokens and up to 16 reasoner
+  ones dominates); the learning check takes 6 per iteration.
+- run.eval_every = 3: with `--eval-benchmarks` (the main job passes `stories`) the base model is
+  measured before the first iteration and the policy after the last (tools/env/run_main.sh).
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def tiny_cpu(model: str = "", data_dir: str = "", output_dir: str = "runs/tiny_c
     challenger_tokens, reasoner_tokens, temperature = 80, 24, 0.5
     return SpiceConfig(
         run=RunConfig(name="tiny_cpu", model=model, output_dir=output_dir, iterations=3, checkpoint_every=1,
-                      keep_last=2, seed=1234),
+                      keep_last=2, seed=1234, eval_every=3),
         corpus=CorpusConfig(sources=[SourceConfig(path=os.path.join(data_dir, "corpus", "stories.jsonl"),
                                                   name="stories")],
                             max_doc_tokens=512, min_doc_tokens=8, max_docs=2000),

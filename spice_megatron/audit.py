@@ -1,5 +1,5 @@
 """Reading a run's audit trail (audit.jsonl): every document the challenger read, every challenger
-attempt and every reasoner answer, each with its iteration and weights version.
+attempt and every reasoner answer, each with its iteration and the version that generated it.
 
 A challenger record's `challenger_record` cross-references (on reasoner records) are indices into
 its iteration's records, which the trainer writes contiguously; `iterations` yields them as such
@@ -51,12 +51,16 @@ def with_document_texts(records: Iterator[dict]) -> Iterator[dict]:
 
 
 def counted_from_one(records: Iterator[dict]) -> Iterator[dict]:
-    """The records with iterations counted from 1, as the metrics count them: a trail written before
-    2026-12-06 counted from 0 (its first record says iteration 0) and is read shifted by one."""
+    """The records as today's trail writes them: iterations counted from 1, as the metrics count
+    them (a trail written before 2026-12-06 counted from 0: its first record says iteration 0, and
+    it is read shifted by one), and the generating version named `rollout_version`, as the metric
+    (an older trail called it weights_version, the metrics' name for the version after the update)."""
     shift = None
     for r in records:
         if shift is None:
             shift = 1 if r.get("iteration") == 0 else 0
+        if "weights_version" in r:
+            r = {("rollout_version" if k == "weights_version" else k): v for k, v in r.items()}
         yield {**r, "iteration": r["iteration"] + shift} if shift and isinstance(r.get("iteration"), int) else r
 
 
@@ -79,7 +83,7 @@ def _number(value: object, sign: str = "") -> str:
 
 def one_line(r: dict) -> str:
     what = (r.get("task") or {}).get("question") or r.get("reason") or r.get("extracted") or r.get("text")
-    return (f"it={r.get('iteration')} v={r.get('weights_version')} {r.get('kind'):10s} doc={r.get('doc_id')} "
+    return (f"it={r.get('iteration')} v={r.get('rollout_version')} {r.get('kind'):10s} doc={r.get('doc_id')} "
             f"reward={_number(r.get('reward', '-'))} adv={_number(r.get('advantage', '-'), '+')} "
             f":: {str(what)[:100]!r}")
 
@@ -114,7 +118,7 @@ def task_block(index: int, iteration: IterationIndex) -> str:
     answers = iteration.answers.get(index, [])
     task = r["task"]
     marks = " ".join(f"{a.get('extracted')}{'+' if a.get('correct') else '-'}" for a in answers)
-    lines = [f"it={r.get('iteration')} v={r.get('weights_version')} doc={r.get('doc_id')} "
+    lines = [f"it={r.get('iteration')} v={r.get('rollout_version')} doc={r.get('doc_id')} "
              f"reward={r.get('reward', 0.0):.3f} adv={r.get('advantage', 0.0):+.3f} "
              f"pass={sum(bool(a.get('correct')) for a in answers)}/{len(answers)}",
              f"  document: {doc['text'] if doc else '(not recorded)'}"

@@ -26,7 +26,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         print(f"corpus of {args.recipe} staged in {cfg.corpus.stage_dir}: "
               + ", ".join(f"{k} ({v['records']} records)" for k, v in manifest.items()))
         return 0
-    argv = ["--out", args.data, "--cache", args.cache] + (["--force"] if args.force else [])
+    argv = ["--data", args.data, "--cache", args.cache] + (["--force"] if args.force else [])
     return offline_data.main(argv)
 
 
@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--kind", choices=["document", "challenger", "reasoner", "task"], help="records of this kind only")
     sa.add_argument("--doc", help="document provenance id, e.g. math/123/0")
     sa.add_argument("--iteration", type=int, help="records of this iteration only (counted from 1)")
-    sa.add_argument("--version", type=int, help="weights version that wrote the record")
+    sa.add_argument("--version", type=int, help="the policy version that wrote the record (its rollout_version; "
+                    "0: the base model)")
     sa.add_argument("--valid", action="store_true", help="valid challenger tasks only")
     sa.add_argument("--trained", action="store_true", help="records that became training samples")
     sa.add_argument("--leaks", action="store_true",
@@ -262,6 +263,7 @@ def quiet_libraries() -> None:
     import warnings
 
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # "generated new fontManager" before a first plot
     for message in (r".*(Transformer Engine|Apex).* not installed", r"full scope is deprecated"):
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
 

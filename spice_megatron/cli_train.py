@@ -95,6 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if summary and global_rank() == 0:
+        from spice_megatron.eval.run import held_out_change
         from spice_megatron.metric_names import SUMMARY
 
         print("\nSPICE run finished: " + cfg.run.output_dir)
@@ -105,9 +106,10 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"audit: {cfg.run.output_dir}/audit.jsonl, HF checkpoint: {cfg.run.output_dir}/hf_final")
         print(f"  plots: spice curves {cfg.run.output_dir}; evaluation: spice eval --model {cfg.run.output_dir}")
         print(_moved_line(os.path.join(cfg.run.output_dir, "metrics.jsonl")))
-        print("  (a few iterations on tasks the policy wrote itself show that the loop runs: tasks, rewards, "
-              "updates, the sync; not that it learns: these rates move with the documents drawn more than with "
-              "training)")
+        held_out = held_out_change(os.path.join(cfg.run.output_dir, "eval"))
+        print("\n".join(held_out) or "  held-out accuracy: not measured (--eval-benchmarks, run.eval_every)")
+        print("  (the rates above move with the documents drawn more than with training: they show that the loop "
+              "runs; held-out accuracy, on questions no training document states, is what shows learning)")
         print("  what each metric means: docs/metrics.md")
         from spice_megatron.run_clean import footprint_line
 
@@ -187,6 +189,7 @@ def _moved_line(metrics_path: str) -> str:
     from spice_megatron.run_log import read_jsonl
 
     metrics = list(read_jsonl(metrics_path)) if os.path.exists(metrics_path) else []
+    metrics = [m for m in metrics if m["iteration"] > 0]  # iteration 0: the base model's evaluation only
     if len(metrics) < 2:
         return "  moved: one iteration only"
     first, last = metrics[0], metrics[-1]

@@ -327,7 +327,8 @@ class RunConfig:
     output_dir: str = "runs/spice"
     iterations: int = 640  # T
     checkpoint_every: int = 10
-    eval_every: int = 0  # call the evaluation hook every m iterations (0: never)
+    eval_every: int = 0  # call the evaluation hook every m iterations and at the last (0: never)
+    eval_before: bool = True  # with evaluations, measure the base model first (iteration 0)
     keep_last: int = 2
     seed: int = 1234
     export_hf: bool = True  # write an HF checkpoint at the end

@@ -300,7 +300,7 @@ class Driver:
         # the audit trail counts iterations from 1 as the metrics do; `iteration` (from 0) seeds the sampling
         sp = self.cfg.selfplay
         if sp.challenger == "tasks":
-            result = run_fixed_tasks(docs, self.generate, self.verifier, sp, self.tokenizer, weights_version=version,
+            result = run_fixed_tasks(docs, self.generate, self.verifier, sp, self.tokenizer, rollout_version=version,
                                      iteration=iteration + 1, seed=seed)
         else:
             # streamed: a document's request stays whole on one engine (its prompt in that engine's
@@ -310,7 +310,7 @@ class Driver:
             fixed = functools.partial(self.fixed_challenger_generate,
                                       one_engine=streamed) if self.challenger_fleet else None
             result = run_iteration(docs, generate, self.verifier, sp, self.rng, self.tokenizer,
-                                   weights_version=version, iteration=iteration + 1, seed=seed,
+                                   rollout_version=version, iteration=iteration + 1, seed=seed,
                                    challenger_generate=fixed,
                                    max_model_len=self.cfg.rollout.max_model_len, token_ids=self.prompt_ids,
                                    streamed=streamed, on_document=None if on_sequences is None else (

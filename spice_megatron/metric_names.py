@@ -29,7 +29,7 @@ METRICS: tuple[Metric, ...] = (
     _M("weights_version", "the policy version after this iteration's update (the engines serve it next), from 1",
        "count", "run"),
     _M("rollout_version", "the policy version that generated this iteration's rollouts (0: the base model; "
-       "the audit trail's weights_version)",
+       "as the audit trail names it)",
        "count", "staleness"),
     _M("valid_task_rate", "documents with at least one valid task / documents drawn; the kill switch's "
        "run.min_valid_task_rate reads it", "fraction", "challenger"),

@@ -296,12 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     from recipes import recipe_names
     from spice_megatron.entry import ArgumentParser
 
-    ap = ArgumentParser(prog="spice launch", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="spice launch", description="Launch a recipe's SPICE run with NeMo-Run: torchrun on "
+                        "this machine (--executor local) or a Slurm job of learner and engine nodes "
+                        "(--executor slurm).")
     ap.add_argument("--recipe", required=True, help="one of: " + ", ".join(recipe_names()))
     ap.add_argument("--executor", choices=["local", "slurm"], default="local")
-    ap.add_argument("--output", "--output-dir", dest="output_dir", default="", help="the run directory (default: "
-                    "the recipe's run.output_dir)")
-    ap.add_argument("--model", "--model-dir", dest="model_dir", default="",
+    ap.add_argument("--output", "--output-dir", dest="output_dir", metavar="OUTPUT", default="",
+                    help="the run directory (default: the recipe's run.output_dir)")
+    ap.add_argument("--model", "--model-dir", dest="model_dir", metavar="MODEL", default="",
                     help="HF directory of the base model (inside the container on Slurm)")
     ap.add_argument("--account")
     ap.add_argument("--partition")
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                     "TE/apex); none or unset: no container, this environment's Python on the nodes")
     ap.add_argument("--rollout-container-image", default="",
                     help="the engines' image (vLLM); default: --container-image")
-    ap.add_argument("--data", "--data-dir", dest="data_dir", default="",
+    ap.add_argument("--data", "--data-dir", dest="data_dir", metavar="DATA", default="",
                     help="directory with the staged corpus, inside the container (Slurm; "
                     "stage it first with `spice prepare --recipe NAME`)")
     ap.add_argument("--mount", action="append", default=[], help="container mount src:dst (repeatable)")

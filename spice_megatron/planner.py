@@ -180,10 +180,12 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         shown = "; ".join(tried[:4]) + (f"; ... {len(tried) - 4} more" if len(tried) > 4 else "")
         sleeping = rollout_gpus // max(1, cfg.rollout.engine_tensor_parallel)
         beside = f" beside {sleeping} sleeping engines" if colocate else ""
+        ways = ["more learner nodes", *([] if cfg.optim.use_distributed_optimizer else
+                                        ["optim.use_distributed_optimizer=true"]),
+                "optim.cpu_offload_fraction", "a smaller train.micro_batch_tokens"]  # not what the recipe sets
         raise PlanError(f"learner: no layout fits {learner_budget:.1f} GiB per GPU ({headroom:.0%} of "
-                        f"{cluster.gpu_memory_gib:.0f}{beside}) on {learner_gpus} GPUs: {shown}. Use more learner "
-                        "nodes, optim.use_distributed_optimizer=true, optim.cpu_offload_fraction or a smaller "
-                        "train.micro_batch_tokens")
+                        f"{cluster.gpu_memory_gib:.0f}{beside}) on {learner_gpus} GPUs: {shown}. Use "
+                        + ", ".join(ways[:-1]) + " or " + ways[-1])
     if choose and learner is None and found.pp > 1 and not found.first and spec.num_layers % (2 * found.pp) == 0:
         # two virtual stages per rank halve the bubble for a few more micro-batches' activations in
         # flight: taken where they still fit

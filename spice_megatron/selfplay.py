@@ -68,7 +68,7 @@ def _round_seed(seed: int | None, attempt: int) -> int | None:
 
 
 def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier: AnswerVerifier,
-                  cfg: SelfPlayConfig, rng: random.Random, tokenizer=None, weights_version: int = 0,
+                  cfg: SelfPlayConfig, rng: random.Random, tokenizer=None, rollout_version: int = 0,
                   iteration: int = 0, seed: int | None = None,
                   challenger_generate: GenerateFn | None = None, max_model_len: int | None = None,
                   token_ids: Callable[[str], list[int]] | None = None, streamed: bool = False,
@@ -95,11 +95,11 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
         documents, too_long = _documents_that_fit(documents, prompts, cfg, tokenizer, context)
         stats["skipped/prompt_too_long"] = float(len(too_long))
         records += [{"kind": "document", "iteration": iteration, "doc_id": d.doc_id, "doc_sha256": d.sha256,
-                     "weights_version": weights_version, "text": d.text, "skipped": why} for d, why in too_long]
+                     "rollout_version": rollout_version, "text": d.text, "skipped": why} for d, why in too_long]
     # the documents the challenger read, first: `spice audit` shows each task beside its document
     # (selfplay.grounding=none: drawn for the schedule, never shown; "shown" says so)
     records += [{"kind": "document", "iteration": iteration, "doc_id": d.doc_id, "doc_sha256": d.sha256,
-                 "weights_version": weights_version, "text": d.text, "shown": grounded} for d in documents]
+                 "rollout_version": rollout_version, "text": d.text, "shown": grounded} for d in documents]
     # each document draws from a generator of its own, so that the order in which documents finish
     # (streamed) does not change what they draw
     docs = [DocumentRollout(i, d, random.Random(rng.getrandbits(64))) for i, d in enumerate(documents)]
@@ -113,7 +113,7 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     else:
         run_phased(docs, steps)
     stats.update(steps.stats())
-    return _assemble(docs, records, steps.counters, stats, cfg, tokenizer, weights_version, iteration, grounded,
+    return _assemble(docs, records, steps.counters, stats, cfg, tokenizer, rollout_version, iteration, grounded,
                      train_challenger)
 
 
@@ -129,12 +129,12 @@ def document_sequences(d: DocumentRollout, cfg: SelfPlayConfig, train_challenger
 
 
 def _assemble(docs: list[DocumentRollout], records: list[dict], counters: Counter, stats: dict[str, float],
-              cfg: SelfPlayConfig, tokenizer, weights_version: int, iteration: int, grounded: bool,
+              cfg: SelfPlayConfig, tokenizer, rollout_version: int, iteration: int, grounded: bool,
               train_challenger: bool) -> IterationResult:
     """Records, rewards, samples and advantages of the documents' rollouts, in document order."""
     for d in docs:  # every challenger attempt, in the document's attempt order
         for a in d.attempts:
-            records.append(_challenger_record(d.doc, a, weights_version, iteration, grounded))
+            records.append(_challenger_record(d.doc, a, rollout_version, iteration, grounded))
             a.record = len(records) - 1
     reasons = Counter(a.parsed.reason for d in docs for a in d.attempts if not a.parsed.valid)
     # the iteration's tasks, document after document: task k is the reasoner group k's question
@@ -164,7 +164,7 @@ def _assemble(docs: list[DocumentRollout], records: list[dict], counters: Counte
         for c, pred, ok in zip(d.answers[j], d.extracted[j], d.correct[j]):
             records.append({"kind": "reasoner", "iteration": iteration, "doc_id": d.doc.doc_id,
                             "task_index": k, "challenger_record": a.record,
-                            "weights_version": weights_version, "versions": c.versions, "text": c.text,
+                            "rollout_version": rollout_version, "versions": c.versions, "text": c.text,
                             "extracted": pred, "correct": ok, "reward": reasoner_reward(ok), "trained": False,
                             "request_s": [round(t, 3) for t in d.answer_s]})
             if k in trained_keys:
@@ -224,7 +224,7 @@ def answer_tasks(tasks: list[Task], generate: GenerateFn, verifier: AnswerVerifi
 
 
 def run_fixed_tasks(pool_tasks: Sequence, generate: GenerateFn, verifier: AnswerVerifier, cfg: SelfPlayConfig,
-                    tokenizer=None, weights_version: int = 0, iteration: int = 0,
+                    tokenizer=None, rollout_version: int = 0, iteration: int = 0,
                     seed: int | None = None) -> IterationResult:
     """selfplay.challenger=tasks: tasks from a file (task_pool.PoolTask) stand in for the challenger;
     each gets G answers and only the reasoner is trained, centred per question."""
@@ -234,11 +234,11 @@ def run_fixed_tasks(pool_tasks: Sequence, generate: GenerateFn, verifier: Answer
     samples, records = [], []
     for k, pt in enumerate(pool_tasks):
         records.append({"kind": "task", "iteration": iteration, "doc_id": pt.doc_id, "task": asdict(pt.task),
-                        "weights_version": weights_version, "outcomes": answered.outcomes[k],
+                        "rollout_version": rollout_version, "outcomes": answered.outcomes[k],
                         "pass_rate": sum(answered.outcomes[k]) / max(1, len(answered.outcomes[k])), "trained": False})
     for (k, c, pred), ok in zip(answered.flat, answered.correct):  # record k is task k's
         records.append({"kind": "reasoner", "iteration": iteration, "doc_id": pool_tasks[k].doc_id, "task_index": k,
-                        "challenger_record": k, "weights_version": weights_version, "versions": c.versions,
+                        "challenger_record": k, "rollout_version": rollout_version, "versions": c.versions,
                         "text": c.text,
                         "extracted": pred, "correct": ok, "reward": reasoner_reward(ok), "trained": True})
         samples.append(Sample(REASONER, answered.prompts[k], c, reasoner_reward(ok), 0.0, k, pool_tasks[k].doc_id))
@@ -286,10 +286,10 @@ def _check_reasoner_request(a: "Attempt", cfg: SelfPlayConfig, tokenizer, contex
         a.parsed = ParseResult(None, "question_over_context", {"tokens": need, "max_model_len": context})
 
 
-def _challenger_record(doc: Document, a: Attempt, weights_version: int, iteration: int, grounded: bool = True) -> dict:
+def _challenger_record(doc: Document, a: Attempt, rollout_version: int, iteration: int, grounded: bool = True) -> dict:
     rec = {"kind": "challenger", "iteration": iteration, "doc_id": doc.doc_id, "doc_sha256": doc.sha256,
            "grounded": grounded,  # false: no document grounded the task (selfplay.grounding=none)
-           "attempt": a.number, "weights_version": weights_version, "versions": a.completion.versions,
+           "attempt": a.number, "rollout_version": rollout_version, "versions": a.completion.versions,
            "text": a.completion.text, "valid": a.parsed.valid,
            "reason": a.parsed.reason, "task": asdict(a.parsed.task) if a.parsed.task else None, "trained": False,
            "request_s": [round(t, 3) for t in a.request_s]}  # its request's submit and finish, into the iteration

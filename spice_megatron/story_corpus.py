@@ -70,6 +70,9 @@ def _story(kind: Kind, a: int, b: int, rng: random.Random) -> Story:
     return Story(kind.name, a, b, result, kind.story.format(**fields), kind.question.format(**fields))
 
 
+HELDOUT = 300  # held-out questions: `spice prepare`'s eval/stories.jsonl, the main job's and the learning check's
+
+
 def _all_pairs() -> list[tuple[Kind, int, int]]:
     return [(k, a, b) for k in KINDS for a in k.a for b in k.b]
 
@@ -81,7 +84,7 @@ def _split(seed: int, n_heldout: int) -> tuple[list[tuple[Kind, int, int]], list
     return pairs[n_heldout:], pairs[:n_heldout]
 
 
-def make_stories(n: int, seed: int = 7, n_heldout: int = 200) -> list[Story]:
+def make_stories(n: int, seed: int = 7, n_heldout: int = HELDOUT) -> list[Story]:
     """n training documents (cycling through the training pairs with fresh names when n is larger).
 
     A deliberate trade-off: a second round through a pair can draw the same name as the first, so
@@ -93,7 +96,7 @@ def make_stories(n: int, seed: int = 7, n_heldout: int = 200) -> list[Story]:
     return [_story(*train[i % len(train)], rng) for i in range(n)]
 
 
-def make_heldout(n_heldout: int = 200, seed: int = 7) -> list[Story]:
+def make_heldout(n_heldout: int = HELDOUT, seed: int = 7) -> list[Story]:
     """The held-out questions: number pairs no training document of the same `seed` uses."""
     _, held = _split(seed, n_heldout)
     rng = random.Random(seed + 2)
@@ -104,6 +107,14 @@ def corpus_rows(stories: list[Story]) -> list[dict]:
     """Corpus records (corpus.py reads `text`; the rest is provenance)."""
     return [{"text": s.text, "source": "stories", "license": "generated", "kind": s.kind, "answer": s.answer}
             for s in stories]
+
+
+def complement(drawn: set[tuple[str, int, int]], seed: int = 7) -> list[Story]:
+    """A question for every (kind, a, b) no drawn document states (`drawn`: the kind name and
+    numbers of the stories a run trains on): the largest held-out set a run's documents leave,
+    known before it trains once its document draws are (they follow its seed)."""
+    rng = random.Random(seed + 3)
+    return [_story(k, a, b, rng) for k, a, b in _all_pairs() if (k.name, a, b) not in drawn]
 
 
 def eval_rows(stories: list[Story]) -> list[dict]:

@@ -94,8 +94,9 @@ EvalHook = Callable[[int, Any], dict[str, float]]  # (iteration, rollout fleet) 
 
 def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = None,
           resume_after_kill_switch: bool = False) -> dict[str, Any]:
-    """Run SPICE. `eval_hook` is called on the driver every run.eval_every iterations with the
-    rollout fleet (which holds the current weights); its metrics are logged under eval/.
+    """Run SPICE. `eval_hook` is called on the driver every run.eval_every iterations, at the last
+    one and, on a new run, before the first (iteration 0: the base model), with the rollout fleet
+    (which holds the current weights); its metrics are logged under eval/.
     A run the kill switch stopped is not resumed (a scheduler's requeue would otherwise train on
     from the collapse) unless `resume_after_kill_switch`. Rank 0 holds the run directory's lock
     for the whole run (run_lock.py): a second run on it refuses (RunDirLocked)."""
@@ -123,8 +124,7 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     guard = RunGuard(cfg, learner, driver, control, weights, colocation, rollouts,
                      state["iteration"] if latest else -1, is_driver)
     iteration, version = state["iteration"], state["version"]
-    if version > 0:  # engines start from the base model: bring them to the checkpoint's weights
-        guard.load_engines(version)
+    _engines_at_start(cfg, guard, driver, eval_hook, version)  # the checkpoint's weights, or the base model measured
     summary: dict[str, Any] = {}
     progress = tqdm(total=cfg.run.iterations, initial=iteration, desc="SPICE", disable=not is_driver)
     stop_request = StopRequest(guard.stop_file)
@@ -207,15 +207,30 @@ def _export(cfg: SpiceConfig, learner) -> None:
                            os.path.join(cfg.run.output_dir, "checkpoints", HF_META_DIR))
 
 
+def _engines_at_start(cfg: SpiceConfig, guard: RunGuard, driver: RolloutDriver | None, eval_hook: EvalHook | None,
+                      version: int) -> None:
+    """The engines start from the base model: a resumed run brings them to its checkpoint's weights;
+    a new one with evaluations measures the base model first, logged as iteration 0 (what the last
+    evaluation is compared with)."""
+    if version > 0:
+        guard.load_engines(version)
+    elif driver and eval_hook and cfg.run.eval_every and cfg.run.eval_before:
+        driver.log(0, _evaluate(eval_hook, 0, driver.fleet), [])
+
+
+def _evaluate(eval_hook: EvalHook, iteration: int, fleet) -> dict[str, float]:
+    t_eval = time.perf_counter()
+    stats = {f"eval/{k}": v for k, v in eval_hook(iteration, fleet).items()}
+    return {**stats, "time/eval": time.perf_counter() - t_eval}
+
+
 def _log_iteration(cfg: SpiceConfig, driver: RolloutDriver, eval_hook: EvalHook | None, iteration: int,
                    batch: RolloutBatch, steps: list, stats: dict[str, float], progress) -> str:
     """Step 7 on the driver: the evaluation when one is due (added to `stats`), the metrics and the
     audit trail, the progress bar, the kill switch. Returns why the kill switch stops the run ("":
     it does not)."""
-    if eval_hook and cfg.run.eval_every and iteration % cfg.run.eval_every == 0:
-        t_eval = time.perf_counter()
-        stats.update({f"eval/{k}": v for k, v in eval_hook(iteration, driver.fleet).items()})
-        stats["time/eval"] = time.perf_counter() - t_eval
+    if eval_hook and cfg.run.eval_every and (iteration % cfg.run.eval_every == 0 or iteration == cfg.run.iterations):
+        stats.update(_evaluate(eval_hook, iteration, driver.fleet))
     driver.log(iteration, stats, batch.records)
     progress.update(1)
     progress.set_postfix(valid=f"{stats['valid_task_rate']:.2f}", pass_rate=f"{stats['reasoner/pass_rate']:.2f}",

@@ -32,11 +32,11 @@ def test_corpus_reports_missing_file(tmp_path, capsys):
 def test_audit_filters_records(tmp_path, capsys):
     import json
 
-    rows = [{"kind": "challenger", "iteration": 0, "doc_id": "math/1/0", "weights_version": 0, "valid": True,
+    rows = [{"kind": "challenger", "iteration": 0, "doc_id": "math/1/0", "rollout_version": 0, "valid": True,
              "trained": True, "task": {"question": "How many?"}, "reward": 0.8},
-            {"kind": "reasoner", "iteration": 0, "doc_id": "math/1/0", "weights_version": 0, "extracted": "4",
+            {"kind": "reasoner", "iteration": 0, "doc_id": "math/1/0", "rollout_version": 0, "extracted": "4",
              "trained": True, "reward": 1.0},
-            {"kind": "challenger", "iteration": 1, "doc_id": "wiki/2/0", "weights_version": 1, "valid": False,
+            {"kind": "challenger", "iteration": 1, "doc_id": "wiki/2/0", "rollout_version": 1, "valid": False,
              "trained": False, "reason": "no_question"}]
     (tmp_path / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{torn\n")
     assert main(["audit", str(tmp_path), "--kind", "challenger", "--valid"]) == 0
@@ -46,9 +46,11 @@ def test_audit_filters_records(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["reason"] == "no_question"
 
 
-def test_a_bad_value_is_one_line_before_anything_starts():
+def test_a_bad_value_is_one_line_before_anything_starts(tmp_path):
+    # into a directory of its own: the outcome must not depend on a run the main job left in runs/tiny_cpu
     out = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", ".",
-                          "train.max_staleness=3"], capture_output=True, text=True, timeout=120)
+                          "--output", str(tmp_path), "train.max_staleness=3"], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip() == "error: train.max_staleness: must be 0 (on-policy) or 1 (one step off)", out.stderr
     assert out.stdout == ""
@@ -74,13 +76,13 @@ def test_megatron_start_up_dump_is_for_verbose_only():
 def test_audit_shows_a_task_with_its_document_and_answers(tmp_path, capsys):
     import json
 
-    rows = [{"kind": "document", "iteration": 1, "doc_id": "stories/3/0", "weights_version": 0,
+    rows = [{"kind": "document", "iteration": 1, "doc_id": "stories/3/0", "rollout_version": 0,
              "text": "Gus had 5 cards. A friend gave Gus 8 more cards. Now Gus has 13 cards."},
-            {"kind": "challenger", "iteration": 1, "doc_id": "stories/3/0", "weights_version": 0, "valid": True,
+            {"kind": "challenger", "iteration": 1, "doc_id": "stories/3/0", "rollout_version": 0, "valid": True,
              "trained": True, "reward": 0.5, "advantage": 0.25,
              "task": {"question": "Gus had 5 cards and got 8 more. How many now?", "answer": "13",
                       "answer_type": "integer"}},
-            *[{"kind": "reasoner", "iteration": 1, "doc_id": "stories/3/0", "weights_version": 0,
+            *[{"kind": "reasoner", "iteration": 1, "doc_id": "stories/3/0", "rollout_version": 0,
                "challenger_record": 1,
                "extracted": x, "correct": x == "13", "trained": True, "reward": float(x == "13"),
                "advantage": float(x == "13") - 0.5} for x in ("13", "12")]]
@@ -108,7 +110,7 @@ def test_audit_leaks_shows_tasks_whose_answer_stands_in_the_question(tmp_path, c
     import json
 
     def task(doc, question, answer, answer_type, options=()):
-        return {"kind": "challenger", "iteration": 0, "doc_id": doc, "weights_version": 0, "valid": True,
+        return {"kind": "challenger", "iteration": 0, "doc_id": doc, "rollout_version": 0, "valid": True,
                 "trained": True, "reward": 0.1, "advantage": 0.0,
                 "task": {"question": question, "answer": answer, "answer_type": answer_type, "options": list(options)}}
 
@@ -133,9 +135,9 @@ def test_a_document_read_again_is_stored_once_and_shown_with_its_text(tmp_path, 
     text = "Gus had 5 cards. A friend gave Gus 8 more cards. Now Gus has 13 cards."
 
     def iteration(i):
-        return [{"kind": "document", "iteration": i, "doc_id": "stories/3/0", "doc_sha256": "abc", "weights_version": 0,
+        return [{"kind": "document", "iteration": i, "doc_id": "stories/3/0", "doc_sha256": "abc", "rollout_version": 0,
                  "text": text},
-                {"kind": "challenger", "iteration": i, "doc_id": "stories/3/0", "weights_version": 0, "valid": True,
+                {"kind": "challenger", "iteration": i, "doc_id": "stories/3/0", "rollout_version": 0, "valid": True,
                  "trained": True, "reward": 0.5, "advantage": 0.25,
                  "task": {"question": f"Question {i}?", "answer": "13", "answer_type": "integer"}}]
 
@@ -207,7 +209,9 @@ def test_every_command_says_its_options_alike_with_their_defaults_and_plans_ever
             assert f"(default: {DEFAULT_RECIPE}" in text and "qwen3_8b_1node" in text, name
     with pytest.raises(SystemExit):
         main(["launch", "--help"])
-    assert "--output OUTPUT_DIR" in capsys.readouterr().out
+    launch = capsys.readouterr().out  # the same metavars as every other command (newcomer review, F10)
+    assert "--output OUTPUT" in launch and "--model MODEL" in launch and "--data DATA" in launch
+    assert "_DIR" not in launch.split("options:")[0] and "Launch a recipe's SPICE run" in launch
     parser = build_parser()
     for argv, dest, value in ((["train", "--output-dir", "r"], "output", "r"), (["train", "--eval-data", "d"], "data",
                                                                                 "d"),
@@ -279,11 +283,13 @@ def test_audit_filters_that_match_nothing_say_so_like_the_iteration_filter(tmp_p
     printed nothing and exited 0, where `--iteration 4` named what the run has."""
     import json
 
+    # a trail written before the generating version was named rollout_version (F3) reads the same
     rows = [{"kind": "challenger", "iteration": 1, "doc_id": "stories/1/0", "weights_version": 0, "valid": False},
-            {"kind": "challenger", "iteration": 2, "doc_id": "stories/2/0", "weights_version": 1, "valid": False}]
+            {"kind": "challenger", "iteration": 2, "doc_id": "stories/2/0", "rollout_version": 1, "valid": False}]
     (tmp_path / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["audit", str(tmp_path), "--version", "3"]) == 1
-    assert "--version 3 (this run's records were generated by weights versions 0-1)" in capsys.readouterr().err
+    assert "--version 3 (this run's records were generated by policy versions 0-1)" in capsys.readouterr().err
+    assert main(["audit", str(tmp_path), "--version", "0"]) == 0 and "v=0 challenger" in capsys.readouterr().out
     assert main(["audit", str(tmp_path), "--doc", "nope"]) == 1
     assert "--doc nope (no record of this run names it" in capsys.readouterr().err
     assert main(["audit", str(tmp_path), "--valid"]) == 1
@@ -334,7 +340,7 @@ def test_audit_lines_print_rewards_and_advantages_with_three_decimals():
     task blocks' with 3."""
     from spice_megatron.audit import one_line
 
-    line = one_line({"iteration": 1, "weights_version": 0, "kind": "challenger", "doc_id": "stories/1/0",
+    line = one_line({"iteration": 1, "rollout_version": 0, "kind": "challenger", "doc_id": "stories/1/0",
                      "reward": -0.5, "advantage": -0.4079527002175556, "reason": "no_question"})
     assert "reward=-0.500 adv=-0.408 ::" in line
     assert "reward=- adv=- ::" in one_line({"iteration": 1, "kind": "document", "doc_id": "d"})

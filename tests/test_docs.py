@@ -64,3 +64,13 @@ def test_the_ci_command_is_the_readmes():
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert "bash tools/env/run_tests.sh" in readme
     assert "exec bash tools/env/run_tests.sh" in open(os.path.join(ROOT, ".ci", "run")).read()
+
+
+def test_the_docs_teach_todays_option_spellings():
+    """Old spellings still work (tests/test_cli.py keeps one test for the aliases), but no doc, and
+    no row of the troubleshooting table generated from tests/test_bad_input.py, teaches them
+    (newcomer review, F10)."""
+    old = re.compile(r"(--output-dir|--hf |--ckpt |--out |--source auto)")
+    taught = [f"{os.path.relpath(p, ROOT)}:{n}: {line.strip()[:100]}" for p in DOCS
+              for n, line in enumerate(open(p), 1) if old.search(line) and "--out {" not in line]
+    assert taught == []

@@ -167,8 +167,20 @@ def test_training_curves_png(tmp_path):
             for i in range(1, 6)]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"iteration": 6, "torn')
-    png = plot_training_curves(str(path), str(tmp_path / "curves.png"))
+    import matplotlib.figure
+
+    drawn = []
+    save = matplotlib.figure.Figure.savefig
+    matplotlib.figure.Figure.savefig = lambda fig, *a, **k: (drawn.append(fig), save(fig, *a, **k))[1]
+    try:
+        png = plot_training_curves(str(path), str(tmp_path / "curves.png"))
+    finally:
+        matplotlib.figure.Figure.savefig = save
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
+    # titled with the run's name, not its absolute path; whole iterations on the x axes (review F14.2)
+    (fig,) = drawn
+    assert fig._suptitle.get_text() == tmp_path.name
+    assert all(float(t).is_integer() for ax in fig.axes for t in ax.get_xticks())
 
 
 def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier, qwen3_tokenizer):
@@ -318,3 +330,24 @@ def test_fixed_challenger_documents_name_a_bad_line(tmp_path):
     path.write_text('{"text": "A story."}\n{"text": "Another."}\n')
     docs = read_documents(str(path))
     assert [d.doc_id for d in docs] == ["fixed/0/0", "fixed/1/0"] and docs[1].text == "Another."
+
+
+def test_the_summary_compares_the_base_models_held_out_accuracy_with_the_last_evaluations(tmp_path):
+    """The main job's summary line: before (iteration 0) and after (the last evaluation), per item
+    file, with Wilson intervals; a run that did not measure the base model gets none."""
+    from spice_megatron.eval.run import held_out_change
+
+    def items(iteration: int, right: int) -> None:
+        d = tmp_path / f"iteration_{iteration:04d}"
+        d.mkdir()
+        (d / "stories.items.jsonl").write_text("".join(
+            json.dumps({"benchmark": "stories", "id": f"s{i}", "correct": i < right}) + "\n" for i in range(20)))
+
+    items(2, 9)
+    assert held_out_change(str(tmp_path)) == []  # no iteration 0: nothing to compare with
+    items(0, 5)
+    items(3, 12)
+    assert held_out_change(str(tmp_path)) == [
+        "  held-out accuracy (stories, 20 items, greedy): 25.0% (95% CI 11.2-46.9) -> 60.0% (95% CI 38.7-78.1), "
+        "iteration 0 -> 3"]
+    assert held_out_change(str(tmp_path / "none")) == []

@@ -40,7 +40,7 @@ def test_every_invalid_reason_the_code_gives_is_declared():
 def test_declared_names_follow_the_run_and_old_names_read_as_new():
     from recipes import resolve_recipe
 
-    cfg = resolve_recipe("tiny_cpu", [])
+    cfg = resolve_recipe("tiny_cpu", ["run.eval_every=0"])
     plain = declared_names(cfg.selfplay.group_size, run_kinds(cfg))
     assert "pass_hist/%d" % cfg.selfplay.group_size in plain and "invalid/answer_leak" in plain
     assert "time/eval" not in plain and "time/engines_sleep" not in plain

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.network
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("data"))
-    assert offline_data.main(["--out", out]) == 0
+    assert offline_data.main(["--data", out]) == 0
     return out
 
 
@@ -44,7 +44,7 @@ def test_no_math500_problem_in_the_corpus(prepared):
 
 
 def test_rerun_is_a_no_op_and_cli_reads_the_pool(prepared, capsys):
-    assert offline_data.main(["--out", prepared]) == 0
+    assert offline_data.main(["--data", prepared]) == 0
     assert "already prepared" in capsys.readouterr().out
     assert spice(["corpus", "--data", prepared, "--max-docs", "200", "--show", "2"]) == 0
     shown = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -73,4 +73,4 @@ def test_prepare_for_builds_only_the_prepared_layout(tmp_path, monkeypatch):
     offline_data.prepare_for([SourceConfig(path=str(tmp_path / "ready" / "corpus" / "math.jsonl"))])
     assert calls == []
     offline_data.prepare_for([SourceConfig(path=str(tmp_path / "data" / "corpus" / "math.jsonl"))])
-    assert calls == [["--out", str(tmp_path / "data")]]
+    assert calls == [["--data", str(tmp_path / "data")]]

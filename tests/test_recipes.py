@@ -175,6 +175,10 @@ def test_planner_refuses_with_numbers_and_chooses_larger_layouts():
     cfg.train.micro_batch_tokens, cfg.train.recompute = 1 << 20, "full"  # nothing left to choose
     with pytest.raises(PlanError, match=r"learner: no layout fits [\d.]+ GiB .*optimizer"):
         plan_layout(cfg, choose=True)
+    cfg.optim.use_distributed_optimizer = True  # what the paper recipes set: not advised again (review F14.7)
+    with pytest.raises(PlanError) as e:
+        plan_layout(cfg, choose=True)
+    assert "use_distributed_optimizer" not in str(e.value) and "optim.cpu_offload_fraction" in str(e.value)
     big = get_recipe("llama3_70b")
     chosen = plan_layout(big, choose=True)
     assert chosen.tp * chosen.pp >= 8 and chosen.learner.total <= 72

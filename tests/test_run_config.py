@@ -129,4 +129,5 @@ def test_the_main_job_called_again_keeps_the_first_run_under_a_new_name_and_says
     assert "kept as runs/tiny_cpu.2" in main_job()
     assert "run_main:" not in main_job("--resume")  # continued in place
     calls = (repo / "calls.log").read_text().splitlines()
-    assert calls[-1] == "spice train --recipe tiny_cpu --output runs/tiny_cpu --resume"
+    assert calls[-1] == ("spice train --recipe tiny_cpu --output runs/tiny_cpu --eval-benchmarks stories "
+                         "--eval-limit 200 --resume")

@@ -58,7 +58,7 @@ def run(docs, **cfg):
     cfg = SelfPlayConfig(**{"batch_docs": len(docs), "group_size": 8, "attempts_per_round": 4,
                             "protocol": "compact", "challenger_group": "single", **cfg})
     model = ScriptedModel()
-    result = run_iteration(docs, model, _verifier(), cfg, random.Random(0), weights_version=3, iteration=5)
+    result = run_iteration(docs, model, _verifier(), cfg, random.Random(0), rollout_version=3, iteration=5)
     return result, model
 
 
@@ -108,7 +108,7 @@ def test_audit_records_trace_every_output():
     ch = [r for r in result.records if r["kind"] == "challenger"]
     rs = [r for r in result.records if r["kind"] == "reasoner"]
     assert len(ch) == 8 and len(rs) == 8  # every challenger attempt and every answer
-    assert all(r["weights_version"] == 3 and r["iteration"] == 5 and r["doc_id"] for r in result.records)
+    assert all(r["rollout_version"] == 3 and r["iteration"] == 5 and r["doc_id"] for r in result.records)
     trained = [r for r in ch if r["trained"]]
     assert len(trained) == 2 and {r["doc_id"] for r in trained} == {"src/0/0", "src/1/0"}
     valid = [r for r in trained if r["valid"]][0]
@@ -192,7 +192,7 @@ def run_paper(docs, **cfg):
     cfg = SelfPlayConfig(**{"batch_docs": len(docs), "group_size": 8, "attempts_per_round": 8, "max_attempts": 16,
                             **cfg})
     model = PaperScriptedModel()
-    return run_iteration(docs, model, _verifier(), cfg, random.Random(0), weights_version=3, iteration=5), model
+    return run_iteration(docs, model, _verifier(), cfg, random.Random(0), rollout_version=3, iteration=5), model
 
 
 @pytest.mark.parametrize("valid,invalid,expected", [
@@ -279,7 +279,7 @@ def test_the_reasoner_task_is_drawn_among_frontier_tasks_under_reasoner_task_fro
     for seed in range(16):
         cfg = SelfPlayConfig(batch_docs=1, group_size=8, attempts_per_round=8, max_attempts=8, reasoner_task=mode)
         result = run_iteration([doc(0, "PLAN[8/8]")], FrontierScriptedModel(), _verifier(), cfg, random.Random(seed),
-                               weights_version=0, iteration=0)
+                               rollout_version=0, iteration=0)
         rs = [x for x in result.samples if x.role == "reasoner"]
         trained.append(any(abs(x.advantage) > 0 for x in rs))
     if mode == "frontier":
@@ -295,7 +295,7 @@ def test_a_document_without_frontier_tasks_still_trains_the_reasoner_on_one_of_t
             return Completion(out.text.replace("K=4", "K=8"), out.token_ids) if kind == "generation" else out
 
     cfg = SelfPlayConfig(batch_docs=1, group_size=8, attempts_per_round=8, max_attempts=8, reasoner_task="frontier")
-    result = run_iteration([doc(0, "PLAN[3/8]")], Solved(), _verifier(), cfg, random.Random(0), weights_version=0,
+    result = run_iteration([doc(0, "PLAN[3/8]")], Solved(), _verifier(), cfg, random.Random(0), rollout_version=0,
                            iteration=0)
     rs = [x for x in result.samples if x.role == "reasoner"]
     assert len(rs) == 8 and all(x.reward == 1.0 and x.advantage == 0.0 for x in rs)
@@ -353,7 +353,7 @@ def test_weight_versions_are_recorded_per_output_and_per_role():
 
     cfg = SelfPlayConfig(batch_docs=1, group_size=4, attempts_per_round=2, protocol="compact",
                          challenger_group="single")
-    result = run_iteration([doc(0, "SPEC[k2]")], stamped, _verifier(), cfg, random.Random(0), weights_version=3)
+    result = run_iteration([doc(0, "SPEC[k2]")], stamped, _verifier(), cfg, random.Random(0), rollout_version=3)
     ch = [r for r in result.records if r["kind"] == "challenger"]
     rs = [r for r in result.records if r["kind"] == "reasoner"]
     assert all(r["versions"] == [[3, 0, 4]] for r in ch)
@@ -383,9 +383,9 @@ def test_documents_stops_and_frontier_and_leak_statistics():
     docs = [doc(0, "SPEC[k4]"), doc(1, "SPEC[leak]"), doc(2, "SPEC[k0]")]
     cfg = SelfPlayConfig(batch_docs=3, group_size=8, attempts_per_round=1, protocol="compact",
                          challenger_group="single", reasoner_stop=["\nQ:"])
-    result = run_iteration(docs, Recording(), _verifier(), cfg, random.Random(0), weights_version=2, iteration=4)
+    result = run_iteration(docs, Recording(), _verifier(), cfg, random.Random(0), rollout_version=2, iteration=4)
     documents = [r for r in result.records if r["kind"] == "document"]
-    assert [(r["doc_id"], r["text"], r["iteration"], r["weights_version"]) for r in documents] == \
+    assert [(r["doc_id"], r["text"], r["iteration"], r["rollout_version"]) for r in documents] == \
         [(d.doc_id, d.text, 4, 2) for d in docs]
     assert {s.stop for s in specs if s.role == "challenger"} == {("</answer>",)}
     assert {s.stop for s in specs if s.role == "reasoner"} == {("\nQ:",)}

@@ -280,7 +280,7 @@ def test_an_engine_across_two_nodes_syncs_and_a_killed_follower_restarts_it_whol
     assert "is gone: this engine cannot run without it" in _logs(out, job, 0, f"rollout_n2_{port}.log")
     audit = records(os.path.join(out, "audit.jsonl"))
     # each iteration's rollouts were served by the weights of the one before, the restarted engine's too
-    assert {(r["iteration"], r["weights_version"]) for r in audit} == {(1, 0), (2, 1), (3, 2)}
+    assert {(r["iteration"], r["rollout_version"]) for r in audit} == {(1, 0), (2, 1), (3, 2)}
     assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]
     assert not _left_behind(out, port) and not _left_behind(watch, port)
 

@@ -36,3 +36,14 @@ def test_prepare_writes_the_stories_when_a_recipe_reads_them(tmp_path):
     assert len(rows) == offline_data.STORY_DOCS and rows[0]["source"] == "stories"
     held = [json.loads(line) for line in (tmp_path / "data" / "eval" / "stories.jsonl").read_text().splitlines()]
     assert held and {"question", "answer", "answer_type"} <= set(held[0])
+
+
+def test_the_complement_set_asks_every_arithmetic_no_drawn_story_states():
+    """Ablation v2's primary endpoint (issue 73): a question for every (kind, a, b) outside the
+    stories a seed draws; none of them is answered by a drawn story."""
+    stories = story_corpus.make_stories(2000, n_heldout=300)
+    drawn = {(s.kind, s.a, s.b) for s in stories[:48]}
+    questions = story_corpus.complement(drawn)
+    assert len(questions) == len(story_corpus._all_pairs()) - len(drawn)
+    assert not {(q.kind, q.a, q.b) for q in questions} & drawn
+    assert story_corpus.complement(drawn) == questions  # seeded: the same set every time

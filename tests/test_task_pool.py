@@ -56,7 +56,7 @@ def test_only_the_reasoner_is_trained_on_file_tasks(tmp_path, verifier):
 
     cfg = SelfPlayConfig(batch_docs=2, group_size=4, template="qwen3", challenger="tasks",
                          tasks_file=str(tmp_path / "tasks.jsonl"))
-    result = run_fixed_tasks(pool.documents, generate, verifier, cfg, weights_version=2, iteration=1, seed=7)
+    result = run_fixed_tasks(pool.documents, generate, verifier, cfg, rollout_version=2, iteration=1, seed=7)
     assert {s.role for s in result.samples} == {"reasoner"} and len(result.samples) == 8
     a = [s for s in result.samples if s.doc_id == "tasks.jsonl/a"]
     b = [s for s in result.samples if s.doc_id == "tasks.jsonl/b"]

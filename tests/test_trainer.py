@@ -36,7 +36,7 @@ def test_run_resume_after_kill_and_kill_switch(setup, straight):
     assert all(m["weight_sync/bytes"] > 0 for m in metrics)
     # every challenger output is recorded with its document, weights version and iteration
     assert len([r for r in audit if r["kind"] == "challenger"]) == sum(m["attempts_per_doc"] * 3 for m in metrics)
-    assert {r["weights_version"] for r in audit} == {0, 1, 2, 3} and all(r["doc_id"] for r in audit)
+    assert {r["rollout_version"] for r in audit} == {0, 1, 2, 3} and all(r["doc_id"] for r in audit)
 
     # 2 iterations, kill -9 once the second checkpoint exists, resume for 2 more
     killed = str(root / "killed")
@@ -69,14 +69,18 @@ def test_run_resume_after_kill_and_kill_switch(setup, straight):
     assert os.path.exists(os.path.join(stopped, "checkpoints", "step_00000001", "layout.json"))
     # the marker the Slurm script reads (torchrun turns exit code 3 into 1)
     assert "valid-task rate below 0.5" in open(os.path.join(stopped, "KILL_SWITCH")).read()
-    (m,) = records(os.path.join(stopped, "metrics.jsonl"))
+    # iteration 0: the base model measured before the first iteration, logged alone
+    before, m = records(os.path.join(stopped, "metrics.jsonl"))
+    assert before["iteration"] == 0 and before["eval/gsm8k"] == 0.0 and before["valid_task_rate"] is None
     # mmlu: unavailable, left out
     assert m["eval/gsm8k"] == 0.0 and m["eval/overall_average"] is not None and m["time/eval"] > 0
     assert "mmlu unavailable" in text
+    for iteration in (0, 1):  # in the progress output, with its interval
+        assert f"held-out accuracy at iteration {iteration} (gsm8k, 2 items, greedy): 0.0% (95% CI 0.0-65.8)" in text
     # a requeue after the kill switch (NeMo-Run requeues any failure) must not train on
     rc, text = spice_train(model, corpus, stopped, "run.iterations=4", resume=True)
     assert rc == 3 and "not resuming" in text and "step_00000001" in text
-    assert len(records(os.path.join(stopped, "metrics.jsonl"))) == 1
+    assert len(records(os.path.join(stopped, "metrics.jsonl"))) == 2
     assert os.path.exists(os.path.join(stopped, "KILL_SWITCH"))
 
 

@@ -44,8 +44,8 @@ def test_one_step_off_policy_lags_one_version_and_resumes_exactly_after_kill(set
                 "train/challenger/tis_capped", "time/wait_for_rollouts"):
         assert all(m[key] is not None for m in metrics), key
     audit = records(os.path.join(straight, "audit.jsonl"))
-    assert {r["weights_version"] for r in audit} == {0, 1, 2}
-    assert all(r["versions"] == [[r["weights_version"], 0, len_ids]] for r in audit if r["kind"] == "challenger"
+    assert {r["rollout_version"] for r in audit} == {0, 1, 2}
+    assert all(r["versions"] == [[r["rollout_version"], 0, len_ids]] for r in audit if r["kind"] == "challenger"
                for len_ids in [r["versions"][0][2]])
 
     # the killed run's driver is a process of its own (the cluster recipes'): same trail, same weights

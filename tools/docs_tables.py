@@ -250,6 +250,22 @@ def ablation_table() -> str:
         return markdown_table(json.load(f))
 
 
+def ablation_exact_table() -> str:
+    """The committed ablation runs (docs/data/ablation_runs/) with exact paired tests and Holm."""
+    sys.path.insert(0, os.path.join(ROOT, "tools", "checks"))
+    from learning_ablation import exact_table
+
+    return exact_table(os.path.join(ROOT, "docs", "data", "ablation_runs"))
+
+
+def ablation_v2_table() -> str:
+    """Ablation v2's seeds as committed in docs/data/ablation_v2/, and each arm's verdict."""
+    sys.path.insert(0, os.path.join(ROOT, "tools", "checks"))
+    from ablation_verdict import markdown_table
+
+    return markdown_table(os.path.join(ROOT, "docs", "data", "ablation_v2"))
+
+
 def module_map_table() -> str:
     """docs/architecture.md's map: the rooms by floor, top down (tools/checks/module_map.py)."""
     sys.path.insert(0, os.path.join(ROOT, "tools", "checks"))
@@ -275,6 +291,7 @@ TABLES: dict[str, Callable[[], str]] = {"metrics": metrics_table, "module_map": 
                                         "placements": placements_table,
                                         "run_defaults": run_defaults, "train_defaults": train_defaults,
                                         "bad_inputs": bad_inputs_table, "ablation": ablation_table,
+                                        "ablation_exact": ablation_exact_table, "ablation_v2": ablation_v2_table,
                                         "families": families_table, "calibration": calibration_table,
                                         "recipes_vs_published": recipes_vs_published_table,
                                         "ranked_layouts": ranked_layouts_table}

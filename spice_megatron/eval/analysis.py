@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from spice_megatron.eval.challenger_eval import encoded_generate, valid_tasks, write_tasks  # noqa: E402
 from spice_megatron.eval.harness import json_safe  # noqa: E402
@@ -44,9 +45,10 @@ def plot_training_curves(metrics_path: str, out_png: str) -> str:
                 ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, label=key)
         ax.set_title(title)
         ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole
         if len(keys) > 1:
             ax.legend(fontsize=7)
-    fig.suptitle(os.path.dirname(os.path.abspath(metrics_path)))
+    fig.suptitle(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))))  # the run's name, not a path
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     fig.savefig(out_png, dpi=100)

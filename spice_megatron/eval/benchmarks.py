@@ -149,6 +149,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
     # offline only (`spice prepare`): not in the paper's table, useful on machines without the hub
     Benchmark("mmlu", "general", offline_file="mmlu_test.jsonl"),
     Benchmark("arc_challenge", "general", offline_file="arc_challenge_test.jsonl"),
+    # the CPU demo's held-out story questions (story_corpus.py): arithmetic no training story states
+    Benchmark("stories", "math", offline_file="stories.jsonl"),
 ]}
 PAPER_MATH = ("math500", "olympiadbench", "minerva_math", "gsm8k", "amc", "aime24", "aime25")
 PAPER_GENERAL = ("mmlu_pro", "gpqa_diamond", "supergpqa", "bbeh")

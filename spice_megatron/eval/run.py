@@ -116,6 +116,8 @@ def training_eval_hook(names: list[str], data_dir: str, tokenizer, settings: Eva
     the current weights); returns accuracies and averages, logged under eval/. With `out_dir`, each
     evaluation's per-item records go to out_dir/iteration_NNNN/NAME.items.jsonl (paired comparisons
     of runs on the same items: tools/checks/learning_ablation.py)."""
+    from tqdm.auto import tqdm
+
     from spice_megatron.verify import AnswerVerifier
 
     loaded, verifier = {}, None
@@ -132,6 +134,8 @@ def training_eval_hook(names: list[str], data_dir: str, tokenizer, settings: Eva
         for b in loaded.values():
             result, records = evaluate_benchmark(b, fleet.generate, verifier, tokenizer, settings)
             results.append(result)
+            tqdm.write(held_out_line(f"held-out accuracy at iteration {iteration}", result.name, result.correct,
+                                     result.items, result.samples_per_item))
             if out_dir:
                 _write_items(os.path.join(out_dir, f"iteration_{iteration:04d}", items_file_name(result.name)), records)
         out = {r.name: r.accuracy for r in results}
@@ -139,6 +143,45 @@ def training_eval_hook(names: list[str], data_dir: str, tokenizer, settings: Eva
         return out
 
     return hook
+
+
+def held_out_line(what: str, benchmark: str, correct: float, items: int, samples: int = 1) -> str:
+    """'WHAT (BENCHMARK, N items, greedy): A% (95% CI L-H)' for the progress output (the interval is
+    over items: avg@k's samples of one item are not independent)."""
+    from spice_megatron.eval.stats import wilson
+
+    decoding = "greedy" if samples == 1 else f"avg@{samples}"
+    lo, hi = wilson(correct / samples, items)
+    return (f"{what} ({benchmark}, {items} items, {decoding}): {100.0 * correct / samples / max(items, 1):.1f}% "
+            f"(95% CI {lo:.1f}-{hi:.1f})")
+
+
+def held_out_change(eval_dir: str) -> list[str]:
+    """'  held-out accuracy (B, N items, greedy): A% (95% CI) -> A% (95% CI), iteration 0 -> K' per
+    benchmark a run measured before its first iteration and after (its per-item records under
+    `eval_dir`, out_dir of training_eval_hook); none when it did not."""
+    from spice_megatron.eval.stats import wilson
+    from spice_megatron.run_log import read_jsonl
+
+    done = sorted(d for d in os.listdir(eval_dir) if d.startswith("iteration_")) if os.path.isdir(eval_dir) else []
+    if len(done) < 2 or done[0] != "iteration_0000":
+        return []
+    lines = []
+    for name in sorted(f for f in os.listdir(os.path.join(eval_dir, done[-1])) if f.endswith(".items.jsonl")):
+        shown = []
+        for d in (done[0], done[-1]):
+            path = os.path.join(eval_dir, d, name)
+            records = list(read_jsonl(path)) if os.path.exists(path) else []
+            items = len({r["id"] for r in records})
+            share = sum(bool(r["correct"]) for r in records) / max(len(records), 1)
+            lo, hi = wilson(share * items, items)
+            shown.append(f"{100 * share:.1f}% (95% CI {lo:.1f}-{hi:.1f})")
+            benchmark, samples = (records[0]["benchmark"], len(records) // max(items, 1)) if records else ("", 1)
+        if len(shown) == 2 and records:
+            decoding = "greedy" if samples == 1 else f"avg@{samples}"
+            lines.append(f"  held-out accuracy ({benchmark}, {items} items, {decoding}): {shown[0]} -> {shown[1]}, "
+                         f"iteration 0 -> {int(done[-1].split('_')[1])}")
+    return lines
 
 
 def items_file_name(benchmark: str) -> str:

@@ -2,8 +2,8 @@
 
 Everything here is applied only when CUDA is unavailable; on a GPU machine each entry point is a
 no-op, so GPU behaviour never changes, except one fix that a GPU without Transformer Engine needs
-as well (`_without_transformer_engine`). What megatron-core needs on CPU (measured, see
-shared/notes/megatron-core-on-cpu.md):
+as well (`_without_transformer_engine`). What megatron-core needs on CPU (measured; the
+policy tests exercise each):
 - RoPE moves its frequencies to `torch.cuda.current_device()` unconditionally;
 - several buffers are allocated on `torch.cuda.current_device()`;
 - the RNG tracker stores CUDA generator states;

@@ -143,6 +143,42 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def exact_table(runs_dir: str) -> str:
+    """The committed runs under `runs_dir` (<arm>_<seed>.done.json) re-reported with exact paired
+    tests: per arm, McNemar's exact one-sided test that SPICE is better (the binomial test on the
+    items exactly one of the two got right, pooled over seeds: each seed's items are its own) and
+    Holm's adjustment across the arms, beside the bootstrap interval the table above reads."""
+    from spice_megatron.eval.stats import binomial_tail, holm, mcnemar
+
+    kept: dict[str, dict[int, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(runs_dir, "*.done.json"))):
+        with open(path) as f:
+            run = json.load(f)["result"]
+        arm = os.path.basename(path)[:-len(".done.json")].rsplit("_", 1)[0]
+        kept.setdefault(arm, {})[run["seed"]] = {r["id"]: bool(r["correct"]) for r in run["kept"]["items"]}
+    rows, pooled = {}, {}
+    for arm, seeds in kept.items():
+        if arm == "spice":
+            continue
+        tests = []
+        for seed in sorted(seeds):
+            ids = sorted(kept["spice"][seed])
+            tests.append((seed, mcnemar([seeds[seed][i] for i in ids], [kept["spice"][seed][i] for i in ids])))
+        only_arm, only_spice = sum(t["only_arm"] for _, t in tests), sum(t["only_reference"] for _, t in tests)
+        items = sum(t["items"] for _, t in tests)
+        pooled[arm] = binomial_tail(only_spice, only_arm + only_spice)
+        rows[arm] = (tests, 100.0 * (only_arm - only_spice) / items, only_arm, only_spice)
+    adjusted = holm(pooled)
+    out = ["| arm | seed | arm - spice, points | items only the arm / only spice got right | exact p, SPICE better "
+           "(one-sided) | Holm-adjusted p (4 arms) |", "|---|---|---|---|---|---|"]
+    for arm, (tests, diff, only_arm, only_spice) in rows.items():
+        out += [f"| {arm} | {seed} | {t['diff']:+.1f} | {t['only_arm']} / {t['only_reference']} | "
+                f"{t['p_reference_better']:.3g} | - |" for seed, t in tests]
+        out.append(f"| {arm} | pooled | {diff:+.1f} | {only_arm} / {only_spice} | {pooled[arm]:.3g} | "
+                   f"**{adjusted[arm]:.3g}**{' (holds at 0.05)' if adjusted[arm] < 0.05 else ''} |")
+    return "\n".join(out)
+
+
 def run_ablation(args, settings: dict, train_file: str, heldout: str, fixed_docs: list[dict]) -> int:
     """Every arm for every seed (resumable), then the paired comparisons, summary.json and the
     verdict lines. `args` and `settings` are learning_check's for --selfplay."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -16,6 +15,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+from spice_megatron.eval.stats import wilson  # noqa: E402,F401 - the checks' intervals, also as learning_runs.wilson
 
 GAIN_POINTS = 10.0
 CHALLENGER_CURVES = {"valid_task_rate": "valid_task_rate", "challenger_reward": "challenger/task_reward_mean",
@@ -41,16 +42,6 @@ def make_tasks(seed: int, n_heldout: int) -> tuple[list[dict], list[dict]]:
     rows = [{"id": f"{kind}-{i}", "question": q, "answer": str(ans), "answer_type": "integer"}
             for i, (q, ans, kind) in enumerate(items)]
     return rows[n_heldout:], rows[:n_heldout]
-
-
-def wilson(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion, in percent."""
-    if n == 0:
-        return float("nan"), float("nan")
-    p = correct / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return 100 * (centre - half), 100 * (centre + half)
 
 
 def _write_jsonl(path: str, rows: list[dict]) -> str:
@@ -119,6 +110,7 @@ def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         metrics = [current_names(json.loads(line)) for line in f]
+    metrics = [m for m in metrics if m["iteration"] > 0]  # the run's own base-model evaluation: the baseline has it
     return {"name": name, "seed": seed, "lr": lr, "seconds": time.perf_counter() - t0, "metrics": metrics}
 
 
@@ -270,37 +262,43 @@ def _written_tasks(out: str, name: str, run: dict, last_only: bool) -> list[dict
 
 
 def challenger_verdict(runs: dict, scores: dict) -> dict:
-    """Per seed: the trained run's held-out variance reward and frontier share at its last
-    evaluation against its control's at the same iteration, paired over the documents; learned
-    when either difference's bootstrap 95% interval is above 0."""
+    """The trained runs' held-out variance reward and frontier share at their last evaluation
+    against the base model's (iteration 0: the same stories, the same sampling seeds, which is
+    what a frozen control writes), paired per story. Learned when the variance reward's gain,
+    pooled over every seed's stories, has a bootstrap 95% interval above 0: a per-seed AND of 32
+    stories each would pass less often the more seeds it is given. Per-seed figures are reported."""
     from spice_megatron.eval.challenger_eval import paired_bootstrap
 
-    per_seed, parts = {}, []
+    per_seed, parts, pooled = {}, [], {"variance_reward": ([], []), "frontier_share": ([], [])}
     for name in runs:
-        if not name.startswith("trained"):
+        if not name.startswith("trained") or name not in scores or 0 not in scores[name] or max(scores[name]) == 0:
             continue
-        control = "control" + name[len("trained"):]
-        last = max(scores.get(name, {0: None}))
-        if control not in scores or last not in scores[control] or last == 0:
-            per_seed[name] = {"learned": False}
-            parts.append(f"{name}: no control evaluation to compare")
-            continue
-        t, c = scores[name][last], scores[control][last]
-        if [d["doc_id"] for d in t] != [d["doc_id"] for d in c]:
-            raise ValueError(f"{name} and {control}: evaluated on other documents")
+        last = max(scores[name])
+        t, b = scores[name][last], scores[name][0]
+        if [d["doc_id"] for d in t] != [d["doc_id"] for d in b]:
+            raise ValueError(f"{name}: its evaluations were on other documents")
         result = {"iteration": last}
-        for metric in ("variance_reward", "frontier_share"):
-            result[metric] = paired_bootstrap([d[metric] for d in t], [d[metric] for d in c], seed=runs[name]["seed"])
-        result["learned"] = any(result[m][1] > 0 for m in ("variance_reward", "frontier_share"))
+        for metric, (after, before) in pooled.items():
+            result[metric] = paired_bootstrap([d[metric] for d in t], [d[metric] for d in b], seed=runs[name]["seed"])
+            after += [d[metric] for d in t]
+            before += [d[metric] for d in b]
         per_seed[name] = result
-        before = _mean_of(scores[name][0], "variance_reward")
-        parts.append(f"{name} (seed {runs[name]['seed']}, iteration {last}) variance reward {before:.3f} -> "
-                     f"{_mean_of(t, 'variance_reward'):.3f} vs control {_mean_of(c, 'variance_reward'):.3f}: "
+        parts.append(f"{name} (seed {runs[name]['seed']}, iteration {last}) variance reward "
+                     f"{_mean_of(b, 'variance_reward'):.3f} -> {_mean_of(t, 'variance_reward'):.3f}: "
                      + ", ".join(f"{m.replace('_', ' ')} {d:+.3f} (95% CI {lo:+.3f} to {hi:+.3f})"
-                                 for m, (d, lo, hi) in ((m, result[m]) for m in ("variance_reward", "frontier_share")))
-                     + f" {'learned' if result['learned'] else 'not shown'}")
-    learned = bool(per_seed) and all(r["learned"] for r in per_seed.values())
-    return {"learned": learned, "per_seed": per_seed, "line": "; ".join(parts)}
+                                 for m, (d, lo, hi) in ((m, result[m]) for m in pooled)))
+    if not per_seed:
+        return {"learned": False, "per_seed": {}, "pooled": {}, "line": "no trained run with a held-out evaluation"}
+    first_seed = min(runs[n]["seed"] for n in per_seed)
+    together = {m: paired_bootstrap(a, b, seed=first_seed) for m, (a, b) in pooled.items()}
+    learned = together["variance_reward"][1] > 0
+    stories = len(pooled["variance_reward"][0])
+    line = (f"pooled over {len(per_seed)} seed(s), {stories} stories: variance reward "
+            f"{together['variance_reward'][0]:+.3f} (95% CI {together['variance_reward'][1]:+.3f} to "
+            f"{together['variance_reward'][2]:+.3f}), frontier share {together['frontier_share'][0]:+.3f} (95% CI "
+            f"{together['frontier_share'][1]:+.3f} to {together['frontier_share'][2]:+.3f}): "
+            f"{'learned' if learned else 'not shown'}; " + "; ".join(parts))
+    return {"learned": learned, "per_seed": per_seed, "pooled": together, "line": line}
 
 
 def _mean_of(scored: list[dict], metric: str) -> float:
