@@ -1,5 +1,6 @@
 """The metrics contract: every name a run writes to metrics.jsonl, TensorBoard and W&B, with its
-meaning, unit and group. The end-of-run summary, TensorBoard's groups, `spice curves`, the kill
+meaning, unit and group. One spelling everywhere: metrics.jsonl, TensorBoard's tags and W&B's keys are
+the same names (the newcomer review's F14.4). The end-of-run summary, `spice curves`, the kill
 switch and the glossary in docs/metrics.md (tools/docs_tables.py) all draw from here.
 
 A name with `{...}` is a family (one name per answer type, layer, benchmark...). Names that an older
@@ -170,11 +171,6 @@ def describe(name: str) -> Metric | None:
 def current_names(row: dict) -> dict:
     """A metrics row with an older run's names read as today's."""
     return {RENAMED.get(k, k): v for k, v in row.items() if k not in DROPPED}
-
-
-def tensorboard_tag(name: str) -> str:
-    """TensorBoard groups tags by what comes before the first '/': a name without one gets its group."""
-    return name if "/" in name else f"{describe(name).group if describe(name) else 'run'}/{name}"
 
 
 def run_kinds(cfg) -> set[str]:

@@ -96,13 +96,11 @@ class MetricsLogger:
                                     resume="allow", dir=out_dir)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        from spice_megatron.metric_names import tensorboard_tag
-
         self.names.update(dict.fromkeys(metrics))
         self.jsonl.write([{k: step if k == "iteration" else metrics.get(k) for k in self.names}])
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and math.isfinite(v):
-                self.tb.add_scalar(tensorboard_tag(k), v, step)
+                self.tb.add_scalar(k, v, step)  # the JSONL's name: one spelling to search for
         self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
