@@ -351,3 +351,7 @@ def test_the_summary_compares_the_base_models_held_out_accuracy_with_the_last_ev
         "  held-out accuracy (stories, 20 items, greedy): 25.0% (95% CI 11.2-46.9) -> 60.0% (95% CI 38.7-78.1), "
         "iteration 0 -> 3"]
     assert held_out_change(str(tmp_path / "none")) == []
+    from spice_megatron.eval.run import held_out_line
+
+    assert held_out_line("at iteration 8", "file:/runs/seed_1/complement.jsonl:math", 348, 1405) == (
+        "at iteration 8 (complement.jsonl, 1405 items, greedy): 24.8% (95% CI 22.6-27.1)")

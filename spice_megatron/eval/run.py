@@ -152,8 +152,13 @@ def held_out_line(what: str, benchmark: str, correct: float, items: int, samples
 
     decoding = "greedy" if samples == 1 else f"avg@{samples}"
     lo, hi = wilson(correct / samples, items)
-    return (f"{what} ({benchmark}, {items} items, {decoding}): {100.0 * correct / samples / max(items, 1):.1f}% "
-            f"(95% CI {lo:.1f}-{hi:.1f})")
+    share = 100.0 * correct / samples / max(items, 1)
+    return f"{what} ({shown_name(benchmark)}, {items} items, {decoding}): {share:.1f}% (95% CI {lo:.1f}-{hi:.1f})"
+
+
+def shown_name(benchmark: str) -> str:
+    """A benchmark as a progress line names it: a file benchmark ('file:PATH[:math]') by its file's name."""
+    return os.path.basename(benchmark[len("file:"):].split(":")[0]) if benchmark.startswith("file:") else benchmark
 
 
 def held_out_change(eval_dir: str) -> list[str]:
@@ -179,8 +184,8 @@ def held_out_change(eval_dir: str) -> list[str]:
             benchmark, samples = (records[0]["benchmark"], len(records) // max(items, 1)) if records else ("", 1)
         if len(shown) == 2 and records:
             decoding = "greedy" if samples == 1 else f"avg@{samples}"
-            lines.append(f"  held-out accuracy ({benchmark}, {items} items, {decoding}): {shown[0]} -> {shown[1]}, "
-                         f"iteration 0 -> {int(done[-1].split('_')[1])}")
+            lines.append(f"  held-out accuracy ({shown_name(benchmark)}, {items} items, {decoding}): {shown[0]} -> "
+                         f"{shown[1]}, iteration 0 -> {int(done[-1].split('_')[1])}")
     return lines
 
 
