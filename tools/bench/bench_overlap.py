@@ -135,7 +135,7 @@ def serve_standin(model: str, port: int, tokens_per_s: float, token: str) -> Non
 
 def spice_train(model: str, corpus: str, out: str, staleness: int, iterations: int, extra: list[str]) -> list[dict]:
     args = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", model,
-            "--output-dir", out, "--corpus", corpus, f"run.iterations={iterations}",
+            "--output", out, "--corpus", corpus, f"run.iterations={iterations}",
             f"train.max_staleness={staleness}", *RUN, *extra]
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:

@@ -91,7 +91,7 @@ def _run(name: str, out: str, train_file: str, heldout: str, args, seed: int, lr
     run_dir = os.path.join(out, name)
     challenger_eval = ["--eval-challenger-docs", args.challenger_docs_file] if args.selfplay else []
     cmd = [sys.executable, "-m", "spice_megatron.cli", "train", "--recipe", "tiny_cpu", "--model", args.model,
-           "--output-dir", run_dir, "--eval-benchmarks", heldout, "--eval-data", out, *challenger_eval,
+           "--output", run_dir, "--eval-benchmarks", heldout, "--data", out, *challenger_eval,
            *_mode_args(args, train_file), *_selfplay_overrides(args),
            "train.micro_batch_tokens=2048",
            f"optim.lr={lr}", "optim.weight_decay=0.0", "optim.clip_grad=1.0", f"train.max_staleness={args.staleness}",
