@@ -64,8 +64,10 @@ def run_held(output_dir: str) -> str | None:
     steps = sorted(d for d in os.listdir(os.path.join(output_dir, "checkpoints"))
                    if d.startswith("step_")) if os.path.isdir(os.path.join(output_dir, "checkpoints")) else []
     metrics = os.path.join(output_dir, "metrics.jsonl")
+    from spice_megatron.run_log import read_jsonl
+
     # iteration 0 is the base model's evaluation, not an iteration
-    rows = sum(1 for line in open(metrics) if not line.startswith('{"iteration": 0,')) if os.path.isfile(metrics) else 0
+    rows = sum(1 for r in read_jsonl(metrics) if r.get("iteration") != 0) if os.path.isfile(metrics) else 0
     if recorded is None and not steps and not rows:
         return None
     parts = [f"recipe {recorded['recipe']}"] if recorded else []
