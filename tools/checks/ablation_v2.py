@@ -128,7 +128,10 @@ def main() -> int:
     run_args = argparse.Namespace(
         model=model, selfplay=True, challenger_docs_file=seed_data["challenger_docs_file"], out=out,
         seeds=[args.seed], prompt_dir=PROMPT_DIR, stop=REASONER_STOP, **SETTINGS)
-    settings = {**SETTINGS, "seed": args.seed, "reasoner_task": args.reasoner_task,
+    from spice_megatron.rollout.step_settings import CPU_BLOCK_TOKENS
+
+    # the engines' KV block is in the key: a run at vLLM's 128 (the pilot) is not paired with runs at 32
+    settings = {**SETTINGS, "seed": args.seed, "reasoner_task": args.reasoner_task, "kv_block": CPU_BLOCK_TOKENS,
                 "content": content_hash([os.path.join(ROOT, "recipes", "tiny_cpu.py"), seed_data["train_file"],
                                          seed_data["heldout"].split(":")[1], PROMPT_DIR])}
     print(f"seed {args.seed}: complement set of {seed_data['complement_items']} questions; arms {', '.join(arms)}",
