@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     from recipes import DEFAULT_RECIPE, recipe_names
     from spice_megatron.cli_convert import add_convert_parser
     from spice_megatron.cli_runs import cmd_audit, cmd_coevolution, cmd_curves, cmd_eval
-    from spice_megatron.cli_train import cmd_train
+    from spice_megatron.cli_train import RUN_OPTIONS, cmd_train
     from spice_megatron.config import TEMPLATES
     from spice_megatron.offline_data import DEFAULT_CACHE, DEFAULT_OUT
 
@@ -137,20 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--model", help="HF directory of the base model (tiny_cpu default: SmolLM2-135M-Instruct)")
     st.add_argument("--output", "--output-dir", dest="output", help="the run directory (default: the recipe's "
                     "run.output_dir)")
-    st.add_argument("--corpus", action="append", help="corpus file/glob or hub id (repeatable); replaces the recipe's")
-    st.add_argument("--general-corpus", default="", help="paper recipes: the general half of the corpus, dclm (the "
-                    "paper's) or natural_reasoning (questions, not documents)")
+    # these six are recorded in the run's config.json, and a resume takes them back (cli_train.RUN_OPTIONS)
+    st.add_argument("--corpus", action="append", default=RUN_OPTIONS["corpus"],
+                    help="corpus file/glob or hub id (repeatable); replaces the recipe's")
+    st.add_argument("--general-corpus", default=RUN_OPTIONS["general_corpus"], help="paper recipes: the general "
+                    "half of the corpus, dclm (the paper's) or natural_reasoning (questions, not documents)")
     st.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the output dir")
     st.add_argument("--resume-after-kill-switch", action="store_true",
                     help="--resume, even if the kill switch stopped the run (otherwise it refuses, exit code 3)")
     st.add_argument("--force-config", action="store_true",
                     help="--resume with a config that differs from the run's <output-dir>/config.json (recorded)")
-    st.add_argument("--eval-benchmarks", default="", help="evaluate every run.eval_every iterations: 'offline', "
-                    "'paper' or a comma-separated list")
-    st.add_argument("--eval-limit", type=int, default=0, help="items per benchmark during training (0: all)")
-    st.add_argument("--data", "--eval-data", dest="data", default=DEFAULT_OUT,
+    st.add_argument("--eval-benchmarks", default=RUN_OPTIONS["eval_benchmarks"], help="evaluate every "
+                    "run.eval_every iterations: 'offline', 'paper' or a comma-separated list")
+    st.add_argument("--eval-limit", type=int, default=RUN_OPTIONS["eval_limit"],
+                    help="items per benchmark during training (0: all)")
+    st.add_argument("--data", "--eval-data", dest="data", default=RUN_OPTIONS["data"],
                     help="prepared data directory holding eval/ (the --eval-benchmarks)")
-    st.add_argument("--eval-challenger-docs", default="",
+    st.add_argument("--eval-challenger-docs", default=RUN_OPTIONS["eval_challenger_docs"],
                     help="JSONL of fixed documents ({\"text\": ...}): every run.eval_every iterations the policy "
                          "writes G tasks on each into <output-dir>/challenger_eval/, to score against a fixed "
                          "reasoner (docs/learning.md)")

@@ -8,8 +8,14 @@ import os
 import sys
 
 from spice_megatron.entry import UserError
+from spice_megatron.offline_data import DEFAULT_OUT
 
 CONFIG_RECORDED_ENV = "SPICE_CONFIG_RECORDED"
+# `spice train`'s options that shape a run but are no config field, with their defaults (cli.py's): recorded
+# in RUN/config.json, and a resume takes the run's where its command line leaves one at its default (a run
+# started with evaluations goes on with them; `spice train --resume --output RUN` alone continues it)
+RUN_OPTIONS = {"corpus": None, "general_corpus": "", "eval_benchmarks": "", "eval_limit": 0, "data": DEFAULT_OUT,
+               "eval_challenger_docs": ""}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -25,6 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         if recorded := recorded_run(args.output):
             args.recipe, args.overrides = recorded["recipe"], [*recorded["overrides"], *args.overrides]
+            _take_the_runs_options(args, recorded.get("options") or {}, say=checking)
     args.recipe = args.recipe or DEFAULT_RECIPE
     cfg = resolve_recipe(args.recipe, args.overrides, args.general_corpus)
     if args.output:
@@ -57,7 +64,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg.rollout.engines = rollout_urls_from_env()
     if not under_launcher():  # one-machine conveniences, done once before any rank starts
         _check_before_the_start(cfg, args.recipe)
-        print(record_run_config(cfg, args.recipe, args.overrides, resuming, args.force_config), flush=True)
+        print(record_run_config(cfg, args.recipe, args.overrides, resuming, args.force_config, _run_options(args)),
+              flush=True)
         os.environ[CONFIG_RECORDED_ENV] = "1"  # the ranks it starts do not record it again
         argv = list(sys.argv[1:])
         if "--model" not in argv:
@@ -69,7 +77,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         # the run directory checked before anything is written into it (security review 3, R2)
         prepare_run_dir(cfg.run.output_dir, cfg.run.group_readable)
-        print(record_run_config(cfg, args.recipe, args.overrides, resuming, args.force_config), flush=True)
+        print(record_run_config(cfg, args.recipe, args.overrides, resuming, args.force_config, _run_options(args)),
+              flush=True)
     from spice_megatron.driver import EnginesLost, KillSwitch
     from spice_megatron.policy.checkpoint import NoUsableCheckpoint
     from spice_megatron.run_control import Interrupted
@@ -196,6 +205,20 @@ def _moved_line(metrics_path: str) -> str:
     parts = [f"{label} {first[key]:.2f} -> {last[key]:.2f}" for label, key in MOVED
              if isinstance(first.get(key), (int, float)) and isinstance(last.get(key), (int, float))]
     return f"  moved (iteration {first['iteration']} -> {last['iteration']}): " + ", ".join(parts)
+
+
+def _run_options(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in RUN_OPTIONS}
+
+
+def _take_the_runs_options(args: argparse.Namespace, recorded: dict, say: bool) -> None:
+    taken = []
+    for name, default in RUN_OPTIONS.items():
+        if name in recorded and getattr(args, name) == default and recorded[name] != default:
+            setattr(args, name, recorded[name])
+            taken.append(f"--{name.replace('_', '-')} {recorded[name]}")
+    if taken and say:
+        print(f"resume: the run's options: {' '.join(taken)}", flush=True)
 
 
 def _eval_hook(args: argparse.Namespace, cfg):

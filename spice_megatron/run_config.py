@@ -93,8 +93,10 @@ def refuse_changed_config(cfg: SpiceConfig, force: bool) -> None:
 
 
 def record_run_config(cfg: SpiceConfig, recipe: str, overrides: list[str], resume: bool,
-                      force: bool = False) -> str:
-    """Compares (on a resume) and writes RUN/config.json; returns the line to print."""
+                      force: bool = False, options: dict | None = None) -> str:
+    """Compares (on a resume) and writes RUN/config.json; returns the line to print. `options`: the
+    command line's options that shape the run but are no config field (the evaluations), which a
+    resume takes back (cli_train.RUN_OPTIONS)."""
     path = os.path.join(cfg.run.output_dir, CONFIG_FILE)
     resolved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
     accepted = ""
@@ -118,8 +120,8 @@ def record_run_config(cfg: SpiceConfig, recipe: str, overrides: list[str], resum
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)  # as an open() here would make it (run.group_readable: the group reads it)
     with os.fdopen(fd, "w") as f:
-        json.dump({"recipe": recipe, "overrides": list(overrides), "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                   "config": resolved}, f, indent=1)
+        json.dump({"recipe": recipe, "overrides": list(overrides), "options": dict(options or {}),
+                   "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": resolved}, f, indent=1)
     os.replace(tmp, path)
     shown = " ".join(overrides) if overrides else "none"
     return f"config: {path} (recipe {recipe}; overrides: {shown}{accepted})"

@@ -95,6 +95,35 @@ def test_a_resume_takes_the_runs_recipe_and_overrides_and_compares_new_ones_firs
     refuse_changed_config(same, force=False)  # what cmd_train runs before anything loads: nothing to refuse
 
 
+def test_a_resume_takes_the_runs_evaluation_options_unless_the_command_line_gives_its_own(tmp_path):
+    """The command line's options that are no config field (the evaluations, the corpus) went missing on
+    `spice train --resume --output RUN`: the main job resumed so evaluated nothing and its summary had no
+    held-out line. config.json records them and a resume takes them back, saying so, where its command
+    line leaves one at its default."""
+    import argparse
+    import subprocess
+    import sys
+
+    from recipes import resolve_recipe
+    from spice_megatron.cli_train import RUN_OPTIONS, _take_the_runs_options
+    from spice_megatron.run_config import recorded_run
+
+    run = tmp_path / "run"
+    cfg = resolve_recipe("tiny_cpu", [])
+    cfg.run.output_dir, cfg.run.model = str(run), str(tmp_path / "model")
+    options = {**RUN_OPTIONS, "eval_benchmarks": "stories", "eval_limit": 200}
+    record_run_config(cfg, "tiny_cpu", [], resume=False, options=options)
+    assert recorded_run(str(run))["options"] == options
+    args = argparse.Namespace(**{**RUN_OPTIONS, "eval_limit": 50})  # the command line's own limit stays
+    _take_the_runs_options(args, options, say=False)
+    assert (args.eval_benchmarks, args.eval_limit, args.corpus) == ("stories", 50, None)
+    # through `spice train`: said before the refusal of a changed override, which comes before anything loads
+    r = subprocess.run([sys.executable, "-m", "spice_megatron.cli", "train", "--resume", "--output", str(run),
+                        "optim.lr=0.5"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "optim.lr: " in r.stderr, r.stderr
+    assert "resume: the run's options: --eval-benchmarks stories --eval-limit 200" in r.stdout
+
+
 def test_the_main_job_called_again_keeps_the_first_run_under_a_new_name_and_says_so(tmp_path):
     """Newcomer review F4: the README's main job (tools/env/run_main.sh) run a second time started over
     in runs/tiny_cpu. Now it keeps the first run as runs/tiny_cpu.1 (then .2 ...) and says so; with
