@@ -50,7 +50,6 @@ class BenchmarkResult:
     items: int = 0
     samples_per_item: int = 1
     expected_items: int | None = None  # the full set's size; the paper's setting (see benchmarks.py)
-    samples_per_item: int = 1
     correct: float = 0.0  # answers graded correct (the reported accuracy's), summed over samples
     accuracy: float = float("nan")  # percent; the judged score when a judge ran on a math set, else rules
     rule_accuracy: float = float("nan")  # percent, rules only (Math-Verify, exact match, letters)
