@@ -309,6 +309,10 @@ def test_every_option_of_every_command_says_what_it_is():
         silent += [(name, a.option_strings or a.dest) for a in sub._actions
                    if not isinstance(a, argparse._HelpAction) and a.help in (None, "", "(default: %(default)s)")]
     assert not silent, silent
+    # F13: `spice corpus --max-docs 10` read the whole corpus first, which its help did not say
+    corpus = parser._subparsers._group_actions[0].choices["corpus"]
+    (max_docs,) = [a for a in corpus._actions if "--max-docs" in a.option_strings]
+    assert "every source is read and segmented first" in max_docs.help
 
 
 def test_the_converter_wrappers_answer_like_spice_in_one_line():

@@ -74,3 +74,15 @@ def test_the_docs_teach_todays_option_spellings():
     taught = [f"{os.path.relpath(p, ROOT)}:{n}: {line.strip()[:100]}" for p in DOCS
               for n, line in enumerate(open(p), 1) if old.search(line) and "--out {" not in line]
     assert taught == []
+
+
+def test_nothing_a_user_reads_cites_a_file_a_clone_lacks():
+    """The package, its tools and the docs cited notes outside the repository (`../shared/notes/...`,
+    newcomer review F14.5); a clone has none of them. The history page quotes what was."""
+    roots = ["spice_megatron", "recipes", "tools", "slurm"]
+    files = [p for p in DOCS if not p.endswith("history.md")] + [
+        os.path.join(d, f) for r in roots for d, _, fs in os.walk(os.path.join(ROOT, r)) for f in fs
+        if f.endswith((".py", ".sh", ".sbatch", ".md", ".txt"))]
+    cited = [f"{os.path.relpath(p, ROOT)}:{n}" for p in files
+             for n, line in enumerate(open(p, encoding="utf-8", errors="replace"), 1) if "shared/notes" in line]
+    assert cited == []
