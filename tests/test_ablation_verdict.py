@@ -41,3 +41,27 @@ def markdown_table_from(records: list[dict]) -> str:
             with open(os.path.join(d, f"seed_{r['seed']}.json"), "w") as f:
                 json.dump(r, f)
         return markdown_table(d)
+
+
+def test_a_finished_run_is_kept_with_every_evaluation_its_draws_and_its_last_challenger_tasks(tmp_path):
+    """ablation_v2.kept_run: what the verdict reads of a run directory (per-item correctness at each
+    evaluation through eval.run.evaluation_records, the documents the audit trail drew)."""
+    import json
+
+    from ablation_v2 import kept_run
+
+    run = tmp_path / "spice"
+    for it, right in ((0, {0}), (4, {0, 1}), (8, {0, 1, 2})):
+        (run / "eval" / f"iteration_{it:04d}").mkdir(parents=True)
+        (run / "eval" / f"iteration_{it:04d}" / "complement.jsonl.items.jsonl").write_text("".join(
+            json.dumps({"id": f"q{i}", "correct": i in right}) + "\n" for i in range(4)))
+    (run / "challenger_eval").mkdir()
+    for it in (4, 8):
+        (run / "challenger_eval" / f"iteration_{it:04d}.json").write_text(json.dumps({"iteration": it}))
+    (run / "audit.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"kind": "document", "iteration": 1, "doc_id": "d2"}, {"kind": "reasoner", "iteration": 1},
+        {"kind": "document", "iteration": 1, "doc_id": "d1"})))
+    kept = kept_run(str(run), {"seconds": 60.0, "metrics": [{"iteration": 1, "valid_task_rate": 1.0}]})
+    assert {it: sum(e.values()) for it, e in kept["evaluations"].items()} == {0: 1, 4: 2, 8: 3}
+    assert kept["drawn"] == [(1, "d1"), (1, "d2")] and kept["kept"]["challenger_tasks"] == {"iteration": 8}
+    assert kept["metrics"][0]["valid_task_rate"] == 1.0

@@ -166,7 +166,6 @@ def held_out_change(eval_dir: str) -> list[str]:
     benchmark a run measured before its first iteration and after (its per-item records under
     `eval_dir`, out_dir of training_eval_hook); none when it did not."""
     from spice_megatron.eval.stats import wilson
-    from spice_megatron.run_log import read_jsonl
 
     done = sorted(d for d in os.listdir(eval_dir) if d.startswith("iteration_")) if os.path.isdir(eval_dir) else []
     if len(done) < 2 or done[0] != "iteration_0000":
@@ -174,9 +173,9 @@ def held_out_change(eval_dir: str) -> list[str]:
     lines = []
     for name in sorted(f for f in os.listdir(os.path.join(eval_dir, done[-1])) if f.endswith(".items.jsonl")):
         shown = []
+        by_iteration = evaluation_records(eval_dir, name)
         for d in (done[0], done[-1]):
-            path = os.path.join(eval_dir, d, name)
-            records = list(read_jsonl(path)) if os.path.exists(path) else []
+            records = by_iteration.get(int(d.split("_")[1]), [])
             items = len({r["id"] for r in records})
             share = sum(bool(r["correct"]) for r in records) / max(len(records), 1)
             lo, hi = wilson(share * items, items)
@@ -187,6 +186,19 @@ def held_out_change(eval_dir: str) -> list[str]:
             lines.append(f"  held-out accuracy ({shown_name(benchmark)}, {items} items, {decoding}): {shown[0]} -> "
                          f"{shown[1]}, iteration 0 -> {int(done[-1].split('_')[1])}")
     return lines
+
+
+def evaluation_records(eval_dir: str, file_name: str = "") -> dict[int, list[dict]]:
+    """A run's per-item evaluation records (training_eval_hook's out_dir, eval_dir/iteration_NNNN/),
+    by iteration: those of `file_name` (items_file_name's), or of an iteration's one benchmark."""
+    from spice_megatron.run_log import read_jsonl
+
+    found = {}
+    for d in sorted(os.listdir(eval_dir)) if os.path.isdir(eval_dir) else []:
+        names = [file_name] if file_name else os.listdir(os.path.join(eval_dir, d))
+        if d.startswith("iteration_") and len(names) == 1 and os.path.exists(os.path.join(eval_dir, d, names[0])):
+            found[int(d.split("_")[1])] = list(read_jsonl(os.path.join(eval_dir, d, names[0])))
+    return found
 
 
 def items_file_name(benchmark: str) -> str:

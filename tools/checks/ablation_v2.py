@@ -84,14 +84,11 @@ def kept_run(run_dir: str, run: dict) -> dict:
     evaluation, the metrics the analysis lacked before (per iteration) and the documents drawn."""
     import glob
 
+    from spice_megatron.eval.run import evaluation_records
     from spice_megatron.run_log import read_jsonl
 
-    evaluations = {}
-    root = os.path.join(run_dir, "eval")
-    for d in sorted(os.listdir(root)):
-        (name,) = os.listdir(os.path.join(root, d))
-        with open(os.path.join(root, d, name)) as f:
-            evaluations[int(d.split("_")[1])] = {r["id"]: bool(r["correct"]) for r in map(json.loads, f)}
+    evaluations = {it: {r["id"]: bool(r["correct"]) for r in records}
+                   for it, records in evaluation_records(os.path.join(run_dir, "eval")).items()}
     drawn = sorted({(r["iteration"], r["doc_id"]) for r in read_jsonl(os.path.join(run_dir, "audit.jsonl"))
                     if r.get("kind") == "document"})
     written = sorted(glob.glob(os.path.join(run_dir, "challenger_eval", "iteration_*.json")))

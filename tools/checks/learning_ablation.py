@@ -45,14 +45,12 @@ PAPER_CLAIMS = {"fixed_challenger": "co-evolving challenger beats a fixed one",
 
 def last_items(run_dir: str, benchmark: str) -> tuple[int, list[dict]]:
     """The per-item records of the run's last held-out evaluation (eval/iteration_NNNN/...)."""
-    from spice_megatron.eval.run import items_file_name
+    from spice_megatron.eval.run import evaluation_records, items_file_name
 
-    paths = sorted(glob.glob(os.path.join(run_dir, "eval", "iteration_*", items_file_name(benchmark))))
-    if not paths:
+    found = evaluation_records(os.path.join(run_dir, "eval"), items_file_name(benchmark))
+    if not found:
         raise FileNotFoundError(f"{run_dir}: no per-item evaluation records under eval/ (benchmark {benchmark})")
-    with open(paths[-1]) as f:
-        items = [json.loads(line) for line in f]
-    return int(os.path.basename(os.path.dirname(paths[-1])).split("_")[1]), items
+    return max(found.items())
 
 
 def kept_evaluation(run_dir: str, benchmark: str) -> dict:
