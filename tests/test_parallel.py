@@ -1,4 +1,5 @@
 """Process groups: the driver's control group outlives NCCL-style default timeouts, within its bound."""
+import os
 import time
 
 import pytest
@@ -14,8 +15,12 @@ def _control_rank(wait_s):
     from spice_megatron.policy.parallel import broadcast_from_driver as _broadcast
     from spice_megatron.policy.parallel import control_group
 
-    # the default group stands for NCCL with its watchdog: a short timeout
-    dist.init_process_group("gloo", timeout=timedelta(seconds=2))
+    # the default group stands for NCCL with its watchdog: a short timeout. The ranks meet through a store
+    # that waits for both however slowly a loaded machine starts them (its own 2 s once failed CI there).
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, int(os.environ["RANK"]) == 0,
+                          timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]), world_size=2,
+                            timeout=timedelta(seconds=2))
     long_wait = control_group(timeout_s=60)
     short_wait = control_group(timeout_s=2)
     rank = dist.get_rank()
