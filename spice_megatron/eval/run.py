@@ -172,19 +172,21 @@ def held_out_change(eval_dir: str) -> list[str]:
         return []
     lines = []
     for name in sorted(f for f in os.listdir(os.path.join(eval_dir, done[-1])) if f.endswith(".items.jsonl")):
-        shown = []
         by_iteration = evaluation_records(eval_dir, name)
-        for d in (done[0], done[-1]):
-            records = by_iteration.get(int(d.split("_")[1]), [])
+        last = max(by_iteration)
+        if not by_iteration[last]:
+            continue
+        shown = []
+        for records in (by_iteration.get(0, []), by_iteration[last]):
             items = len({r["id"] for r in records})
             share = sum(bool(r["correct"]) for r in records) / max(len(records), 1)
             lo, hi = wilson(share * items, items)
             shown.append(f"{100 * share:.1f}% (95% CI {lo:.1f}-{hi:.1f})")
-            benchmark, samples = (records[0]["benchmark"], len(records) // max(items, 1)) if records else ("", 1)
-        if len(shown) == 2 and records:
-            decoding = "greedy" if samples == 1 else f"avg@{samples}"
-            lines.append(f"  held-out accuracy ({shown_name(benchmark)}, {items} items, {decoding}): {shown[0]} -> "
-                         f"{shown[1]}, iteration 0 -> {int(done[-1].split('_')[1])}")
+        records = by_iteration[last]
+        samples = len(records) // max(items, 1)
+        decoding = "greedy" if samples == 1 else f"avg@{samples}"
+        lines.append(f"  held-out accuracy ({shown_name(records[0]['benchmark'])}, {items} items, {decoding}): "
+                     f"{shown[0]} -> {shown[1]}, iteration 0 -> {last}")
     return lines
 
 
