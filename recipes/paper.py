@@ -287,7 +287,7 @@ def qwen3_8b_strong_challenger() -> SpiceConfig:
 
 
 # One 8-GPU node (run.colocate): the learner and the engines share every GPU and take turns
-# (spice_megatron/colocation.py): the engines sleep while the learner steps, the learner's optimizer
+# (spice_megatron/loop/colocation.py): the engines sleep while the learner steps, the learner's optimizer
 # state waits in host memory while they generate, and the weights go through vLLM's CUDA IPC.
 # On-policy, as the paper trains. Layouts, engine memory shares and offloads are what
 # `spice plan --choose --nodes 1` picks for 8 x H100 80 GB.

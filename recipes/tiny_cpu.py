@@ -52,7 +52,7 @@ from spice_megatron.config import (
     SourceConfig,
     SpiceConfig,
 )
-from spice_megatron.story_corpus import PROMPT_DIR, REASONER_STOP
+from spice_megatron.data.story_corpus import PROMPT_DIR, REASONER_STOP
 
 
 @recipe(CPU)

@@ -157,7 +157,7 @@ KILL_SWITCH_FILE=$OUTPUT_DIR/KILL_SWITCH
 FAILURES_FILE=$OUTPUT_DIR/.slurm_failed_attempts
 TIME_LIMITS_FILE=$OUTPUT_DIR/.slurm_time_limit_requeues
 count "$FAILURES_FILE" >/dev/null && count "$TIME_LIMITS_FILE" >/dev/null  # a bad one stops the job now
-# One writer per run directory (spice_megatron/run_lock.py): the trainer holds OUTPUT_DIR/RUN_LOCK.
+# One writer per run directory (spice_megatron/run/lock.py): the trainer holds OUTPUT_DIR/RUN_LOCK.
 # Held by another Slurm job that still runs: refuse before touching anything here (no requeue).
 # A holder outside Slurm, or an earlier attempt of this job, is the trainer's to judge.
 lock_job=$(sed -n 's/.*"slurm_job_id": *"\([0-9_]*\)".*/\1/p' "$OUTPUT_DIR/RUN_LOCK" 2>/dev/null || true)

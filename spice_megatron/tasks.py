@@ -2,8 +2,8 @@
 
 The compact protocol: the challenger writes its task in tagged sections (<question>,
 <answer_type>, <options>, <answer>) after free-form working notes; tags parse reliably from small
-base and instruct models alike. The paper's JSON protocol is in `protocol.py`, the conversation
-templates and the reasoner's prompt in `templates.py`. Parsers never raise and run in linear time
+base and instruct models alike. The paper's JSON protocol is in `selfplay/protocol.py`, the conversation
+templates and the reasoner's prompt in `selfplay/templates.py`. Parsers never raise and run in linear time
 on any text. The reasoner sees only the question and ends with \\boxed{answer}.
 """
 from __future__ import annotations

@@ -35,18 +35,18 @@ import os
 import time
 from typing import Any, Callable
 
-from spice_megatron.batch_delivery import BatchDelivery
-from spice_megatron.colocation import Colocation, offload_learner
 from spice_megatron.config import SpiceConfig
-from spice_megatron.driver import Driver, KillSwitch
-from spice_megatron.driver_process import DriverProcess
-from spice_megatron.engine_weights import EngineWeightUpdater
-from spice_megatron.interfaces import RolloutBatch, RolloutDriver
+from spice_megatron.loop.batch_delivery import BatchDelivery
+from spice_megatron.loop.colocation import Colocation, offload_learner
+from spice_megatron.loop.driver import Driver, KillSwitch
+from spice_megatron.loop.driver_process import DriverProcess
+from spice_megatron.loop.engine_weights import EngineWeightUpdater
+from spice_megatron.loop.interfaces import RolloutBatch, RolloutDriver
+from spice_megatron.loop.rollout_sources import rollout_source
+from spice_megatron.loop.run_guard import RunGuard
 from spice_megatron.policy.parallel import broadcast_from_driver as _broadcast
-from spice_megatron.rollout_sources import rollout_source
-from spice_megatron.run_control import KILL_SWITCH_FILE, STOP_FILE, StopRequest, kill_switch_refusal
-from spice_megatron.run_guard import RunGuard
-from spice_megatron.run_lock import hold_run_dir
+from spice_megatron.run.control import KILL_SWITCH_FILE, STOP_FILE, StopRequest, kill_switch_refusal
+from spice_megatron.run.lock import hold_run_dir
 
 log = logging.getLogger("spice.trainer")
 
@@ -178,7 +178,7 @@ def _start(cfg: SpiceConfig, is_driver: bool, control, resume: bool, resume_afte
     this process or one of its own) and the trainer state to continue from."""
     from transformers import AutoTokenizer
 
-    from spice_megatron.context_budget import check_context_budget_once
+    from spice_megatron.selfplay.context_budget import check_context_budget_once
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.run.model)
     check_context_budget_once(cfg, tokenizer)  # before the learner loads and the engines start (the CLI may have)

@@ -47,14 +47,14 @@ def pytest_collection_modifyitems(config, items):
 def qwen3_tokenizer():
     from transformers import AutoTokenizer
 
-    from spice_megatron.offline_assets import qwen3_tokenizer_dir
+    from spice_megatron.data.offline_assets import qwen3_tokenizer_dir
 
     return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
 
 
 @pytest.fixture(scope="session")
 def verifier():
-    from spice_megatron.verify import AnswerVerifier
+    from spice_megatron.selfplay.verify import AnswerVerifier
 
     v = AnswerVerifier(processes=2, soft_timeout=2, hard_timeout=6.0)
     yield v

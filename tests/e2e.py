@@ -10,7 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from spice_megatron.offline_assets import make_tiny_engine_model
+from spice_megatron.data.offline_assets import make_tiny_engine_model
 
 PARA = ("The Eiffel Tower was built for the 1889 World's Fair in Paris. It is 330 metres tall and was the "
         "tallest man-made structure in the world for 41 years, until the Chrysler Building was finished.")

@@ -157,7 +157,7 @@ def _make_fixtures(d: str) -> None:
     """Every damaged input the cases name, from one tiny model and its converted checkpoint."""
     from safetensors.torch import load_file, save_file
 
-    from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+    from spice_megatron.data.offline_assets import make_tiny_hf_model, tiny_hf_config
 
     ok = make_tiny_hf_model(os.path.join(d, "ok"), tiny_hf_config("qwen3"))
     make_tiny_hf_model(os.path.join(d, "heads3"), tiny_hf_config("qwen3", num_heads=3, num_kv_heads=3, hidden_size=48))

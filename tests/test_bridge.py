@@ -8,7 +8,7 @@ import torch
 from dist_utils import free_port, run_ranks
 from safetensors.torch import load_file, save_file
 
-from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+from spice_megatron.data.offline_assets import make_tiny_hf_model, tiny_hf_config
 
 MODELS = {"qwen3_untied": ("qwen3", False), "qwen3_tied": ("qwen3", True), "llama_untied": ("llama", False),
           "qwen2_tied": ("qwen2", True),  # Qwen2.5 up to 3B ties its embeddings; qwen2 also has q/k/v biases

@@ -129,8 +129,8 @@ def test_a_document_read_again_is_stored_once_and_shown_with_its_text(tmp_path, 
     `spice audit` shows it for every reading, and a resumed run goes on from the trail's hashes."""
     import json
 
-    from spice_megatron.audit import compact_documents, written_document_hashes
-    from spice_megatron.run_log import read_jsonl
+    from spice_megatron.run.audit import compact_documents, written_document_hashes
+    from spice_megatron.run.log import read_jsonl
 
     text = "Gus had 5 cards. A friend gave Gus 8 more cards. Now Gus has 13 cards."
 
@@ -260,7 +260,7 @@ def test_spice_says_its_version_and_a_failed_start_leaves_no_run_directory(tmp_p
 
 def test_the_summary_prints_counts_as_integers_and_small_values_with_their_digits():
     """Newcomer review F9: a count printed as 3.0000, a log-prob gap of 1.87e-06 as 0.0000."""
-    from spice_megatron.cli_train import shown
+    from spice_megatron.cli.train import shown
 
     assert [shown(v) for v in (3.0, 3, 1.87e-06, 0.0, 0.39123, -2.5e-05, 12.5)] == [
         "3", "3", "1.87e-06", "0", "0.3912", "-2.5e-05", "12.5000"]
@@ -329,7 +329,7 @@ def test_the_converter_wrappers_answer_like_spice_in_one_line():
 def test_choose_says_where_its_layout_stands_in_the_ranking():
     """Newcomer review F2: `--choose --rank 5` recommended the third of its own ranking (14% slower
     than the first) without saying so."""
-    from spice_megatron.plan_report import choice_in_ranking
+    from spice_megatron.plan.report import choice_in_ranking
 
     ranked = [("a", {"tokens_per_s_per_gpu": 1526.0}), ("b", {"tokens_per_s_per_gpu": 1380.0}),
               ("c", {"tokens_per_s_per_gpu": 1336.0})]
@@ -342,7 +342,7 @@ def test_choose_says_where_its_layout_stands_in_the_ranking():
 def test_audit_lines_print_rewards_and_advantages_with_three_decimals():
     """Newcomer review F14.3: challenger advantages came with 16 decimals (-0.4079527002175556), the
     task blocks' with 3."""
-    from spice_megatron.audit import one_line
+    from spice_megatron.run.audit import one_line
 
     line = one_line({"iteration": 1, "rollout_version": 0, "kind": "challenger", "doc_id": "stories/1/0",
                      "reward": -0.5, "advantage": -0.4079527002175556, "reason": "no_question"})

@@ -1,4 +1,4 @@
-"""What the colocated learner moves off its GPU between steps (spice_megatron/colocation.py): the
+"""What the colocated learner moves off its GPU between steps (spice_megatron/loop/colocation.py): the
 optimizer's own tensors, never a view of the model's weights. Stand-ins with megatron's attribute
 names (a HybridDeviceOptimizer cannot be built without CUDA). A move to float64 stands for the move
 to the host, so what moved is visible on a CPU."""
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spice_megatron.colocation import optimizer_to
+from spice_megatron.loop.colocation import optimizer_to
 
 MOVED = torch.float64
 
@@ -86,7 +86,7 @@ class _Driver:
 
 
 def _colocation(monkeypatch, tmp_path, not_asleep=(), cluster=()):
-    from spice_megatron import colocation
+    from spice_megatron.loop import colocation
 
     monkeypatch.setattr(colocation, "broadcast_from_driver", lambda obj, group: obj)  # one rank
     cfg = SimpleNamespace(run=SimpleNamespace(colocate=True, output_dir=str(tmp_path)),
@@ -99,7 +99,7 @@ def test_an_engine_that_did_not_sleep_never_shares_the_gpu_with_the_step(monkeyp
     """GPU review 2 finding 3: a failed /sleep once left the engine awake beside the learner's step
     (an out-of-memory step). The driver's own engine is killed (restarted before the next sync); a
     cluster's, which the driver cannot stop, ends the run with one line naming it."""
-    from spice_megatron.colocation import EngineNotAsleep
+    from spice_megatron.loop.colocation import EngineNotAsleep
 
     colocation, driver = _colocation(monkeypatch, tmp_path, not_asleep=["http://node1:8000"])
     colocation.before_step(1)

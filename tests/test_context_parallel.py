@@ -6,7 +6,7 @@ from dist_utils import run_ranks
 from learner_checks import assert_same_as_one_rank, assert_same_moe_step, replayed_moe_step, step_checkpoint_resume
 
 from spice_megatron.config import ConfigError, ParallelConfig, PolicyTrainConfig
-from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+from spice_megatron.data.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence, collate
 from spice_megatron.policy.context_parallel import rank_micro_batch, rank_positions
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from spice_megatron.config import ConfigError, CorpusConfig, SourceConfig
-from spice_megatron.corpus import Corpus, CorpusError, DocumentSampler, segment_text
+from spice_megatron.data.corpus import Corpus, CorpusError, DocumentSampler, segment_text
 
 PARA = ("The Eiffel Tower was built for the 1889 World's Fair in Paris. It is 330 metres tall and was the "
         "tallest man-made structure for 41 years. Its lattice is made of puddle iron.")

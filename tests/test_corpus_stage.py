@@ -7,12 +7,12 @@ import os
 import pytest
 
 from spice_megatron.config import CorpusConfig, SourceConfig
-from spice_megatron.corpus import Corpus, CorpusError, StagingError, resolve_sources
-from spice_megatron.corpus_stage import MANIFEST, stage_corpus
+from spice_megatron.data.corpus import Corpus, CorpusError, StagingError, resolve_sources
+from spice_megatron.data.corpus_stage import MANIFEST, stage_corpus
 
 
 def _hub_stand_in(monkeypatch, calls):
-    import spice_megatron.corpus as corpus
+    import spice_megatron.data.corpus as corpus
 
     def fake(builder_or_id, src, data_files):
         if data_files is not None:  # local json/parquet files still go through datasets
@@ -58,7 +58,8 @@ def test_staging_writes_the_first_records_and_jobs_read_it_offline(tmp_path, mon
     assert calls == ["org/math-docs", "org/web-docs"]
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr("spice_megatron.corpus._iter_datasets", lambda *a: (_ for _ in ()).throw(AssertionError("hub")))
+    monkeypatch.setattr("spice_megatron.data.corpus._iter_datasets",
+                        lambda *a: (_ for _ in ()).throw(AssertionError("hub")))
     corpus = Corpus.build(cfg, qwen3_tokenizer)  # the staged copy, offline, with the sources' names
     assert {d.source for d in corpus.documents} == {"math", "web"} and len(corpus.documents) == 18
     assert corpus.documents[0].doc_id.startswith(("math/", "web/"))

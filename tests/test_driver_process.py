@@ -11,9 +11,9 @@ import pytest
 from e2e import untimed
 
 from spice_megatron.config import SourceConfig, apply_overrides
-from spice_megatron.driver import Driver, KillSwitch
-from spice_megatron.driver_process import DriverProcess
-from spice_megatron.offline_assets import make_tiny_engine_model
+from spice_megatron.data.offline_assets import make_tiny_engine_model
+from spice_megatron.loop.driver import Driver, KillSwitch
+from spice_megatron.loop.driver_process import DriverProcess
 from spice_megatron.rollout.fleet import RolloutFleet
 from spice_megatron.torchrun import free_port
 

@@ -216,7 +216,7 @@ def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier, qwen3_tokenize
 
     monkeypatch.setattr("spice_megatron.rollout.local.local_fleet", fake_fleet)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: qwen3_tokenizer))
-    monkeypatch.setattr("spice_megatron.verify.AnswerVerifier",  # the session's verifier, kept open
+    monkeypatch.setattr("spice_megatron.selfplay.verify.AnswerVerifier",  # the session's verifier, kept open
                         lambda processes: SimpleNamespace(verify_batch=verifier.verify_batch, close=lambda: None))
     docs = [SimpleNamespace(text=f"doc {i}", doc_id=f"docs/{i}/0") for i in range(3)]
     ckpts = ["ck_1", "ck_2", "ck_3"]
@@ -234,7 +234,7 @@ def test_coevolution_bookkeeping(tmp_path, monkeypatch, verifier, qwen3_tokenize
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_spice_eval_with_smollm2(tmp_path):
-    from spice_megatron.offline_assets import smollm2_dir
+    from spice_megatron.data.offline_assets import smollm2_dir
 
     data = tmp_path / "data"
     (data / "eval").mkdir(parents=True)
@@ -274,7 +274,7 @@ def test_spice_eval_with_smollm2(tmp_path):
 def test_coevolution_with_smollm2(tmp_path):
     import shutil
 
-    from spice_megatron.offline_assets import smollm2_dir
+    from spice_megatron.data.offline_assets import smollm2_dir
 
     second = tmp_path / "step_2"
     shutil.copytree(smollm2_dir(), second)

@@ -8,16 +8,16 @@ import os
 
 import pytest
 
+from spice_megatron.data.offline_assets import tiny_hf_config
 from spice_megatron.families import FAMILIES, UnsupportedModelError, family_named, model_spec_from_hf
-from spice_megatron.offline_assets import tiny_hf_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = [f.name for f in FAMILIES.values()]
 # the generic code: it reads a model by ModelSpec's features (recipes, known_models.py, offline_assets.py,
 # tools/ and the tests name families as data: which model to build or plan)
-GENERIC = ["spice_megatron/policy", "spice_megatron/bridge", "spice_megatron/rollout", "spice_megatron/planner.py",
-           "spice_megatron/plan_memory.py", "spice_megatron/plan_costs.py", "spice_megatron/plan_choice.py",
-           "spice_megatron/preflight.py", "spice_megatron/cli_convert.py", "spice_megatron/trainer.py"]
+GENERIC = ["spice_megatron/policy", "spice_megatron/bridge", "spice_megatron/rollout", "spice_megatron/plan/planner.py",
+           "spice_megatron/plan/memory.py", "spice_megatron/plan/costs.py", "spice_megatron/plan/choice.py",
+           "spice_megatron/bridge/preflight.py", "spice_megatron/cli/convert.py", "spice_megatron/trainer.py"]
 
 
 def test_six_families_one_module_each():

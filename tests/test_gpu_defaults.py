@@ -40,7 +40,7 @@ def _rollout_node_argv(tmp_path, model: str, node: int, **env) -> list[str]:
 @pytest.fixture(scope="module")
 def engine_configs(module_dir):
     """Per simulated device, each engine the project creates: {name: [vLLM config of node 0, node 1...]}."""
-    from spice_megatron.offline_assets import make_tiny_engine_model
+    from spice_megatron.data.offline_assets import make_tiny_engine_model
     from spice_megatron.rollout.local import engine_args
 
     dense = make_tiny_engine_model(str(module_dir / "qwen3"), "qwen3")

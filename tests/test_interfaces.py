@@ -1,4 +1,4 @@
-"""spice_megatron/interfaces.py: both drivers and the fleet keep to the Protocols the loop is typed
+"""spice_megatron/loop/interfaces.py: both drivers and the fleet keep to the Protocols the loop is typed
 against (every method, its parameters in order, anything more with a default)."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import inspect
 
 import pytest
 
-from spice_megatron.driver import Driver
-from spice_megatron.driver_process import DriverProcess
-from spice_megatron.interfaces import EngineFleet, RolloutDriver
+from spice_megatron.loop.driver import Driver
+from spice_megatron.loop.driver_process import DriverProcess
+from spice_megatron.loop.interfaces import EngineFleet, RolloutDriver
 from spice_megatron.rollout.fleet import RolloutFleet
 
 

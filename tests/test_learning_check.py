@@ -11,7 +11,7 @@ import learning_check  # noqa: E402
 
 
 def test_train_and_heldout_tasks_are_disjoint_and_valid(tmp_path):
-    from spice_megatron.task_pool import TaskPool
+    from spice_megatron.selfplay.task_pool import TaskPool
 
     train, held = learning_check.make_tasks(7, 200)
     assert len(held) == 200 and len(train) > 250

@@ -57,7 +57,7 @@ def test_a_rank_killed_after_a_checkpoint_save_leaves_no_process(tmp_path):
     must take it (and every other helper) along."""
     import time
 
-    from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+    from spice_megatron.data.offline_assets import make_tiny_hf_model, tiny_hf_config
 
     model = make_tiny_hf_model(str(tmp_path / "model"), tiny_hf_config("qwen3"))
     script = tmp_path / "rank.py"

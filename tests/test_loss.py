@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from spice_megatron.loss import center_by_group, drgrpo_token_loss, role_advantages
+from spice_megatron.selfplay.loss import center_by_group, drgrpo_token_loss, role_advantages
 
 
 def test_role_advantages_are_centred_per_role_without_std():
@@ -86,7 +86,7 @@ def test_shape_errors_name_the_argument():
 
 
 def test_tis_weights_equal_the_direct_formula():
-    from spice_megatron.loss import tis_weights
+    from spice_megatron.selfplay.loss import tis_weights
 
     learner = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
     engine = torch.tensor([[-1.0, -2.5, -2.0, -2.9]])

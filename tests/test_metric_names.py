@@ -51,7 +51,7 @@ def test_declared_names_follow_the_run_and_old_names_read_as_new():
 
 
 def test_every_row_carries_the_same_names(tmp_path):
-    from spice_megatron.run_log import MetricsLogger
+    from spice_megatron.run.log import MetricsLogger
 
     log = MetricsLogger(str(tmp_path), declared=["valid_task_rate", "time/eval"])
     log.log(1, {"valid_task_rate": 0.5})

@@ -8,7 +8,7 @@ import torch
 from dist_utils import run_ranks
 
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
-from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+from spice_megatron.data.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence
 
 
@@ -337,7 +337,7 @@ def test_a_vllm_cpu_moe_engine_returns_the_experts_its_routers_chose(tmp_path):
     """The CPU stand-in for vLLM's routed_experts, in vLLM's layout: per token the engine ran
     (prompt and completion but the last sampled token) and per decoder layer (the dense layer 1's
     row is zeros), the same top-2 experts as transformers' routers on those tokens, as uint8."""
-    from spice_megatron.offline_assets import make_tiny_engine_model
+    from spice_megatron.data.offline_assets import make_tiny_engine_model
     from spice_megatron.wire.types import pack_completions, unpack_completions
 
     d = make_tiny_engine_model(str(tmp_path / "engine_moe"), "qwen3_moe", seed=1, num_layers=3, mlp_only_layers=(1,))
@@ -565,8 +565,8 @@ def _delivery_rank(model_dir):
     rank got, and the step's loss (the same as one rank with everything)."""
     import torch.distributed as dist
 
-    from spice_megatron.batch_delivery import BatchDelivery
     from spice_megatron.bridge.hf_io import learner_from_hf
+    from spice_megatron.loop.batch_delivery import BatchDelivery
     from spice_megatron.policy.parallel import control_group
 
     if not dist.is_initialized():
@@ -606,7 +606,7 @@ def test_vllms_routing_store_is_sized_above_its_kv_cache_default(tmp_path):
     at twice the routing of every token the engine's memory could cache."""
     import json
 
-    from spice_megatron.known_models import KNOWN_MODELS
+    from spice_megatron.plan.known_models import KNOWN_MODELS
     from spice_megatron.rollout.routing_capture import routing_store_bytes
 
     d = str(tmp_path)

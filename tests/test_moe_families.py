@@ -6,7 +6,7 @@ import pytest
 from dist_utils import run_ranks
 from test_moe import _logits_rank, _roundtrip_rank
 
-from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+from spice_megatron.data.offline_assets import make_tiny_hf_model, tiny_hf_config
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from dist_utils import free_port, run_ranks
 from test_rollout import ENGINE_ARGS, PROMPTS, TOKEN, _in_process_greedy, _learner_sends, greedy, status
 
-from spice_megatron.offline_assets import make_tiny_engine_model
+from spice_megatron.data.offline_assets import make_tiny_engine_model
 from spice_megatron.rollout.fleet import RolloutFleet
 from spice_megatron.rollout.local import start_engine, wait_healthy
 from spice_megatron.wire.auth import TOKEN_ENV

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from spice_megatron import offline_data
 from spice_megatron.cli import main as spice
+from spice_megatron.data import offline_data
 
 pytestmark = pytest.mark.network
 
@@ -61,8 +61,8 @@ def test_corrupt_wheel_is_named(tmp_path, monkeypatch):
 
 
 def test_prepare_for_builds_only_the_prepared_layout(tmp_path, monkeypatch):
-    from spice_megatron import offline_data
     from spice_megatron.config import SourceConfig
+    from spice_megatron.data import offline_data
 
     calls = []
     monkeypatch.setattr(offline_data, "main", lambda argv: calls.append(argv) or 0)

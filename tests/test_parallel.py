@@ -46,7 +46,7 @@ def test_driver_messages_wait_past_the_default_timeout_and_within_their_bound(tm
 
 
 def test_stop_file_requests_a_stop(tmp_path):
-    from spice_megatron.run_control import StopRequest
+    from spice_megatron.run.control import StopRequest
 
     stop = tmp_path / "STOP"
     request = StopRequest(str(stop))

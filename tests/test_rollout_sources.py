@@ -2,10 +2,10 @@
 what it is asked (the real driver runs them end to end in test_trainer*.py)."""
 from concurrent.futures import Future
 
-from spice_megatron.driver import IterationAbandoned
-from spice_megatron.interfaces import RolloutBatch
+from spice_megatron.loop.driver import IterationAbandoned
+from spice_megatron.loop.interfaces import RolloutBatch
+from spice_megatron.loop.rollout_sources import OneStepOff, OnPolicy, Rollouts
 from spice_megatron.rollout.fleet import NoEngineLeft
-from spice_megatron.rollout_sources import OneStepOff, OnPolicy, Rollouts
 
 
 class RecordingDriver:

@@ -3,8 +3,8 @@ import pytest
 
 from spice_megatron.cli import main
 from spice_megatron.entry import UserError
-from spice_megatron.run_clean import clean_run, footprint_line
-from spice_megatron.run_lock import RunDirLocked, RunLock
+from spice_megatron.run.clean import clean_run, footprint_line
+from spice_megatron.run.lock import RunDirLocked, RunLock
 
 
 def _run(tmp_path):

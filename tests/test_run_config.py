@@ -4,7 +4,7 @@ import json
 import pytest
 
 from spice_megatron.entry import UserError
-from spice_megatron.run_config import record_run_config
+from spice_megatron.run.config_file import record_run_config
 
 
 def test_a_resume_with_another_config_is_refused_naming_the_field_unless_forced(tmp_path):
@@ -41,7 +41,7 @@ def _recorded_run(tmp_path, overrides=("run.iterations=2",)):
     import json
 
     from recipes import resolve_recipe
-    from spice_megatron.run_config import record_run_config
+    from spice_megatron.run.config_file import record_run_config
 
     run = tmp_path / "run"
     cfg = resolve_recipe("tiny_cpu", list(overrides))
@@ -84,7 +84,7 @@ def test_a_resume_takes_the_runs_recipe_and_overrides_and_compares_new_ones_firs
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "--resume: the config differs from the run's" in r.stderr
     assert "optim.lr: " in r.stderr and "-> 0.5" in r.stderr and "selfplay.group_size: 4 -> 2" in r.stderr
-    from spice_megatron.run_config import recorded_run, refuse_changed_config
+    from spice_megatron.run.config_file import recorded_run, refuse_changed_config
 
     recorded = recorded_run(str(run))
     assert (recorded["recipe"], recorded["overrides"]) == ("tiny_cpu", ["run.iterations=2", "selfplay.group_size=4"])
@@ -105,8 +105,8 @@ def test_a_resume_takes_the_runs_evaluation_options_unless_the_command_line_give
     import sys
 
     from recipes import resolve_recipe
-    from spice_megatron.cli_train import RUN_OPTIONS, _take_the_runs_options
-    from spice_megatron.run_config import recorded_run
+    from spice_megatron.cli.train import RUN_OPTIONS, _take_the_runs_options
+    from spice_megatron.run.config_file import recorded_run
 
     run = tmp_path / "run"
     cfg = resolve_recipe("tiny_cpu", [])

@@ -1,5 +1,5 @@
 """One writer per run directory: the lock, its holder's description, takeover of a lock whose holder
-is gone, and the wait of a requeued Slurm job for its earlier attempt (spice_megatron/run_lock.py)."""
+is gone, and the wait of a requeued Slurm job for its earlier attempt (spice_megatron/run/lock.py)."""
 import json
 import logging
 import os
@@ -13,8 +13,8 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from spice_megatron import run_lock
-from spice_megatron.run_lock import LOCK_FILE, RunDirLocked, RunLock, RunLockLost, check_unlocked, this_holder
+from spice_megatron.run import lock as run_lock
+from spice_megatron.run.lock import LOCK_FILE, RunDirLocked, RunLock, RunLockLost, check_unlocked, this_holder
 
 
 @pytest.fixture

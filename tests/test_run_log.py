@@ -3,7 +3,7 @@ import glob
 import json
 import os
 
-from spice_megatron.run_log import MetricsLogger
+from spice_megatron.run.log import MetricsLogger
 
 
 def test_metrics_reach_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch):

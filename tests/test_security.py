@@ -623,12 +623,12 @@ def test_the_job_script_refuses_code_or_a_run_directory_another_user_controls(tm
     home = tmp_path / "home"
     for part in ("spice_megatron", "recipes", "slurm"):
         shutil.copytree(os.path.join(ROOT, part), home / part, ignore=shutil.ignore_patterns("__pycache__"))
-    os.chown(home / "spice_megatron" / "cli.py", 65534, 65534)
+    os.chown(home / "spice_megatron" / "cli" / "__init__.py", 65534, 65534)
     script = str(home / "slurm" / "spice_8b.sbatch")
     r, calls, _, _ = _run_job(script, bin_dir, tmp_path, SPICE_HOME=str(home))
-    assert r.returncode == 2 and "cli.py is another user's" in r.stderr, r.stderr
+    assert r.returncode == 2 and "cli/__init__.py is another user's" in r.stderr, r.stderr
     assert not any(c["cmd"] == "srun" for c in calls)
-    os.chown(home / "spice_megatron" / "cli.py", 0, 0)
+    os.chown(home / "spice_megatron" / "cli" / "__init__.py", 0, 0)
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     os.chown(theirs, 65534, 65534)
@@ -754,7 +754,7 @@ def test_the_nemo_run_script_keeps_hostile_values_inert(tmp_path, monkeypatch):
     pytest.importorskip("nemo_run")
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # NeMo-Run's local tunnel (invoke) reads stdin
-    from spice_megatron.nemo_launcher import dryrun_sbatch, slurm_experiment
+    from spice_megatron.cli.nemo_launcher import dryrun_sbatch, slurm_experiment
 
     model = f"/models/Q8B$(touch {tmp_path}/pwned1)"
     output = f"/results/q8;touch${{IFS}}{tmp_path}/pwned2"
@@ -764,8 +764,8 @@ def test_the_nemo_run_script_keeps_hostile_values_inert(tmp_path, monkeypatch):
                                           job_dir=str(tmp_path / "nemorun")))
     exports = "\n".join(line for line in text.splitlines() if line.startswith("export SPICE_MODEL=")
                         or line.startswith("export SPICE_LOG_DIR="))
-    train = next(line for line in text.splitlines() if "spice_megatron/cli.py train" in line)
-    args = train.split("spice_megatron/cli.py ", 1)[1].rsplit(" & pids", 1)[0]
+    train = next(line for line in text.splitlines() if "spice_megatron/cli/__main__.py train" in line)
+    args = train.split("spice_megatron/cli/__main__.py ", 1)[1].rsplit(" & pids", 1)[0]
     r = subprocess.run(["bash", "-c",
                         exports + '\nprintf "%s\\n" "$SPICE_MODEL" "$SPICE_LOG_DIR"\nprintf "%s\\n" ' + args],
                        capture_output=True, text=True, cwd=tmp_path, timeout=30)
@@ -916,7 +916,7 @@ def test_an_engine_across_nodes_starts_only_on_a_declared_trusted_network(tmp_pa
     assert r.returncode == 2 and "set SPICE_TRUSTED_NETWORK=1" in r.stderr
     import io
 
-    from spice_megatron.nemo_launcher import slurm_experiment
+    from spice_megatron.cli.nemo_launcher import slurm_experiment
 
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemorun"))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))

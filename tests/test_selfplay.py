@@ -6,9 +6,9 @@ from collections import Counter
 import pytest
 
 from spice_megatron.config import SelfPlayConfig
-from spice_megatron.corpus import Document
-from spice_megatron.selfplay import run_iteration
-from spice_megatron.templates import prompt_token_ids
+from spice_megatron.data.corpus import Document
+from spice_megatron.selfplay.iteration import run_iteration
+from spice_megatron.selfplay.templates import prompt_token_ids
 from spice_megatron.wire.types import Completion, SamplingSpec
 
 
@@ -68,7 +68,7 @@ _V = None
 def _verifier():
     global _V
     if _V is None:
-        from spice_megatron.verify import AnswerVerifier
+        from spice_megatron.selfplay.verify import AnswerVerifier
         _V = AnswerVerifier(processes=1)
     return _V
 
@@ -204,7 +204,7 @@ def run_paper(docs, **cfg):
     (2, 1, (2, 1)),  # fewer than G attempts (max_attempts < G): the group is all of them
 ])
 def test_challenger_group_keeps_the_valid_invalid_ratio(valid, invalid, expected):
-    from spice_megatron.doc_rollout import group_counts
+    from spice_megatron.selfplay.doc_rollout import group_counts
 
     assert group_counts(valid, invalid, 8) == expected
 
@@ -447,7 +447,7 @@ def test_a_document_too_long_for_the_context_is_a_counted_skip_and_a_long_questi
 def test_start_up_refuses_a_context_that_cannot_hold_the_longest_document(qwen3_tokenizer, tmp_path):
     from recipes import get_recipe
     from spice_megatron.config import ConfigError
-    from spice_megatron.context_budget import check_context_budget
+    from spice_megatron.selfplay.context_budget import check_context_budget
 
     cfg = get_recipe("qwen3_8b")
     check_context_budget(cfg, qwen3_tokenizer)  # the paper recipe holds its documents with the built-in prompts
@@ -486,7 +486,7 @@ def test_a_fixed_challenger_writes_in_its_own_template_and_the_reasoner_in_the_p
 def test_the_context_budget_is_checked_once_per_setting_across_the_cli_and_its_ranks(qwen3_tokenizer, monkeypatch):
     """The CLI checks before torchrun; the ranks it starts inherit the mark and do not check again."""
     from recipes import get_recipe
-    from spice_megatron import context_budget
+    from spice_megatron.selfplay import context_budget
 
     monkeypatch.delenv(context_budget.CHECKED_ENV, raising=False)
     cfg = get_recipe("qwen3_8b")

@@ -9,12 +9,12 @@ from collections import defaultdict
 import pytest
 from dist_utils import run_ranks
 
-from spice_megatron.corpus import Document
-from spice_megatron.loss import CHALLENGER
+from spice_megatron.data.corpus import Document
 from spice_megatron.policy.batching import TrainSequence
-from spice_megatron.rewards import variance_reward
 from spice_megatron.rollout.fleet import RolloutFleet
 from spice_megatron.rollout.local import start_engine, wait_healthy
+from spice_megatron.selfplay.loss import CHALLENGER
+from spice_megatron.selfplay.rewards import variance_reward
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -25,10 +25,10 @@ def _iteration(tmp_path):
     from transformers import AutoTokenizer
 
     from recipes.tiny_cpu import tiny_cpu
-    from spice_megatron.offline_assets import smollm2_dir
-    from spice_megatron.selfplay import run_iteration
-    from spice_megatron.story_corpus import make_stories
-    from spice_megatron.verify import AnswerVerifier
+    from spice_megatron.data.offline_assets import smollm2_dir
+    from spice_megatron.data.story_corpus import make_stories
+    from spice_megatron.selfplay.iteration import run_iteration
+    from spice_megatron.selfplay.verify import AnswerVerifier
 
     model = smollm2_dir()
     cfg = tiny_cpu(model=model)

@@ -9,7 +9,7 @@ import torch
 from dist_utils import run_ranks
 
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
-from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+from spice_megatron.data.offline_assets import make_tiny_hf_model, tiny_hf_config
 from spice_megatron.policy.batching import TrainSequence
 from spice_megatron.policy.packing import collate_packed, packed_microbatches, plan_packed, split_units_data_parallel
 from spice_megatron.policy.shared_prefix import row_segments

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from recipes import get_recipe
-from spice_megatron.planner import plan_layout
+from spice_megatron.plan.planner import plan_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = sorted(glob.glob(os.path.join(ROOT, "slurm", "*.sbatch")))
@@ -403,7 +403,7 @@ def test_a_quantized_engine_model_is_refused_before_any_srun_and_not_requeued(fa
     import io
 
     from spice_megatron.bridge.dequantize import QuantizedEngineModel
-    from spice_megatron.nemo_launcher import slurm_experiment
+    from spice_megatron.cli.nemo_launcher import slurm_experiment
 
     fp8 = tmp_path / "fp8"
     fp8.mkdir()

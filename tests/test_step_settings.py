@@ -38,7 +38,7 @@ def test_a_real_engine_refuses_to_serve_when_a_worker_built_another_step(monkeyp
     """The check runs on vLLM's own collective_rpc in every engine (here: a CPU engine whose worker
     is made to report another step) and ends its start with one line."""
     import spice_megatron.rollout.engine as engine_mod
-    from spice_megatron.offline_assets import make_tiny_engine_model
+    from spice_megatron.data.offline_assets import make_tiny_engine_model
     from spice_megatron.rollout.engine import EngineSettingsError, VLLMEngine
     from spice_megatron.rollout.step_settings import worker_settings
 

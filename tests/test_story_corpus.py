@@ -2,8 +2,8 @@
 import json
 import os
 
-from spice_megatron import offline_data, story_corpus
 from spice_megatron.config import SourceConfig
+from spice_megatron.data import offline_data, story_corpus
 
 
 def test_stories_state_their_result_and_are_seeded():

@@ -5,7 +5,7 @@ import queue
 import pytest
 from dist_utils import run_ranks
 
-from spice_megatron.streamed_forward import _next_chunk, overlaps
+from spice_megatron.loop.streamed_forward import _next_chunk, overlaps
 
 
 def test_a_chunk_is_every_document_complete_so_far_and_the_end_comes_after_it():
@@ -42,9 +42,9 @@ def _deliver_a_streamed_chunk(dp):
     import torch.distributed as dist
 
     from recipes import get_recipe
-    from spice_megatron.batch_delivery import BatchDelivery
     from spice_megatron.families import model_spec_from_hf
-    from spice_megatron.known_models import KNOWN_MODELS
+    from spice_megatron.loop.batch_delivery import BatchDelivery
+    from spice_megatron.plan.known_models import KNOWN_MODELS
     from spice_megatron.policy.batching import TrainSequence
     from spice_megatron.policy.learner import Learner
 

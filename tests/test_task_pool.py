@@ -5,9 +5,9 @@ import random
 import pytest
 
 from spice_megatron.config import SelfPlayConfig, SpiceConfig
-from spice_megatron.corpus import DocumentSampler
-from spice_megatron.selfplay import run_fixed_tasks
-from spice_megatron.task_pool import TaskPool, TaskPoolError
+from spice_megatron.data.corpus import DocumentSampler
+from spice_megatron.selfplay.iteration import run_fixed_tasks
+from spice_megatron.selfplay.task_pool import TaskPool, TaskPoolError
 from spice_megatron.wire.types import Completion
 
 
@@ -88,7 +88,7 @@ def test_fixed_modes_are_validated(tmp_path):
 def test_a_fixed_challenger_model_writes_tasks_that_are_not_trained(verifier):
     from test_selfplay import PaperScriptedModel, doc
 
-    from spice_megatron.selfplay import run_iteration
+    from spice_megatron.selfplay.iteration import run_iteration
 
     challenger, policy = PaperScriptedModel(), PaperScriptedModel()
     cfg = SelfPlayConfig(batch_docs=1, group_size=8, attempts_per_round=8, max_attempts=8, challenger="model",

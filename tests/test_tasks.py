@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spice_megatron.protocol import ChallengerPrompts
+from spice_megatron.selfplay.protocol import ChallengerPrompts
+from spice_megatron.selfplay.templates import reasoner_prompt
 from spice_megatron.tasks import Task, extract_boxed, parse_challenger_output, parse_letter
-from spice_megatron.templates import reasoner_prompt
 
 MCQ = """Let me extract facts: the tower is 330 m tall ...
 <question>Which material was used for the tower's lattice?</question>

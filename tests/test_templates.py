@@ -3,8 +3,8 @@ import threading
 
 import pytest
 
+from spice_megatron.selfplay.templates import conversation, reasoner_prompt
 from spice_megatron.tasks import Task
-from spice_megatron.templates import conversation, reasoner_prompt
 
 INT = Task("What is 6 times 7?", "42", "integer")
 MCQ = Task("Which is a metal?", "C", "multiple_choice", ("wood", "glass", "iron", "cloth"))
@@ -64,7 +64,7 @@ def test_recipes_choose_their_family_template_and_eval_uses_it(tmp_path, monkeyp
 
 
 def test_prompt_token_ids_add_the_bos_once(bos_tokenizer):
-    from spice_megatron.templates import prompt_token_ids
+    from spice_megatron.selfplay.templates import prompt_token_ids
 
     bos = bos_tokenizer.bos_token_id
     plain = prompt_token_ids("Q: 2+3?", bos_tokenizer)
@@ -78,12 +78,12 @@ def test_engines_receive_the_same_ids_in_training_evaluation_coevolution_and_fix
     from types import SimpleNamespace
 
     from spice_megatron.config import SelfPlayConfig
-    from spice_megatron.corpus import Document
-    from spice_megatron.driver import Driver
+    from spice_megatron.data.corpus import Document
     from spice_megatron.eval import analysis
     from spice_megatron.eval.benchmarks import BENCHMARKS, EvalItem, LoadedBenchmark
     from spice_megatron.eval.harness import EvalSettings, evaluate_benchmark
-    from spice_megatron.protocol import ChallengerPrompts
+    from spice_megatron.loop.driver import Driver
+    from spice_megatron.selfplay.protocol import ChallengerPrompts
     from spice_megatron.wire.types import Completion, SamplingSpec
 
     sent: dict[str, list] = {}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from e2e import records, spice_train, weights, write_corpus
 
-from spice_megatron.offline_assets import make_tiny_engine_model
+from spice_megatron.data.offline_assets import make_tiny_engine_model
 
 
 @pytest.mark.multiprocess
@@ -49,7 +49,7 @@ def test_the_tiny_deepseek_recipe_replays_routing_and_syncs_latent_attention_and
     from e2e import TINY_RUN
     from test_moe_families import _fp8_copy
 
-    from spice_megatron.offline_assets import tiny_deepseek_dir
+    from spice_megatron.data.offline_assets import tiny_deepseek_dir
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # the model is built once into ~/.cache
     corpus = write_corpus(tmp_path / "corpus.jsonl")

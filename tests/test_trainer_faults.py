@@ -16,7 +16,7 @@ def test_the_smollm2_demo_run_and_what_a_newcomer_reads_of_it(tmp_path, capsys):
     """The README's main job, shortened: SmolLM2-135M-Instruct on real offline documents; then the
     newcomer's path through its output (review 2026-12): the summary, the config, the metrics and
     their glossary, the curves, the audit trail from iteration 1, its footprint and `spice clean`."""
-    from spice_megatron.offline_assets import smollm2_dir
+    from spice_megatron.data.offline_assets import smollm2_dir
 
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"Fact {i}. {PARA}"}) + "\n" for i in range(6)))
@@ -33,9 +33,9 @@ def test_the_smollm2_demo_run_and_what_a_newcomer_reads_of_it(tmp_path, capsys):
     assert os.path.exists(os.path.join(out, "hf_final", "model.safetensors.index.json"))
     assert os.path.exists(os.path.join(out, "hf_final", "tokenizer.json"))
     # the exported model records its training prompts: `spice eval --model RUN` evaluates with them
+    from spice_megatron.data.story_corpus import PROMPT_DIR
     from spice_megatron.eval.harness import EvalSettings
     from spice_megatron.eval.run import with_training_prompts
-    from spice_megatron.story_corpus import PROMPT_DIR
 
     settings = with_training_prompts(EvalSettings(template=""), os.path.join(out, "hf_final"))
     assert (settings.template, settings.prompt_dir, settings.stop) == ("plain", PROMPT_DIR, ("\nQ:",))
@@ -113,7 +113,7 @@ def test_paper_protocol_run_trains_eight_challenger_trajectories_per_document(se
 
 
 def test_a_rollout_batch_survives_json_and_its_lag_is_per_role():
-    from spice_megatron.interfaces import RolloutBatch
+    from spice_megatron.loop.interfaces import RolloutBatch
     from spice_megatron.policy.batching import TrainSequence
     from spice_megatron.trainer import _iteration_stats
 
@@ -136,7 +136,7 @@ def test_a_cluster_engine_restarted_by_its_node_script_gets_the_current_weights(
     join a fresh sync group and take the current weights (no requeue)."""
     from types import SimpleNamespace
 
-    from spice_megatron.driver import Driver
+    from spice_megatron.loop.driver import Driver
 
     class Fleet:
         def __init__(self, states):
@@ -168,9 +168,9 @@ def test_an_engine_that_misses_a_health_check_is_given_time_before_it_is_killed(
     import sys
     from types import SimpleNamespace
 
-    import spice_megatron.driver as driver_module
+    import spice_megatron.loop.driver as driver_module
     import spice_megatron.rollout.local as local
-    from spice_megatron.driver import Driver
+    from spice_megatron.loop.driver import Driver
     from spice_megatron.rollout.local import LocalEngine
 
     class Fleet:

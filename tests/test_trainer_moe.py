@@ -8,7 +8,7 @@ import os
 import pytest
 from e2e import records, spice_train, weights, write_corpus
 
-from spice_megatron.offline_assets import make_tiny_engine_model
+from spice_megatron.data.offline_assets import make_tiny_engine_model
 
 
 @pytest.mark.multiprocess

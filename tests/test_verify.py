@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from spice_megatron.verify import MathVerifyPool, answer_key, normalise_string
+from spice_megatron.selfplay.verify import MathVerifyPool, answer_key, normalise_string
 
 
 @pytest.mark.parametrize("pred", ["B", "(B)", "\\boxed{B}", "B) the second option", "\\text{B}", " b "])
@@ -111,7 +111,7 @@ def test_bbeh_letter_targets_match(verifier):
 
 HUNG_POOL = """
 import sys
-from spice_megatron.verify import MathVerifyPool
+from spice_megatron.selfplay.verify import MathVerifyPool
 
 if __name__ == "__main__":
     pool = MathVerifyPool(processes=1, soft_timeout=600, hard_timeout=600.0)

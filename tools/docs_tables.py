@@ -30,7 +30,7 @@ BLOCK = re.compile(r"(<!-- generated: (\w+) \(tools/docs_tables\.py\) -->\n)(.*?
 
 def _plan(name: str, nodes: int | None = None):
     from recipes import get_recipe
-    from spice_megatron.planner import estimate_step_time, model_spec, plan_layout
+    from spice_megatron.plan.planner import estimate_step_time, model_spec, plan_layout
 
     cfg = get_recipe(name)
     if nodes is not None:
@@ -63,8 +63,8 @@ def recipes_table() -> str:
 def placements_table() -> str:
     """Colocated beside disaggregated on each recipe's own cluster (`spice plan` prints the same)."""
     from recipes import get_recipe
-    from spice_megatron.plan_choice import compare_placements
-    from spice_megatron.planner import model_spec
+    from spice_megatron.plan.choice import compare_placements
+    from spice_megatron.plan.planner import model_spec
 
     rows = ["| recipe | nodes | placement | learner | engines | s/iteration | tokens/s/GPU |",
             "|---|---|---|---|---|---|---|"]
@@ -98,8 +98,8 @@ def step_time_table() -> str:
 
 
 def calibration_table() -> str:
-    """The planner on NeMo-RL's published H100 GRPO runs (spice_megatron/plan_calibration.py)."""
-    from spice_megatron.plan_calibration import calibration_rows
+    """The planner on NeMo-RL's published H100 GRPO runs (spice_megatron/plan/calibration.py)."""
+    from spice_megatron.plan.calibration import calibration_rows
 
     rows = ["| NeMo-RL run (release) | GPUs | generation TP | training TP, CP, EP, PP | published s/step "
             "| modelled s/step (generation + learner) | published tokens/s/GPU | modelled | modelled / published |",
@@ -121,11 +121,11 @@ PUBLISHED_RECIPES = {"Llama-3.1-8B-Instruct": "octothinker_8b", "Qwen3-32B": "qw
 
 def recipes_vs_published_table() -> str:
     """Each recipe for a model NeMo-RL publishes, as laid out and on NeMo-RL's GPU count (the
-    planner's choice there), beside the published tokens/s/GPU (spice_megatron/plan_calibration.py)."""
+    planner's choice there), beside the published tokens/s/GPU (spice_megatron/plan/calibration.py)."""
     from recipes import get_recipe
-    from spice_megatron.plan_calibration import PUBLISHED_RUNS
-    from spice_megatron.plan_choice import choose_plan, compare_placements
-    from spice_megatron.planner import PlanError, estimate_step_time, model_spec
+    from spice_megatron.plan.calibration import PUBLISHED_RUNS
+    from spice_megatron.plan.choice import choose_plan, compare_placements
+    from spice_megatron.plan.planner import PlanError, estimate_step_time, model_spec
 
     rows = ["| model | NeMo-RL (GPUs) | recipe | as laid out: GPUs, tokens/s/GPU | on NeMo-RL's GPU count |",
             "|---|---|---|---|---|"]
@@ -210,8 +210,8 @@ def families_table() -> str:
 def ranked_layouts_table() -> str:
     """`spice plan --recipe qwen3_32b --rank 6` on the recipe's cluster, beside what --choose takes."""
     from recipes import get_recipe
-    from spice_megatron.plan_choice import choose_plan, compare_placements, rank_layouts
-    from spice_megatron.planner import estimate_step_time, model_spec
+    from spice_megatron.plan.choice import choose_plan, compare_placements, rank_layouts
+    from spice_megatron.plan.planner import estimate_step_time, model_spec
 
     cfg = get_recipe("qwen3_32b")
     spec = model_spec(cfg.run.model)
@@ -267,15 +267,21 @@ def ablation_v2_table() -> str:
 
 
 def module_map_table() -> str:
-    """docs/architecture.md's map: the rooms by floor, top down (tools/checks/module_map.py)."""
+    """docs/architecture.md's map: the package's layers top down, each room with its modules and what
+    it is (tools/checks/module_map.py)."""
     sys.path.insert(0, os.path.join(ROOT, "tools", "checks"))
     import module_map
 
     floor = module_map.floors()
     # no line counts: they would make every edit anywhere a docs change (tools/checks/module_map.py prints them)
-    rows = ["| floor | room | what it is |", "|---|---|---|"]
-    for room in sorted(floor, key=lambda r: (-floor[r], r)):
-        rows.append(f"| {floor[room]} | `{room}` | {module_map.room_summary(room).replace('|', '/')} |")
+    rows = ["| layer | room | modules | what it is |", "|---|---|---|---|"]
+    for i in range(len(module_map.LAYERS) - 1, -1, -1):
+        name, rooms = module_map.LAYERS[i]
+        for room in sorted(rooms, key=lambda r: (-floor[r], r)):
+            modules = "" if room == "tools/" or not room.endswith("/") else ", ".join(
+                os.path.relpath(f, os.path.join(ROOT, room)).removesuffix(".py").replace(os.sep, ".")
+                for f in module_map.source_files() if f.startswith(room) and not f.endswith("__init__.py"))
+            rows.append(f"| {i} {name} | `{room}` | {modules} | {module_map.room_summary(room).replace('|', '/')} |")
     return "\n".join(rows)
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from spice_megatron.bridge.export import gather_stage_tensors, holds_unique_weights
+from spice_megatron.bridge.preflight import partial_dir, publish_output
 from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
 from spice_megatron.policy.checkpoint import HF_META_DIR
-from spice_megatron.preflight import partial_dir, publish_output
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +137,10 @@ def convert_to_hf(ckpt: str, out_dir: str, tp: int = 1, pp: int = 1, dtype: str 
     """A checkpoint (root or step directory) -> HF safetensors directory, at any TP x PP (x EP, in
     even or uneven stages: the checkpoint's keys carry global layer numbers).
     Written to OUT.partial and renamed to `out_dir` when complete."""
+    from spice_megatron.bridge.preflight import check_checkpoint
     from spice_megatron.families import model_spec_from_hf
     from spice_megatron.policy.checkpoint import load_checkpoint
     from spice_megatron.policy.learner import Learner
-    from spice_megatron.preflight import check_checkpoint
 
     step_dir = check_checkpoint(ckpt)
     meta = os.path.join(os.path.dirname(step_dir), HF_META_DIR)

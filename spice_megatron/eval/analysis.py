@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 def read_metrics(path: str) -> list[dict]:
     """Rows of a metrics.jsonl; a torn last line (a killed run) is skipped with a warning."""
     from spice_megatron.metric_names import current_names
-    from spice_megatron.run_log import read_jsonl
+    from spice_megatron.run.log import read_jsonl
 
     return [current_names(r) for r in read_jsonl(path, warn=log.warning)]
 
@@ -82,7 +82,7 @@ def _challenger_tasks(fleet, docs, tokenizer, cfg, seed: int, attempts: int) -> 
 
 def _answer(fleet, tasks, tokenizer, cfg, verifier, seed: int) -> tuple[int, int]:
     """G answers per task, as the reasoner's training rollouts (prompts, stop strings, lengths)."""
-    from spice_megatron.selfplay import answer_tasks
+    from spice_megatron.selfplay.iteration import answer_tasks
 
     if not tasks:
         return 0, 0
@@ -99,7 +99,7 @@ def coevolution(checkpoints: list[str], docs, selfplay_cfg, out_dir: str, fixed_
     from transformers import AutoTokenizer
 
     from spice_megatron.rollout.local import local_fleet
-    from spice_megatron.verify import AnswerVerifier
+    from spice_megatron.selfplay.verify import AnswerVerifier
 
     fixed_reasoner = fixed_reasoner or checkpoints[0]
     fixed_challenger = fixed_challenger or checkpoints[0]
@@ -174,7 +174,7 @@ def plot_coevolution(result: dict, out_png: str) -> str:
 
 def fixed_documents(corpus_cfg, tokenizer, count: int, seed: int, recipe: str = "") -> list:
     """The same `count` documents of the training corpus (staged for `recipe`) for every checkpoint."""
-    from spice_megatron.corpus import Corpus
+    from spice_megatron.data.corpus import Corpus
 
     corpus = Corpus.build(corpus_cfg, tokenizer, recipe)
     docs = list(corpus.documents)

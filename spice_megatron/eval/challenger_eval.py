@@ -21,14 +21,14 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Callable, Sequence
 
-from spice_megatron.rewards import at_frontier, variance_reward
+from spice_megatron.selfplay.rewards import at_frontier, variance_reward
 
 METRICS = ("valid_rate", "gold_right", "frontier_share", "variance_reward")
 
 
 def encoded_generate(fleet, tokenizer):
     """The fleet's generate on token ids, by the training rule (templates.prompt_token_ids)."""
-    from spice_megatron.templates import prompt_token_ids
+    from spice_megatron.selfplay.templates import prompt_token_ids
 
     return lambda prompts, spec: fleet.generate([prompt_token_ids(p, tokenizer) for p in prompts], spec)
 
@@ -36,8 +36,8 @@ def encoded_generate(fleet, tokenizer):
 def write_tasks(generate, docs: Sequence, tokenizer, cfg, seed: int, attempts: int) -> list[dict]:
     """Per document: its id and `attempts` attempts written as in training (the recipe's protocol,
     prompts and template): each a task dict, or None with the reason it is invalid."""
-    from spice_megatron.doc_rollout import challenger_round
-    from spice_megatron.protocol import ChallengerPrompts
+    from spice_megatron.selfplay.doc_rollout import challenger_round
+    from spice_megatron.selfplay.protocol import ChallengerPrompts
 
     prompts = ChallengerPrompts(cfg.template, tokenizer, cfg.prompt_dir, cfg.grounding == "document")
     rounds = challenger_round(list(docs), attempts, generate, prompts, cfg, seed, Counter())
@@ -57,7 +57,7 @@ def score_tasks(generate, written: list[dict], tokenizer, cfg, verifier, seed: i
                 gold: Callable[[str], str | None] | None = None) -> list[dict]:
     """The fixed reasoner's G answers (cfg.group_size, the training sampling) to every valid task of
     `written`; per document its attempts' pass rates (None: invalid) and the metrics."""
-    from spice_megatron.selfplay import answer_tasks
+    from spice_megatron.selfplay.iteration import answer_tasks
 
     tasks = valid_tasks(written)
     outcomes = iter(answer_tasks(tasks, generate, verifier, cfg, tokenizer, seed, {}).outcomes if tasks else [])
@@ -134,7 +134,7 @@ def read_documents(path: str) -> list:
     names the line that is not one."""
     import hashlib
 
-    from spice_megatron.corpus import Document
+    from spice_megatron.data.corpus import Document
 
     docs = []
     with open(path) as f:

@@ -2,7 +2,7 @@
 
 Prompts are the reasoner's (`tasks.reasoner_prompt`): the model is evaluated the way it was trained
 to answer. Decoding is greedy, except for benchmarks scored as avg@k (AIME: 32 samples at
-`sample_temperature`). Grading is `verify.py`'s; an optional judge is asked only about answers the
+`sample_temperature`). Grading is `selfplay/verify.py`'s; an optional judge is asked only about answers the
 rules reject, and what it accepted is marked in the per-item records.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
 from spice_megatron.eval.benchmarks import LoadedBenchmark
+from spice_megatron.selfplay.templates import prompt_token_ids, reasoner_prompt
 from spice_megatron.tasks import extract_boxed
-from spice_megatron.templates import prompt_token_ids, reasoner_prompt
 from spice_megatron.wire.types import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ def resolve_eval_model(path: str, work_dir: str) -> str:
     if not (os.path.exists(os.path.join(ckpt, "latest")) or os.path.exists(os.path.join(ckpt, "layout.json"))):
         raise FileNotFoundError(f"--model {path}: neither an HF directory (config.json), a SPICE run (hf_final/) "
                                 f"nor a Megatron checkpoint (latest or layout.json)")
-    from spice_megatron.preflight import check_checkpoint
+    from spice_megatron.bridge.preflight import check_checkpoint
 
     check_checkpoint(ckpt, "--model")  # a damaged checkpoint names its file here, not in the child's traceback
     out = os.path.join(work_dir, "hf_model")
@@ -75,7 +75,7 @@ def run_evaluation(model: str, names: list[str], out_dir: str, data_dir: str = "
 
     from spice_megatron.rollout.fleet import RolloutFleet
     from spice_megatron.rollout.local import local_fleet
-    from spice_megatron.verify import AnswerVerifier
+    from spice_megatron.selfplay.verify import AnswerVerifier
     from spice_megatron.wire.auth import read_token
 
     settings = settings or EvalSettings()
@@ -118,7 +118,7 @@ def training_eval_hook(names: list[str], data_dir: str, tokenizer, settings: Eva
     of runs on the same items: tools/checks/learning_ablation.py)."""
     from tqdm.auto import tqdm
 
-    from spice_megatron.verify import AnswerVerifier
+    from spice_megatron.selfplay.verify import AnswerVerifier
 
     loaded, verifier = {}, None
     for name in names:
@@ -193,7 +193,7 @@ def held_out_change(eval_dir: str) -> list[str]:
 def evaluation_records(eval_dir: str, file_name: str = "") -> dict[int, list[dict]]:
     """A run's per-item evaluation records (training_eval_hook's out_dir, eval_dir/iteration_NNNN/),
     by iteration: those of `file_name` (items_file_name's), or of an iteration's one benchmark."""
-    from spice_megatron.run_log import read_jsonl
+    from spice_megatron.run.log import read_jsonl
 
     found = {}
     for d in sorted(os.listdir(eval_dir)) if os.path.isdir(eval_dir) else []:

@@ -2,7 +2,9 @@
 `qwen3_moe.py`, `glm4_moe.py`, `deepseek_v3.py`): each declares its `Family` (the HF architecture
 it reads, its config.json parse, a tiny config for tests) and is registered here by its architecture. Everything else
 reads a model through `ModelSpec`'s features (experts, latent attention, q/k norms, biases), never
-by a family's name; docs/checkpoints.md says how to add one."""
+by a family's name; docs/checkpoints.md says how to add one.
+
+Layer 0, shared: imports `entry.py` only."""
 from __future__ import annotations
 
 import os

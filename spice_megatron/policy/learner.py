@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from spice_megatron.config import ConfigError, OptimConfig, ParallelConfig, PolicyTrainConfig
 from spice_megatron.families import ModelSpec
-from spice_megatron.loss import drgrpo_token_loss
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
 from spice_megatron.policy.context_parallel import rank_micro_batch, whole_sequence
@@ -28,6 +27,7 @@ from spice_megatron.policy.packing import minibatch_split, packed_microbatches, 
 from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
 from spice_megatron.policy.shared_prefix import PackedForward, scored_logprobs
+from spice_megatron.selfplay.loss import drgrpo_token_loss
 
 log = logging.getLogger(__name__)
 # tools/bench/bench_checkpoint.py measures the distributed optimizer's saves on CPU, where its restore is

@@ -84,7 +84,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
-    from spice_megatron.offline_assets import make_tiny_hf_model, tiny_hf_config
+    from spice_megatron.data.offline_assets import make_tiny_hf_model, tiny_hf_config
     from spice_megatron.torchrun import free_port
 
     work = tempfile.mkdtemp(prefix="bench_checkpoint_")

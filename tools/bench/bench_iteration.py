@@ -40,8 +40,8 @@ def bench_case(name: str, overrides: list[str], model: str, iterations: int) -> 
     from transformers import AutoTokenizer
 
     from recipes import resolve_recipe
-    from spice_megatron import offline_data
-    from spice_megatron.driver import Driver
+    from spice_megatron.data import offline_data
+    from spice_megatron.loop.driver import Driver
 
     out = tempfile.mkdtemp(prefix=f"spice_bench_iteration_{name}_")
     cfg = resolve_recipe("tiny_cpu", [f"run.output_dir={out}", *overrides])
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.iterations < 1:
         raise SystemExit("--iterations: must be >= 1")
     if not args.model:
-        from spice_megatron.offline_assets import smollm2_dir
+        from spice_megatron.data.offline_assets import smollm2_dir
 
         args.model = smollm2_dir()
     rows = [r for c in cases for r in bench_case(c, CASES[c], args.model, args.iterations)]

@@ -27,9 +27,9 @@ def _measure(block: int, items: int) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the project's in-process engine core
     from vllm import LLM, SamplingParams
 
-    from spice_megatron.offline_assets import smollm2_dir
+    from spice_megatron.data.offline_assets import smollm2_dir
+    from spice_megatron.data.story_corpus import PROMPT_DIR, REASONER_STOP
     from spice_megatron.rollout.engine import engine_kwargs
-    from spice_megatron.story_corpus import PROMPT_DIR, REASONER_STOP
 
     with open(os.path.join(ROOT, "data", "eval", "stories.jsonl")) as f:
         rows = [json.loads(line) for line in f][:items]

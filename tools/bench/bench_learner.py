@@ -59,7 +59,7 @@ def _batch(groups, vocab: int):
 
 
 def _model_dir(case: str, work: str) -> str:
-    from spice_megatron.offline_assets import make_tiny_hf_model, smollm2_dir, tiny_hf_config
+    from spice_megatron.data.offline_assets import make_tiny_hf_model, smollm2_dir, tiny_hf_config
 
     if case == "demo":
         return smollm2_dir()

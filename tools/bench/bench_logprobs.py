@@ -33,9 +33,9 @@ def _rank(rank: int, world: int, port: int, variant: str, tokens: int, hidden: i
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from spice_megatron.config import ParallelConfig
-    from spice_megatron.loss import drgrpo_token_loss
     from spice_megatron.policy.logprobs import token_logprobs
     from spice_megatron.policy.parallel import init_distributed
+    from spice_megatron.selfplay.loss import drgrpo_token_loss
 
     init_distributed(ParallelConfig(tensor_parallel=world))
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

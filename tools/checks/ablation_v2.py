@@ -52,8 +52,8 @@ def drawn_stories(stories_file: str, seed: int, iterations: int, batch: int) -> 
     trainer's own corpus and sampler (driver.py), which draw one batch an iteration whatever the arm."""
     from recipes import get_recipe
     from spice_megatron.config import SourceConfig
-    from spice_megatron.corpus import Corpus, DocumentSampler, load_tokenizer
-    from spice_megatron.offline_assets import smollm2_dir
+    from spice_megatron.data.corpus import Corpus, DocumentSampler, load_tokenizer
+    from spice_megatron.data.offline_assets import smollm2_dir
 
     cfg = get_recipe("tiny_cpu")
     cfg.corpus.sources = [SourceConfig(path=stories_file)]
@@ -64,7 +64,7 @@ def drawn_stories(stories_file: str, seed: int, iterations: int, batch: int) -> 
 def prepare_seed(out: str, seed: int) -> dict:
     """The seed's stories, its draws, its complement set and the held-out stories the challenger
     writes on, as files under `out`."""
-    from spice_megatron import story_corpus
+    from spice_megatron.data import story_corpus
 
     stories = story_corpus.make_stories(2000, n_heldout=SETTINGS["heldout"])
     train_file = _write_jsonl(os.path.join(out, "stories.jsonl"), story_corpus.corpus_rows(stories))
@@ -85,7 +85,7 @@ def kept_run(run_dir: str, run: dict) -> dict:
     import glob
 
     from spice_megatron.eval.run import evaluation_records
-    from spice_megatron.run_log import read_jsonl
+    from spice_megatron.run.log import read_jsonl
 
     evaluations = {it: {r["id"]: bool(r["correct"]) for r in records}
                    for it, records in evaluation_records(os.path.join(run_dir, "eval")).items()}
@@ -100,8 +100,8 @@ def kept_run(run_dir: str, run: dict) -> dict:
 
 
 def main() -> int:
+    from spice_megatron.data.offline_assets import smollm2_dir
     from spice_megatron.entry import UserError
-    from spice_megatron.offline_assets import smollm2_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, required=True, help="the seed of every run (run.seed, train.seed)")
@@ -120,7 +120,7 @@ def main() -> int:
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     seed_data = prepare_seed(out, args.seed)
-    from spice_megatron.story_corpus import PROMPT_DIR, REASONER_STOP
+    from spice_megatron.data.story_corpus import PROMPT_DIR, REASONER_STOP
 
     run_args = argparse.Namespace(
         model=model, selfplay=True, challenger_docs_file=seed_data["challenger_docs_file"], out=out,

@@ -35,8 +35,8 @@ def check_optimizer_offload_round_trip(model_dir: str) -> tuple[bool | None, str
         return None, "needs a GPU (HybridDeviceOptimizer)"
     from spice_megatron.bridge.export import gathered_hf_state_dict
     from spice_megatron.bridge.hf_io import learner_from_hf
-    from spice_megatron.colocation import offload_learner, reload_learner
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
+    from spice_megatron.loop.colocation import offload_learner, reload_learner
     from spice_megatron.policy import learner as learner_module
 
     # without TE or apex the learner refuses megatron's torch distributed optimizer for its broken
@@ -117,7 +117,7 @@ def check_long_prefix_row(work: str) -> tuple[bool | None, str]:
     the step's time at pad_to=128 against pad_to=1, and its peak memory above the resting state
     against the planner's activations + logits for the row; on a GPU the flex kernel beside sdpa.
     On CPU (the smoke run) the verdict is the log-probs' equality at both paddings, not a time."""
-    from spice_megatron.plan_memory import learner_memory
+    from spice_megatron.plan.memory import learner_memory
     from spice_megatron.policy.batching import TrainSequence
 
     on_gpu = torch.cuda.is_available()
@@ -189,8 +189,8 @@ def check_colocation(work: str) -> tuple[bool | None, str]:
         return None, "vLLM is not installed in this environment"
     from spice_megatron.bridge.convert import save_hf_checkpoint
     from spice_megatron.bridge.trainer_transfer import MegatronStageSource
-    from spice_megatron.engine_weights import _ipc_transfer
-    from spice_megatron.offline_assets import make_tiny_engine_model
+    from spice_megatron.data.offline_assets import make_tiny_engine_model
+    from spice_megatron.loop.engine_weights import _ipc_transfer
     from spice_megatron.rollout.fleet import RolloutFleet
     from spice_megatron.rollout.local import start_engines
     from spice_megatron.wire.types import SamplingSpec

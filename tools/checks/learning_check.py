@@ -132,7 +132,7 @@ def main() -> int:
     if args.model:
         require_dir(args.model, "--model", " (an HF model directory)")
     else:
-        from spice_megatron.offline_assets import smollm2_dir
+        from spice_megatron.data.offline_assets import smollm2_dir
 
         args.model = smollm2_dir()
     args.out = args.out or os.path.join(ROOT, "runs", "ablation_check" if args.ablation else
@@ -144,7 +144,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
     if args.selfplay:
-        from spice_megatron import story_corpus
+        from spice_megatron.data import story_corpus
 
         stories = story_corpus.make_stories(2000, n_heldout=args.heldout)
         train_file = _write_jsonl(os.path.join(args.out, "stories.jsonl"), story_corpus.corpus_rows(stories))

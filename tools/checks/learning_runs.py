@@ -182,8 +182,8 @@ def story_task_curves(audit_path: str) -> dict[str, list[float]]:
     other numbers (without them the reasoner cannot reach the result). A task with a wrong gold or a
     lost number is unsolvable and earns the floor reward: these are what the variance reward should
     teach the challenger, and what the first checks' trained runs did not learn (docs/learning.md)."""
-    from spice_megatron.audit import with_document_texts
-    from spice_megatron.run_log import read_jsonl
+    from spice_megatron.run.audit import with_document_texts
+    from spice_megatron.run.log import read_jsonl
 
     docs, per_iteration = {}, {}
     for r in with_document_texts(read_jsonl(audit_path)):
@@ -212,7 +212,7 @@ def challenger_scores(args, runs: dict, gold: dict[str, str],
     from spice_megatron.config import apply_overrides
     from spice_megatron.eval.challenger_eval import encoded_generate, read_documents, score_tasks, write_tasks
     from spice_megatron.rollout.local import local_fleet
-    from spice_megatron.verify import AnswerVerifier
+    from spice_megatron.selfplay.verify import AnswerVerifier
 
     cfg = apply_overrides(get_recipe("tiny_cpu"), [*_selfplay_overrides(args),
                                                    f"selfplay.challenger_max_tokens={args.challenger_tokens}",

@@ -70,10 +70,10 @@ def saved_bytes(learner, seq: int) -> int:
 def hf_config(hidden: int, layers: int, moe: bool, model: str = "", tp: int = 1, family: str = "qwen3") -> dict:
     """A few layers of `model`'s widths (a known hub id or an HF directory), or a small Qwen3 or
     Llama (with at least `tp` key-value heads)."""
-    from spice_megatron.offline_assets import tiny_hf_config
+    from spice_megatron.data.offline_assets import tiny_hf_config
 
     if model:
-        from spice_megatron.planner import model_spec
+        from spice_megatron.plan.planner import model_spec
 
         return dict(model_spec(model).hf_config, num_hidden_layers=layers, vocab_size=1024, tie_word_embeddings=False)
     heads = max(4, hidden // 64)

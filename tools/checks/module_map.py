@@ -4,12 +4,12 @@
 A room is a module of `spice_megatron/` directly, a subpackage of it (`bridge/`, `policy/`, ...),
 `recipes/` or `tools/`. Every import counts, the lazy ones inside functions too. A room's floor is
 one above the highest room it imports, so the ground floor imports nothing of the project and
-`cli.py` is at the top. An import that would run up the floors (a circle between rooms) is allowed
-only where UPWARD names it with its reason; tests/test_layout.py holds the project to that and to
-no circle between files, and docs/architecture.md's module map is `python tools/docs_tables.py`'s
-rendering of `floors()`.
+`cli/` is at the top. An import that would run up the floors (a circle between rooms) is allowed
+only where UPWARD names it with its reason. The rooms are grouped in LAYERS, and no import reaches
+up a layer. tests/test_imports.py holds the project to both and to no circle between files, and
+docs/architecture.md's module map is `python tools/docs_tables.py`'s rendering of the layers.
 
-  python tools/checks/module_map.py          # the floors, each room with its lines and what it is
+  python tools/checks/module_map.py          # the layers, each room with its floor, lines and what it is
 """
 from __future__ import annotations
 
@@ -21,11 +21,43 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("spice_megatron", "recipes")
 
-# (from room, to room): the one import allowed to run up the floors, and why.
-UPWARD: dict[tuple[str, str], str] = {
-    ("spice_megatron/preflight.py", "spice_megatron/bridge/"):
-        "the start-up check reads a model directory's expected tensor shapes from the bridge's name tables",
-}
+# (from room, to room): an import allowed to run up the floors, and why (none today).
+UPWARD: dict[tuple[str, str], str] = {}
+
+# The package's layers, lowest first, each with its rooms: a room imports rooms of its own layer and
+# of those below it, never one above (docs/architecture.md; each subpackage's docstring says it too).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("shared", ("spice_megatron/__init__.py", "spice_megatron/entry.py", "spice_megatron/config/",
+                "spice_megatron/tasks.py", "spice_megatron/metric_names.py", "spice_megatron/torchrun.py",
+                "spice_megatron/run_dir.py", "spice_megatron/families/", "spice_megatron/wire/")),
+    ("data", ("spice_megatron/data/", "recipes/")),
+    ("algorithm", ("spice_megatron/selfplay/",)),
+    ("learner", ("spice_megatron/policy/",)),
+    ("weights and engines", ("spice_megatron/bridge/", "spice_megatron/rollout/")),
+    ("runs, plans, evaluation", ("spice_megatron/run/", "spice_megatron/plan/", "spice_megatron/eval/")),
+    ("the loop", ("spice_megatron/trainer.py", "spice_megatron/loop/")),
+    ("commands", ("spice_megatron/cli/",)),
+    ("scripts", ("tools/",)),
+)
+
+
+def layer_of(room: str) -> int:
+    """The room's layer (its index in LAYERS); KeyError names a room no layer holds."""
+    for i, (_, rooms) in enumerate(LAYERS):
+        if room in rooms:
+            return i
+    raise KeyError(f"{room} is in no layer: add it to module_map.LAYERS (and docs/architecture.md)")
+
+
+def against_layers(arrows: dict[tuple[str, str], list[Import]] | None = None) -> list[str]:
+    """Each import that reaches up a layer, as 'file:line imports module (layer -> layer)'."""
+    arrows = room_arrows() if arrows is None else arrows
+    wrong = []
+    for (a, b), found in sorted(arrows.items()):
+        if layer_of(b) > layer_of(a):
+            wrong += [f"{i.source}:{i.line} imports {i.module} ({LAYERS[layer_of(a)][0]} -> "
+                      f"{LAYERS[layer_of(b)][0]})" for i in found]
+    return wrong
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,10 +216,11 @@ def room_summary(room: str) -> str:
 
 def main() -> int:
     floor = floors()
-    for level in range(max(floor.values()), -1, -1):
-        print(f"floor {level}:")
-        for room in sorted(r for r, f in floor.items() if f == level):
-            print(f"  {room:<44} {room_lines(room):>6}  {room_summary(room)}")
+    for i in range(len(LAYERS) - 1, -1, -1):
+        name, rooms = LAYERS[i]
+        print(f"layer {i}: {name}")
+        for room in sorted(rooms, key=lambda r: (-floor[r], r)):
+            print(f"  {floor[room]:>2} {room:<44} {room_lines(room):>6}  {room_summary(room)}")
     return 0
 
 

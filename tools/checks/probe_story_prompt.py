@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 
 def main() -> int:
-    from spice_megatron.protocol import compact_stop
-    from spice_megatron.story_corpus import PROMPT_DIR, make_stories
+    from spice_megatron.data.story_corpus import PROMPT_DIR, make_stories
+    from spice_megatron.selfplay.protocol import compact_stop
     from spice_megatron.tasks import answer_in_question, parse_challenger_output
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -36,7 +36,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    from spice_megatron.offline_assets import smollm2_dir
+    from spice_megatron.data.offline_assets import smollm2_dir
 
     # the engine settings the project's CPU engines use (seeded sampling needs chunked prefill off)
     llm = LLM(model=args.model or smollm2_dir(), dtype="float32", enforce_eager=True, max_model_len=1024,

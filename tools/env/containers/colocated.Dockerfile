@@ -1,6 +1,6 @@
 # The image of a colocated job (run.colocate, slurm/spice_*_1node.sbatch): learner and engines in one
 # image, because vLLM's CUDA IPC weight transfer runs its trainer side inside the learner's processes
-# (spice_megatron/engine_weights.py). vLLM 0.32's image (its own CUDA torch) plus megatron-core and
+# (spice_megatron/loop/engine_weights.py). vLLM 0.32's image (its own CUDA torch) plus megatron-core and
 # Transformer Engine built against that torch: the paper recipes' distributed optimizer needs TE or
 # apex (megatron-core's torch fallback restores Adam's step wrongly), and optim.cpu_offload_fraction
 # needs TE's precision-aware Adam. The TE build compiles CUDA code: it takes a while and needs nvcc

@@ -1,0 +1,421 @@
+"""Layout planner: learner TP/PP/DP and rollout engines for a cluster, with a memory estimate.
+
+The estimates (plan_memory.py) are the usual back-of-envelope ones for Megatron-Core mixed precision
+(bf16 weights, fp32 gradient buffer, fp32 master weights and two Adam moments: 2 + 4 + 12 bytes per
+parameter) and for vLLM (bf16 weights, paged KV cache in what gpu_memory_utilization leaves). A
+layout that cannot fit is refused with the numbers, so the user sees which term is too large.
+
+`estimate_step_time` turns a plan into seconds per SPICE iteration from stated throughput
+assumptions (`Throughput`); it is a planning aid, not a measurement.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+from spice_megatron.config import ClusterConfig, SpiceConfig
+from spice_megatron.families import ModelSpec, model_spec_from_hf
+from spice_megatron.plan.costs import (
+    GiB,
+    LearnerWork,
+    Throughput,
+    all_to_all_seconds,
+    decode_phase,
+    forward_pass_seconds,
+    learner_seconds,
+)
+from spice_megatron.plan.known_models import KNOWN_MODELS
+from spice_megatron.plan.learner import (
+    LearnerLayout,
+    PlanError,
+    evaluate_learner,
+    first_fitting,
+    gpu_split,
+    learner_candidates,
+    powers_of_two,
+)
+from spice_megatron.plan.memory import (
+    ENGINE_ASLEEP_GIB,
+    LEARNER_RESIDENT_GIB,
+    MIN_ENGINE_KV_TOKENS,
+    EngineMemory,
+    LearnerMemory,
+    engine_memory,
+)
+from spice_megatron.policy.model import resolve_shared_prefix
+
+
+def model_spec(model: str) -> ModelSpec:
+    """The spec of a local HF directory, or of a known hub id."""
+    if os.path.isdir(model) or model.endswith(".json"):
+        return model_spec_from_hf(model)
+    if model in KNOWN_MODELS:
+        return model_spec_from_hf(KNOWN_MODELS[model])
+    raise PlanError(f"run.model={model!r}: not a local HF directory and not one of the known models "
+                    f"({', '.join(sorted(KNOWN_MODELS))}); pass the directory holding its config.json")
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class Plan:
+    model: str
+    params_billion: float
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    learner_gpus: int
+    rollout_gpus: int
+    tp: int
+    pp: int
+    dp: int
+    engine_tp: int
+    engines: int
+    learner: LearnerMemory
+    engine: EngineMemory
+    notes: list[str] = field(default_factory=list)
+    ep: int = 1
+    active_params_billion: float = 0.0
+    # run.colocate: learner and engines on the same GPUs, taking turns (colocation.py)
+    colocated: bool = False
+    engine_utilization: float = 0.0  # vLLM's gpu_memory_utilization: the engine's share of each GPU
+    optimizer_offload: float = 0.0  # optim.cpu_offload_fraction
+    # colocated peaks per GPU (GiB): the step beside sleeping engines, the rollouts beside the
+    # learner's weights, the weight sync (engine weights awake, KV cache not yet)
+    train_phase_gib: float = 0.0
+    rollout_phase_gib: float = 0.0
+    sync_phase_gib: float = 0.0
+    # uneven pipeline stages (parallel.first/last_stage_layers; 0: even) and train.recompute as
+    # planned (chosen: "full" when nothing fits without it)
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
+    recompute: str = "off"
+    cp: int = 1  # parallel.context_parallel: each sequence over CP ranks (its activations split CP ways)
+    vpp: int = 1  # parallel.virtual_pipeline: chunks per pipeline rank (the bubble divided by it)
+
+    @property
+    def gpus(self) -> int:
+        """The job's GPUs (colocated, learner and engines share them)."""
+        return self.learner_gpus if self.colocated else self.learner_gpus + self.rollout_gpus
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["learner"]["total"] = self.learner.total
+        d["gpus"] = self.gpus
+        return d
+
+    def describe(self) -> str:
+        m, e = self.learner, self.engine
+        active = (f" ({self.active_params_billion:.2f}B active per token)"
+                  if self.active_params_billion < self.params_billion else "")
+        lines = [
+            f"model {self.model}: {self.params_billion:.2f}B parameters{active}",
+            f"cluster: {self.nodes} node(s) x {self.gpus_per_node} GPUs of {self.gpu_memory_gib:.0f} GiB",
+            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp}"
+            + (f" VPP={self.vpp}" if self.vpp > 1 else "") + (f" CP={self.cp}" if self.cp > 1 else "")
+            + f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
+            + (f", stages of {self.first_stage_layers} / .. / {self.last_stage_layers} layers"
+               if self.first_stage_layers else "")
+            + (f", recompute {self.recompute}" if self.recompute != "off" else ""),
+            f"  per GPU: weights {m.weights:.1f} + grads {m.gradients:.1f} + optimizer {m.optimizer:.1f} + activations "
+            f"{m.activations:.1f} + logits {m.logits:.1f} + overhead {m.overhead:.1f} = {m.total:.1f} GiB "
+            f"of {self.gpu_memory_gib:.0f}",
+            *([f"  experts: {m.experts:.1f} GiB of those weights, grads and optimizer state; all-to-all "
+               f"{m.all_to_all_gib:.2f} GiB sent per GPU per micro-batch"] if m.experts else []),
+            f"rollout: {self.engines} vLLM engine(s) x TP={self.engine_tp} on {self.rollout_gpus} GPUs"
+            + (" (the learner's, colocated)" if self.colocated else ""),
+            f"  per GPU: weights {e.weights:.1f} GiB, KV cache {e.kv_cache:.1f} GiB "
+            f"({e.kv_bytes_per_token // 1024} KiB/token: {e.max_sequences} full-length sequences per engine)",
+        ]
+        if self.colocated:
+            lines += [
+                f"colocated phases per GPU: step {self.train_phase_gib:.1f} GiB (engines asleep, "
+                f"{ENGINE_ASLEEP_GIB:.1f} each), rollouts {self.rollout_phase_gib:.1f} GiB (learner weights "
+                f"{m.weights:.1f} + {LEARNER_RESIDENT_GIB:.1f} resident beside the engine's "
+                f"{self.engine_utilization:.2f} of the GPU), weight sync {self.sync_phase_gib:.1f} GiB",
+                *([f"  optimizer: {self.optimizer_offload:.0%} of its state and update on the host "
+                   f"(optim.cpu_offload_fraction)"] if self.optimizer_offload else [])]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = False, headroom: float = 0.9,
+                min_engine_kv_tokens: int = MIN_ENGINE_KV_TOKENS, colocate: bool | None = None,
+                experts_across_nodes: bool = False, learner: LearnerLayout | None = None) -> Plan:
+    """Check the config's layout (cfg.parallel, cfg.rollout.engine_tensor_parallel) against the
+    cluster, or with `choose` pick one; `colocate` (default: run.colocate) plans learner and engines
+    on the same GPUs.
+
+    Choosing, the learner takes the smallest TP x PP that fits `headroom` of a GPU (TP first, within
+    a node: it needs the fastest links); the rest of the learner GPUs are data parallel. An engine
+    takes the smallest TP whose KV cache holds `min_engine_kv_tokens` tokens and a full-length sequence.
+
+    Colocated, every GPU holds a learner rank and a share of an engine, and three peaks must fit:
+    the learner's step beside sleeping engines, the rollouts (the engine's gpu_memory_utilization
+    share beside the learner's weights, its optimizer state on the host) and the weight sync (the
+    engine's weights awake beside the learner's, and vLLM's IPC staging buffer). Choosing, the
+    engine gets what the learner's weights leave, and if the step does not fit, a share of the
+    optimizer moves to the host (optim.cpu_offload_fraction). A mixture of experts is spread over as
+    many GPUs of a stage as a node holds, or with `experts_across_nodes` over as many as the stage
+    has (fewer experts per GPU, the all-to-all over InfiniBand; compare_placements ranks both).
+    With `learner` (and `choose`), the learner takes that layout and everything else is chosen."""
+    cluster: ClusterConfig = cfg.cluster
+    spec = spec or model_spec(cfg.run.model)
+    colocate = cfg.run.colocate if colocate is None else colocate
+    learner_gpus, rollout_gpus = gpu_split(cluster, colocate)
+    if rollout_gpus < 1:
+        raise PlanError(f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs leave no GPU for rollout "
+                        "engines")
+    budget = cluster.gpu_memory_gib * headroom
+    learner_budget = budget - (ENGINE_ASLEEP_GIB if colocate else 0.0)
+    # a sequence longer than the budget is a micro-batch of its own: activations are planned at it
+    from spice_megatron.selfplay.context_budget import longest_sequence
+
+    longest, bound = longest_sequence(cfg)
+    tokens = max(cfg.train.micro_batch_tokens, longest)
+    candidates = learner_candidates(cfg, spec, learner_gpus, choose, colocate, learner, experts_across_nodes)
+    found, mem, tried = first_fitting(cfg, spec, candidates, learner_gpus, tokens, learner_budget)
+    if found is None:
+        shown = "; ".join(tried[:4]) + (f"; ... {len(tried) - 4} more" if len(tried) > 4 else "")
+        sleeping = rollout_gpus // max(1, cfg.rollout.engine_tensor_parallel)
+        beside = f" beside {sleeping} sleeping engines" if colocate else ""
+        ways = ["more learner nodes", *([] if cfg.optim.use_distributed_optimizer else
+                                        ["optim.use_distributed_optimizer=true"]),
+                "optim.cpu_offload_fraction", "a smaller train.micro_batch_tokens"]  # not what the recipe sets
+        raise PlanError(f"learner: no layout fits {learner_budget:.1f} GiB per GPU ({headroom:.0%} of "
+                        f"{cluster.gpu_memory_gib:.0f}{beside}) on {learner_gpus} GPUs: {shown}. Use "
+                        + ", ".join(ways[:-1]) + " or " + ways[-1])
+    if choose and learner is None and found.pp > 1 and not found.first and spec.num_layers % (2 * found.pp) == 0:
+        # two virtual stages per rank halve the bubble for a few more micro-batches' activations in
+        # flight: taken where they still fit
+        interleaved = evaluate_learner(cfg, spec, replace(found, vpp=2), learner_gpus, tokens)
+        if interleaved.total <= learner_budget:
+            found, mem = replace(found, vpp=2), interleaved
+    tp, pp, first, last, cp, offload, recompute, ep, vpp = (found.tp, found.pp, found.first, found.last, found.cp,
+                                                           found.offload, found.recompute, found.ep, found.vpp)
+    resident = mem.weights + LEARNER_RESIDENT_GIB  # colocated: what the learner keeps during the rollouts
+    utilization = cfg.rollout.gpu_memory_utilization
+    if colocate and choose:
+        utilization = round(math.floor((budget - resident) / cluster.gpu_memory_gib * 100) / 100, 2)
+    if colocate and resident + utilization * cluster.gpu_memory_gib > budget:
+        raise PlanError(f"rollout.gpu_memory_utilization={utilization}: colocated, the engine's {utilization:.2f} x "
+                        f"{cluster.gpu_memory_gib:.0f} GiB beside the learner's resident {resident:.1f} GiB exceeds "
+                        f"{budget:.1f} GiB ({headroom:.0%}); at most "
+                        f"{(budget - resident) / cluster.gpu_memory_gib:.2f} (`spice plan --choose` picks it)")
+    # engines inside a node first; then across up to four whole nodes (slurm/rollout_node.sh starts a leader
+    # and followers; their all-reduces over InfiniBand), never colocated (sleep mode and IPC stay in a node)
+    engine_tps = [cfg.rollout.engine_tensor_parallel] if not choose else [
+        t for t in powers_of_two(min(4 * cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0
+        and (t <= cluster.gpus_per_node or not colocate and t % cluster.gpus_per_node == 0)]
+    if colocate and engine_tps[-1] > cluster.gpus_per_node:
+        raise PlanError(f"rollout: engine TP={engine_tps[-1]} spans nodes and colocated engines stay within a node of "
+                        f"{cluster.gpus_per_node} GPUs; use the disaggregated placement (run.colocate=false) or "
+                        f"rollout.engine_tensor_parallel <= {cluster.gpus_per_node}")
+    for etp in engine_tps:
+        em = engine_memory(spec, etp, cluster.gpu_memory_gib, utilization, cfg.rollout.max_model_len)
+        if em.kv_tokens >= min_engine_kv_tokens and em.max_sequences >= 1 and rollout_gpus % etp == 0:
+            break
+    else:
+        raise PlanError(f"rollout: with engine TP={engine_tps[-1]} the KV cache is {em.kv_cache:.1f} GiB per GPU "
+                        f"(weights {em.weights:.1f} GiB of {cluster.gpu_memory_gib * utilization:.1f} "
+                        f"usable): {em.kv_tokens:,} tokens ({em.max_sequences} sequences of "
+                        f"{cfg.rollout.max_model_len}), "
+                        f"fewer than {min_engine_kv_tokens:,} or than one sequence; raise "
+                        "rollout.engine_tensor_parallel "
+                        "or lower rollout.max_model_len" + (" (colocated: the learner's weights take their share "
+                                                            "of every GPU)" if colocate else ""))
+    notes = []
+    phases = {}
+    if colocate:
+        largest = 2 * spec.vocab_size * spec.hidden_size / GiB  # the embedding, bf16: one whole tensor per rank
+        staging = max(cfg.rollout.bucket_mb / 1024, largest)  # vLLM's packed IPC buffer (engine_weights.py)
+        phases = {"train_phase_gib": mem.total + ENGINE_ASLEEP_GIB,
+                  "rollout_phase_gib": resident + utilization * cluster.gpu_memory_gib,
+                  # the engine's share minus its KV cache: its weights and overhead, awake before the KV;
+                  # the learner's staging buffer and largest gathered tensor; the engine's clone of a
+                  # received chunk (vLLM's packed IPC consumer copies each before loading it)
+                  "sync_phase_gib": resident + utilization * cluster.gpu_memory_gib - em.kv_cache + 2 * staging
+                  + largest}
+        if phases["sync_phase_gib"] > budget:
+            raise PlanError(f"colocated weight sync: the engine's weights ({em.weights:.1f} GiB) beside the learner's "
+                            f"{resident:.1f} GiB and the IPC buffers ({2 * staging + largest:.1f} GiB) exceed "
+                            f"{budget:.1f} GiB; "
+                            "raise rollout.engine_tensor_parallel")
+        notes.append("colocated: the phases run one after another on every GPU; on-policy only (train.max_staleness=0)")
+    if cfg.selfplay.challenger == "model" and not cfg.rollout.challenger_engines:
+        ctp = challenger_engine_tp(cfg)
+        notes.append(f"a local fixed challenger engine ({cfg.selfplay.challenger_model}) takes {ctp} more GPU(s) "
+                     f"on the learner's node: {check_challenger_engine(cfg).kv_tokens:,} tokens of KV cache")
+    if cluster.nodes == 1 and not colocate:
+        notes.append("one node: learner and engines share it (GPUs split in half)")
+    if tp > 1 and cluster.nodes > 1:
+        notes.append("TP stays within a node; PP and DP cross nodes")
+    if etp > cluster.gpus_per_node:
+        span = etp // cluster.gpus_per_node
+        notes.append(f"engine TP={etp} spans {span} nodes: slurm/rollout_node.sh starts a leader and {span - 1} "
+                     "follower(s) per engine (vLLM's multi-node serving; its all-reduces cross the inter-node fabric)")
+    if ep > cluster.gpus_per_node:
+        notes.append(f"EP={ep} spans nodes: the experts' all-to-all crosses the inter-node fabric")
+    if tokens > cfg.train.micro_batch_tokens:
+        notes.append(f"activations planned at {tokens:,} tokens, the longest sequence ({bound}), over "
+                     f"train.micro_batch_tokens={cfg.train.micro_batch_tokens:,}")
+    return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
+                learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp * cp), etp, rollout_gpus // etp, mem, em,
+                notes,
+                ep, spec.active_parameters / 1e9, colocate, utilization if colocate else 0.0, offload, **phases,
+                first_stage_layers=first, last_stage_layers=last, recompute=recompute, cp=cp, vpp=vpp)
+
+
+def challenger_engine_tp(cfg: SpiceConfig) -> int:
+    return cfg.rollout.challenger_engine_tensor_parallel or cfg.rollout.engine_tensor_parallel
+
+
+def check_challenger_engine(cfg: SpiceConfig) -> EngineMemory:
+    """A local fixed challenger engine (selfplay.challenger=model without rollout.challenger_engines)
+    must hold its model and a useful KV cache at its TP; PlanError with the numbers otherwise."""
+    ro, cluster = cfg.rollout, cfg.cluster
+    tp = challenger_engine_tp(cfg)
+    spec = model_spec(cfg.selfplay.challenger_model)
+    em = engine_memory(spec, tp, cluster.gpu_memory_gib, ro.gpu_memory_utilization, ro.max_model_len)
+    if em.kv_tokens < MIN_ENGINE_KV_TOKENS or em.max_sequences < 1:
+        usable = cluster.gpu_memory_gib * ro.gpu_memory_utilization
+        raise PlanError(
+            f"rollout.challenger_engine_tensor_parallel={tp}: a local challenger engine for "
+            f"{cfg.selfplay.challenger_model} ({spec.num_parameters / 1e9:.1f}B parameters) holds {em.weights:.1f} GiB "
+            f"of weights per GPU of {usable:.1f} usable ({cluster.gpu_memory_gib:.0f} GiB x "
+            f"{ro.gpu_memory_utilization}), leaving {max(em.kv_cache, 0):.1f} GiB of KV cache: {em.kv_tokens:,} tokens "
+            f"({em.max_sequences} sequences of {ro.max_model_len}), fewer than {MIN_ENGINE_KV_TOKENS:,}; raise "
+            "rollout.challenger_engine_tensor_parallel or serve it on its own nodes (rollout.challenger_engines)")
+    return em
+
+
+# ------------------------------------------------------------------------------------------ step time
+
+
+def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Throughput | None = None) -> dict[str, float]:
+    """Seconds per SPICE iteration by phase (the terms: plan_costs.py). A phased iteration's phase
+    lasts at least as long as its longest sequence takes at the decode step time, a streamed one's
+    rollouts as long as the engines' work or the slowest document's chain of requests (its rounds'
+    and answers' longest outputs). The learner runs a forward for the old log-probs, then forward
+    and backward, plus the recomputed parameters with train.recompute (full: every layer's;
+    selective mlp: the dense MLPs'; moe: the experts a token runs through), per token it runs:
+    with train.shared_prefix each group's prompt once."""
+    t = t or Throughput.for_gpu(cfg.cluster.gpu)
+    sp = cfg.selfplay
+    p, active = spec.num_parameters, spec.active_parameters
+    full_step = [0.0]  # a decode step of an engine running its most sequences (the streamed path's)
+
+    def generate(prompts: float, prompt_tokens: int, gen_tokens: int, max_gen: int) -> tuple[float, float]:
+        """A phase's seconds when it waits for its longest sequence (phased), and the engines' busy
+        seconds for its sequences alone (what a streamed iteration spends on them)."""
+        phased, busy, step = decode_phase(spec, plan.engine_tp, plan.engines, plan.engine.max_sequences,
+                                          plan.engine.kv_bytes_per_token, cfg.rollout.max_model_len, prompts,
+                                          prompt_tokens, gen_tokens, max_gen, t, cfg.cluster.gpus_per_node)
+        full_step[0] = max(full_step[0], step)
+        return phased, busy
+
+    docs = sp.batch_docs
+    challenger, pending, work = 0.0, float(docs), 0.0
+    path_tokens = 0.0  # the slowest document's way: its rounds' and its answers' longest outputs, one after another
+    for _ in range(t.challenger_rounds):
+        attempts = pending * sp.attempts_per_round
+        if sp.protocol == "paper":
+            phased, busy = generate(attempts, t.doc_tokens, t.selection_gen_tokens, sp.selection_max_tokens)
+            challenger, work = challenger + phased, work + busy
+            path_tokens += expected_longest(t.selection_gen_tokens, sp.selection_max_tokens, sp.attempts_per_round)
+            attempts *= t.selection_valid_rate
+        phased, busy = generate(attempts, t.doc_tokens, t.challenger_gen_tokens, sp.challenger_max_tokens)
+        challenger, work = challenger + phased, work + busy
+        path_tokens += expected_longest(t.challenger_gen_tokens, sp.challenger_max_tokens,
+                                        1 if sp.protocol == "paper" else sp.attempts_per_round)
+        pending = max(1.0, pending * t.pending_after_round)
+    answers = docs * sp.group_size  # the G answers of one task per document
+    reasoner, busy = generate(answers, t.question_tokens, t.reasoner_gen_tokens, sp.reasoner_max_tokens)
+    work += busy
+    path_tokens += expected_longest(t.reasoner_gen_tokens, sp.reasoner_max_tokens, sp.group_size)
+    # streamed (run.streamed): no phase waits for the batch's longest sequence; the rollouts last as
+    # long as the engines' work or the slowest document's own chain of requests, whichever is longer
+    streamed = max(work, path_tokens * full_step[0])
+    challenger_trained = docs * (sp.group_size if sp.challenger_group == "document" else 1)
+    train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
+                    + answers * (t.question_tokens + t.reasoner_gen_tokens))
+    learner_tokens = train_tokens
+    if resolve_shared_prefix(spec, cfg.train, plan.cp).use_shared_prefix:  # the plan's CP (--choose may add it)
+        prompts = 1.0 if sp.protocol == "compact" else t.paper_challenger_prompts
+        challenger_prompts = docs * min(prompts, sp.group_size) if sp.challenger_group == "document" \
+            else challenger_trained
+        learner_tokens = (challenger_prompts * t.doc_tokens + challenger_trained * t.challenger_gen_tokens
+                          + docs * t.question_tokens + answers * t.reasoner_gen_tokens)
+    recomputed = 0.0
+    recompute = plan.recompute
+    if recompute == "full":
+        recomputed = active
+    elif recompute == "selective":
+        modules, moe = cfg.train.recompute_modules, spec.moe
+        dense_layers = spec.num_layers - (moe.num_moe_layers if moe else 0)
+        if "mlp" in modules:
+            recomputed += dense_layers * 3 * spec.hidden_size * spec.ffn_hidden_size
+        if moe is not None and "moe" in modules:  # the routed and shared experts a token runs through
+            expert = moe.top_k * moe.expert_ffn_hidden_size + moe.shared_expert_ffn_hidden_size
+            recomputed += moe.num_moe_layers * 3 * spec.hidden_size * expert
+        # moe_act recomputes an activation, no matmul: nothing counted
+    per_update = cfg.train.trajectories_per_update
+    steps = math.ceil((challenger_trained + answers) / per_update) if per_update else cfg.train.steps_per_batch
+    work_done = LearnerWork(tokens=learner_tokens, mean_row_tokens=train_tokens / (challenger_trained + answers),
+                            forwards=1, recomputed_params=recomputed, full_recompute=recompute == "full",
+                            micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / plan.dp, steps=steps,
+                            moe_recompute=recompute == "selective" and "moe" in cfg.train.recompute_modules)
+    learner = learner_seconds(spec, work_done, plan.learner.weights, plan.learner_gpus, plan.tp, plan.pp, plan.dp,
+                              cfg.cluster.gpus_per_node, t, vpp=plan.vpp, cp=plan.cp)
+    train = sum(learner.values())
+    if plan.learner.all_to_all_gib:
+        train += all_to_all_seconds(learner_tokens / cfg.train.micro_batch_tokens / plan.dp,
+                                    plan.learner.all_to_all_gib, work_done,
+                                    plan.ep * cfg.parallel.expert_tensor_parallel <= cfg.cluster.gpus_per_node, t)
+    if plan.optimizer_offload:  # the CPU's share of every optimizer step
+        offloaded = plan.optimizer_offload * p / plan.learner_gpus  # parameters per GPU updated on the host
+        train += steps * offloaded / t.cpu_adam_params_per_s
+    rollout = streamed if cfg.run.streamed else challenger + reasoner
+    hidden = 0.0
+    if cfg.old_logprobs_during_rollouts and not plan.colocated:
+        # the old-log-prob forward (one of the learner's 4 passes) runs while documents still
+        # roll out: hidden but for the last documents' share (taken as one in B)
+        forward = forward_pass_seconds(spec, work_done, plan.learner_gpus, t)
+        hidden = min(forward * (1 - 1 / docs), rollout)
+        train -= hidden
+    out = {"rollout": rollout, "train": train}
+    if plan.colocated:
+        out["weight_sync"] = 2 * p / (t.ipc_gb_s * 1e9) + 1.0
+        # engines' weights to the host and back (sleep level 1; level 2 drops them: the sync refills),
+        # the learner's optimizer state out and in (its gradient buffers are freed, not copied)
+        moved = (2 * plan.engine.weights if cfg.rollout.sleep_level == 1 else 0.0) + 2 * plan.learner.optimizer
+        out["sleep_wake_offload"] = moved * GiB / (t.host_gb_s * 1e9) + 2.0
+    else:
+        out["weight_sync"] = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
+    out["total"] = sum(out.values())
+    # the phases as a phased iteration has them (run.streamed=false), and both schedules' rollouts
+    out.update(challenger_rollout=challenger, reasoner_rollout=reasoner, rollout_phased=challenger + reasoner,
+               rollout_streamed=streamed, old_logprobs_during_rollouts=hidden)
+    out.update({f"train_{term}": seconds for term, seconds in learner.items()})  # within train
+    out["train_tokens"] = float(train_tokens)
+    out["learner_tokens"] = float(learner_tokens)
+    # NeMo-RL's throughput unit: tokens (prompt + generated) through the loop per second per GPU of
+    # the job; one step off, the rollouts overlap the learner's step and sync (not colocated: the
+    # engines sleep while the learner steps)
+    out["tokens_per_s_per_gpu"] = train_tokens / out["total"] / plan.gpus
+    out["tokens_per_s_per_gpu_one_step_off"] = 0.0 if plan.colocated else \
+        train_tokens / max(rollout, train + out["weight_sync"]) / plan.gpus
+    return out
+
+
+def expected_longest(mean: float, cap: int, n: int) -> float:
+    """The expected longest of n outputs: lengths taken as exponential with `mean` (RL outputs have a
+    long tail) and cut at the max tokens, so the longest of n is about mean x H(n), at most `cap`.
+    A round of a whole batch (hundreds of outputs) reaches the cap; one document's 8 often do not."""
+    return min(float(cap), mean * sum(1.0 / k for k in range(1, max(1, int(n)) + 1)))
+
+
+# NeMo-RL's published GRPO throughput, Llama-3.1-8B-Instruct on 2 nodes of 8 H100s (its performance
+# summary): the figures `spice plan` prints beside its own estimate
+NEMO_RL_TOKENS_PER_S_PER_GPU = {"synchronous": 1581.0, "one step off": 2478.0}
