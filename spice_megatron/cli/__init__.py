@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     from spice_megatron.cli.convert import add_convert_parser
     from spice_megatron.cli.runs import cmd_audit, cmd_coevolution, cmd_curves, cmd_eval
     from spice_megatron.cli.train import RUN_OPTIONS, cmd_train
-    from spice_megatron.config import TEMPLATES
+    from spice_megatron.config.selfplay import TEMPLATES
     from spice_megatron.data.offline_data import DEFAULT_CACHE, DEFAULT_OUT
 
     recipe_help = "one of: " + ", ".join(recipe_names())

@@ -1,152 +1,28 @@
 """Dataclass configs. Each validates itself and names the offending field in its error.
 
-Later parts of the system (policy, rollout, trainer) add their own sections; a recipe is a Python
-function returning a fully populated config.
+`SpiceConfig` is a run's whole config, one section per concern: the learner's (`learner.py`), the
+corpus and self-play (`selfplay.py`), the engines (`rollout.py`), the cluster and the run (here). A
+recipe is a Python function returning a fully populated one; `apply_overrides` takes `a.b=value`.
 
 Layer 0, shared (tools/checks/module_map.py's LAYERS): imports `entry.py` only."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from spice_megatron.config.learner import OptimConfig, ParallelConfig, PolicyTrainConfig
+from spice_megatron.config.rollout import RolloutConfig
+from spice_megatron.config.selfplay import CorpusConfig, SelfPlayConfig, SourceConfig
 from spice_megatron.entry import ConfigError
 from spice_megatron.entry import require as _require
 
-__all__ = ["ConfigError", "OptimConfig", "ParallelConfig", "PolicyTrainConfig"]  # the learner's sections, also here
+# every section is also spice_megatron.config's: what a recipe or a caller builds a config from
+__all__ = ["ConfigError", "CorpusConfig", "OptimConfig", "ParallelConfig", "PolicyTrainConfig", "RolloutConfig",
+           "SelfPlayConfig", "SourceConfig"]
 
 
-@dataclass
-class SourceConfig:
-    """One corpus source: a hub dataset id or local json/jsonl/parquet files (a glob is allowed)."""
-
-    path: str
-    name: str = ""  # short label used in provenance ids; defaults to the file/dataset name
-    text_field: str = "text"
-    split: str = "train"
-    hub_config: str | None = None  # the dataset's configuration name on the hub
-    weight: float = 1.0  # relative share of the document pool
-    streaming: bool = False  # stream hub datasets instead of downloading them whole
-    max_records: int | None = None  # stop reading the source after this many records
-    license: str = ""
-
-    def validate(self, prefix: str = "source") -> None:
-        _require(bool(self.path), f"{prefix}.path", "must be a hub id or a local file/glob")
-        _require(bool(self.text_field), f"{prefix}.text_field", "must name the text column")
-        _require(self.weight > 0, f"{prefix}.weight", f"must be > 0, got {self.weight}")
-        _require(self.max_records is None or self.max_records > 0, f"{prefix}.max_records",
-                 f"must be a positive integer or None, got {self.max_records}")
-
-
-@dataclass
-class CorpusConfig:
-    sources: list[SourceConfig] = field(default_factory=list)
-    max_doc_tokens: int = 5992  # paper: prompt + generation must fit the context window
-    min_doc_tokens: int = 32  # shorter segments carry too little to ground a question
-    max_docs: int | None = 20000  # paper: a 20,000-document pool
-    max_record_bytes: int = 8 * 1024 * 1024  # larger records are skipped, never loaded whole
-    seed: int = 1234
-    # Where `spice prepare --recipe NAME` stages hub sources as local JSONL; when set, hub sources
-    # are read from there (jobs run offline). Empty: hub sources are read from the hub.
-    stage_dir: str = ""
-
-    def validate(self, prefix: str = "corpus") -> None:
-        _require(len(self.sources) > 0, f"{prefix}.sources", "at least one source is required")
-        for i, s in enumerate(self.sources):
-            s.validate(f"{prefix}.sources[{i}]")
-        _require(self.max_doc_tokens > 0, f"{prefix}.max_doc_tokens", "must be > 0")
-        _require(0 <= self.min_doc_tokens < self.max_doc_tokens, f"{prefix}.min_doc_tokens",
-                 f"must be in [0, max_doc_tokens={self.max_doc_tokens})")
-        _require(self.max_docs is None or self.max_docs > 0, f"{prefix}.max_docs", "must be > 0 or None")
-        _require(self.max_record_bytes > 0, f"{prefix}.max_record_bytes", "must be > 0")
-
-
-CHALLENGER_REWARDS = ("variance", "absolute_zero", "threshold", "r_zero")
-CHALLENGER_GROUPS = ("document", "single")
-CHALLENGERS = ("self", "model", "tasks")
-GROUNDINGS = ("document", "none")
-PROTOCOLS = ("paper", "compact")
-TEMPLATES = ("plain", "chat", "qwen3", "qwen3_nothink", "octothinker")
-LEAK_CHECKS = ("long", "all")  # tasks.py:_leaks
 DRIVERS = ("thread", "process")  # run.driver
-REASONER_TASKS = ("random", "frontier")  # selfplay.py: the reasoner group of each document
-
-
-@dataclass
-class SelfPlayConfig:
-    """Algorithm 1's knobs; the defaults are the paper's settings (SPICE.md)."""
-
-    batch_docs: int = 128  # B
-    group_size: int = 8  # G reasoner answers per task (also K for the variance reward)
-    max_attempts: int = 1024  # N challenger attempts per document
-    attempts_per_round: int = 8  # challenger samples requested per pending document per round
-    challenger_temperature: float = 1.0
-    reasoner_temperature: float = 1.0
-    top_p: float = 1.0
-    challenger_max_tokens: int = 1024
-    reasoner_max_tokens: int = 2048
-    challenger_reward: str = "variance"
-    invalid_penalty: float = -0.1  # rho
-    # document: Algorithm 1's challenger group, G attempts per document (valid:invalid ratio kept),
-    # advantages centred per document, every valid task answered G times. single: one attempt per
-    # document (a valid one if any), advantages centred over the batch (compact, cheaper).
-    challenger_group: str = "document"
-    protocol: str = "paper"  # paper: selection + JSON generation (protocol.py); compact: tagged sections
-    selection_max_tokens: int = 512  # the paper protocol's selection step
-    template: str = "plain"  # conversation format: plain, chat (the tokenizer's), qwen3, octothinker
-    prompt_dir: str = ""  # files that replace the built-in prompts (protocol.py, templates.py)
-    # Who writes the tasks. self: the policy (SPICE). model: a fixed challenger model (the paper's
-    # "Strong Challenger" baseline) behind its own engines, never weight-synced. tasks: a JSONL task
-    # file (task_pool.py). In the fixed modes only reasoner trajectories are trained.
-    challenger: str = "self"
-    challenger_model: str = ""  # challenger=model: HF directory served by local engines (or rollout.challenger_engines)
-    # challenger=model: the fixed challenger's conversation format ("": selfplay.template). The paper's
-    # "Qwen3-32B-Instruct" is the hybrid model in non-thinking mode: qwen3_nothink.
-    challenger_template: str = ""
-    tasks_file: str = ""  # challenger=tasks
-    # Strings that end a reasoner answer (kept in its text): few-shot prompts in prompt_dir that show
-    # several "Q: ... A: ..." turns need "\nQ:", or the model writes the next turn and its \boxed{}.
-    reasoner_stop: list[str] = field(default_factory=list)
-    # Which answers found in their own question make a task invalid: long (integers of 3+ digits,
-    # strings of 4+ characters; shorter ones occur naturally in questions) or all (tasks.py:_leaks)
-    leak_check: str = "long"
-    # Which of a document's valid tasks the reasoner trains on. random: the paper's (Algorithm 1). frontier:
-    # one drawn at random among those with 0 < pass rate < 1, if any (DAPO's dynamic sampling: a group
-    # everyone solved or nobody did has zero advantage and teaches nothing). At a few documents per
-    # iteration most random picks are such groups, and the reasoner learns from one or two per step.
-    reasoner_task: str = "random"
-    # What grounds the challenger's tasks. document: SPICE's (the prompt shows the drawn document).
-    # none: the paper's corpus ablation: the prompt's document section is absent, everything else the
-    # same; the corpus is still drawn (the schedule) but never shown, the gold answer is the challenger's.
-    grounding: str = "document"
-
-    def validate(self, prefix: str = "selfplay") -> None:
-        for name in ("batch_docs", "group_size", "max_attempts", "attempts_per_round",
-                     "challenger_max_tokens", "reasoner_max_tokens"):
-            _require(getattr(self, name) > 0, f"{prefix}.{name}", f"must be > 0, got {getattr(self, name)}")
-        _require(self.group_size >= 2, f"{prefix}.group_size", "needs at least 2 answers for a variance")
-        for name in ("challenger_temperature", "reasoner_temperature"):
-            _require(getattr(self, name) >= 0, f"{prefix}.{name}", "must be >= 0")
-        _require(0 < self.top_p <= 1, f"{prefix}.top_p", "must be in (0, 1]")
-        _require(self.challenger_reward in CHALLENGER_REWARDS, f"{prefix}.challenger_reward",
-                 f"must be one of {CHALLENGER_REWARDS}, got {self.challenger_reward!r}")
-        for name, allowed in (("challenger_group", CHALLENGER_GROUPS), ("protocol", PROTOCOLS), ("template", TEMPLATES),
-                              ("challenger", CHALLENGERS), ("leak_check", LEAK_CHECKS), ("grounding", GROUNDINGS),
-                              ("reasoner_task", REASONER_TASKS)):
-            _require(getattr(self, name) in allowed, f"{prefix}.{name}",
-                     f"must be one of {allowed}, got {getattr(self, name)!r}")
-        _require(not self.challenger_template or self.challenger_template in TEMPLATES, f"{prefix}.challenger_template",
-                 f"must be one of {TEMPLATES}, got {self.challenger_template!r}")
-        _require(not self.challenger_template or self.challenger == "model", f"{prefix}.challenger_template",
-                 "only a fixed challenger (challenger=model) has a template of its own; the policy writes and answers "
-                 "in selfplay.template")
-        _require(self.selection_max_tokens > 0, f"{prefix}.selection_max_tokens", "must be > 0")
-        _require(not self.prompt_dir or os.path.isdir(self.prompt_dir), f"{prefix}.prompt_dir",
-                 f"{self.prompt_dir!r} is not a directory")
-        _require(self.challenger != "tasks" or os.path.isfile(self.tasks_file), f"{prefix}.tasks_file",
-                 f"challenger=tasks needs a JSONL task file; {self.tasks_file!r} is not a file")
 
 
 def _closest_field(cfg: Any, key: str) -> str:
@@ -201,84 +77,6 @@ def _parse_like(raw: str, current: Any, key: str) -> Any:
     except ValueError:
         raise ConfigError(f"{key}: cannot parse {raw!r} as {type(current).__name__}") from None
     return raw
-
-
-@dataclass
-class RolloutConfig:
-    engines: list[str] = field(default_factory=list)  # attach to these URLs; empty: start local engines
-    # the HF directory the engines serve ("": run.model); a bf16 copy where run.model is FP8 (spice convert bf16)
-    model: str = ""
-    challenger_engines: list[str] = field(default_factory=list)  # selfplay.challenger=model: the fixed challenger's
-    local_engines: int = 1
-    # engines started elsewhere (rollout.engines): the job's secret is $SPICE_ROLLOUT_TOKEN, or this file
-    # (mode 600); engines this run starts get a fresh one. Never the secret itself: configs are saved.
-    token_file: str = ""
-    max_model_len: int = 4096
-    kv_cache_gib: float = 1.0  # per local CPU engine
-    # seconds one /generate request may take once posted: the fleet posts at most twice an engine's
-    # max_num_seqs sequences at a time (rollout/fleet.py), so a request waits behind one queue at most
-    request_timeout: float = 900.0
-    health_timeout: float = 1800.0  # how long to wait for the engines to come up (large models load slowly)
-    # sequences (prompts x n) per /generate request at most; a phase is cut into one near-equal unit
-    # per healthy engine, or more of this size: the engine merges the requests that wait into one batch
-    chunk_size: int = 64
-    sync_host: str = ""  # where the stage senders meet the engines ("": loopback for local engines, else rank 0's host)
-    sync_port: int = 0  # 0: pick a free port
-    bucket_mb: int = 512
-    # How long a weight-sync member waits for its peers in one step. It bounds how long the engines
-    # wait for buckets from a sender that failed (an engine died mid-sync) before the sync is retried.
-    sync_timeout: float = 300.0
-    engine_tensor_parallel: int = 1  # GPUs per vLLM engine (cluster launchers start engines with it)
-    # mixture-of-experts engines: vLLM's expert parallelism over the engine's GPUs (its MoE layers
-    # split experts instead of slicing every expert over TP); GPU only
-    engine_expert_parallel: bool = False
-    challenger_engine_tensor_parallel: int = 0  # a local fixed challenger's engine (0: engine_tensor_parallel)
-    gpu_memory_utilization: float = 0.85  # vLLM's share of each engine GPU (weights + KV cache)
-    # the step every engine builds, the same on every node of an engine and pinned on every device (vLLM's
-    # own defaults differ by device and entry point): tokens and sequences one step schedules; 0: 16384
-    # and 1024 on a GPU, max(8192, max_model_len) and 256 per worker on the CPU (rollout/step_settings.py)
-    max_num_batched_tokens: int = 0
-    max_num_seqs: int = 0
-    # vLLM weight-transfer backend the engines receive through (see WEIGHT_TRANSFER_REFUSED and docs/weight-sync.md):
-    # spice: ours, every pipeline stage sends at once, gloo or NCCL; nccl: vLLM's, one sender (PP=1, GPU);
-    # ipc: vLLM's CUDA IPC, for engines on the learner's own GPUs (run.colocate on a GPU)
-    weight_transfer: str = "spice"
-    # nccl (vLLM's own backend) signs no bucket and its store listens on every interface: only with this
-    unsigned_sync: bool = False
-    # run.colocate: how deep the engines sleep while the learner steps (vLLM's sleep mode). 1: weights
-    # to host memory, KV cache dropped; 2: both dropped (the sync after every step refills the weights)
-    sleep_level: int = 1
-
-    def validate(self, prefix: str = "rollout") -> None:
-        _require(self.weight_transfer not in WEIGHT_TRANSFER_REFUSED, f"{prefix}.weight_transfer",
-                 WEIGHT_TRANSFER_REFUSED.get(self.weight_transfer, ""))
-        _require(self.weight_transfer in ("spice", "nccl", "ipc"), f"{prefix}.weight_transfer",
-                 f"unknown backend {self.weight_transfer!r} (spice, nccl, ipc)")
-        _require(self.weight_transfer != "nccl" or self.unsigned_sync, f"{prefix}.weight_transfer",
-                 "nccl is vLLM's backend: no bucket is signed and its store listens on every interface and unpickles "
-                 "what it holds, so anyone who reaches it can run code in the engines and feed them weights; use "
-                 f"spice, or set {prefix}.unsigned_sync=true on a network only the job reaches")
-        _require(self.sleep_level in (1, 2), f"{prefix}.sleep_level", "must be 1 (weights to host) or 2 (discarded)")
-        _require(bool(self.engines) or self.local_engines >= 1, f"{prefix}.local_engines",
-                 "needs >= 1 when no rollout.engines are given")
-        _require(self.bucket_mb > 0, f"{prefix}.bucket_mb", "must be > 0")
-        _require(self.chunk_size >= 1, f"{prefix}.chunk_size", "must be >= 1 (sequences per request)")
-        _require(self.sync_timeout > 0, f"{prefix}.sync_timeout", "must be > 0")
-        _require(self.engine_tensor_parallel >= 1, f"{prefix}.engine_tensor_parallel", "must be >= 1")
-        _require(self.challenger_engine_tensor_parallel >= 0, f"{prefix}.challenger_engine_tensor_parallel",
-                 "must be >= 0 (0: engine_tensor_parallel)")
-        _require(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization", "must be in (0, 1]")
-        _require(self.max_num_batched_tokens >= 0, f"{prefix}.max_num_batched_tokens", "must be >= 0 (0: the device's)")
-        _require(self.max_num_seqs >= 0, f"{prefix}.max_num_seqs", "must be >= 0 (0: the device's)")
-
-
-# vLLM 0.32's other built-in backends, and why a Megatron learner behind this service cannot use them
-WEIGHT_TRANSFER_REFUSED = {
-    "nccl_m2n": "needs a resharding plan from the trainer's own layout (FSDP/DTensor); a Megatron TP x PP learner "
-                "sends HF tensors already gathered: use spice",
-    "sparse_nccl": "sends changed weights only, from a trainer that tracks them; full updates: use spice",
-    "sharded_rdt": "needs Ray and a sharded trainer source; use spice",
-}
 
 
 # The GPU parts the planner knows (NVIDIA's SXM datasheets): memory as the recipes plan it (GiB),

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from spice_megatron.config import TEMPLATES
+from spice_megatron.config.selfplay import TEMPLATES
 from spice_megatron.tasks import Task
 
 QWEN3_SYSTEM = "You are a helpful assistant."
