@@ -351,7 +351,7 @@ echo "spice: $(( ${#ROLLOUT[@]} * SPICE_ENGINES_PER_NODE / ENGINE_NODES )) rollo
 
 # --- learner: torchrun over the learner nodes; always --resume (a requeued job continues)
 # The learner world's own secret, fresh per attempt and exported only now: the rollout step, started
-# above, never holds it (its nodes run vLLM's unauthenticated plane; security review 3, L1)
+# above, never holds it (its nodes run vLLM's unauthenticated plane: docs/cluster.md, "Security on a shared cluster")
 SPICE_WORLD_SECRET=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 export SPICE_WORLD_SECRET
 srun --nodes="$LEARNER_NODES" --ntasks="$LEARNER_NODES" --ntasks-per-node=1 -w "$learner_list" "${overlap[@]}" \

@@ -1,6 +1,6 @@
 """The metrics contract: every name a run writes to metrics.jsonl, TensorBoard and W&B, with its
 meaning, unit and group. One spelling everywhere: metrics.jsonl, TensorBoard's tags and W&B's keys are
-the same names (the newcomer review's F14.4). The end-of-run summary, `spice curves`, the kill
+the same names. The end-of-run summary, `spice curves`, the kill
 switch and the glossary in docs/metrics.md (tools/docs_tables.py) all draw from here.
 
 A name with `{...}` is a family (one name per answer type, layer, benchmark...). Names that an older

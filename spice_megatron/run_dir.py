@@ -41,7 +41,7 @@ def check_ancestors(path: str, what: str = "run directory") -> None:
     """Every directory above `path` (resolved) is root's or the user's and writable by no one else,
     unless it is sticky (/tmp, shared scratch) and the next one down is the user's: otherwise
     another user could swap the run directory (or its checkpoints) for their own between the checks
-    and the load (security review 2)."""
+    and the load (docs/cluster.md, "A run directory nobody else writes")."""
     me = os.geteuid()
     _check_links_on_the_way(path, what, me)
     real = os.path.realpath(path)
@@ -68,7 +68,7 @@ def _check_links_on_the_way(path: str, what: str, me: int) -> None:
     """Every link on `path` as given (the checks above see the resolved path only) is root's or the
     user's, in a directory nobody else can rewrite it in (writable by no one else, or sticky): another
     user's link, or one another user can replace, can be flipped between the checks and a load
-    (security review 3, R1)."""
+    (docs/cluster.md, "A run directory nobody else writes")."""
     parts = os.path.abspath(path).split(os.sep)
     for depth in range(2, len(parts) + 1):
         here = os.sep.join(parts[:depth])

@@ -76,7 +76,7 @@ def listen_on(host: str, port: int) -> socket.socket:
 def _bound_store_class(tcp_store):
     """torch's TCPStore, except that a server (is_master) listens on its host's address only: the
     learner's rendezvous store (torchrun's agent store, the c10d rendezvous) is not reachable from
-    every interface (security review 2). Clients are unchanged."""
+    every interface (docs/cluster.md, "The learner's rendezvous"). Clients are unchanged."""
 
     def bound_store(host, port, world_size=None, is_master=False, *args, **kwargs):
         if is_master and kwargs.get("master_listen_fd") is None and port:

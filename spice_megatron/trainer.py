@@ -17,8 +17,9 @@ One iteration:
                                                                           vLLM's weight-transfer API)
   7. log metrics and the audit trail; kill switch; checkpoint every k
 
-With run.colocate the engines and the learner share the GPUs and take turns (colocation.py): the
-engines sleep during step 5 and wake for step 6.
+The engines' upkeep (asleep during step 5 when colocated, step 6, their recovery) has one owner,
+loop/engines.py; checkpoints and stops are loop/run_guard.py's. With run.colocate the engines and
+the learner share the GPUs and take turns (loop/colocation.py).
 
 Streamed (run.streamed), steps 2-4 run per document, not per phase (rollout/schedule.py); with
 several optimizer steps per batch the learner runs the old log-probs of step 5 for the documents
@@ -37,10 +38,10 @@ from typing import Any, Callable
 
 from spice_megatron.config import SpiceConfig
 from spice_megatron.loop.batch_delivery import BatchDelivery
-from spice_megatron.loop.colocation import Colocation, offload_learner
+from spice_megatron.loop.colocation import offload_learner
 from spice_megatron.loop.driver import Driver, KillSwitch
 from spice_megatron.loop.driver_process import DriverProcess
-from spice_megatron.loop.engine_weights import EngineWeightUpdater
+from spice_megatron.loop.engines import Engines
 from spice_megatron.loop.interfaces import RolloutBatch, RolloutDriver
 from spice_megatron.loop.rollout_sources import rollout_source
 from spice_megatron.loop.run_guard import RunGuard
@@ -117,14 +118,12 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
     from tqdm.auto import tqdm
 
     learner, driver, state, latest = _start(cfg, is_driver, control, resume, resume_after_kill_switch)
-    colocation = Colocation(cfg, learner, driver, control)
-    weights = EngineWeightUpdater(cfg, learner, driver, control, after_restart=colocation.before_sync)
     deliver = BatchDelivery(learner, control)
     rollouts = rollout_source(cfg, driver, learner, deliver, control, state)  # on-policy, one step off, overlapped
-    guard = RunGuard(cfg, learner, driver, control, weights, colocation, rollouts,
-                     state["iteration"] if latest else -1, is_driver)
+    guard = RunGuard(cfg, learner, rollouts, state["iteration"] if latest else -1, is_driver)  # checkpoints, stops
+    engines = Engines(cfg, learner, driver, control, save_before_stop=guard.save_unless_held)
     iteration, version = state["iteration"], state["version"]
-    _engines_at_start(cfg, guard, driver, eval_hook, version)  # the checkpoint's weights, or the base model measured
+    _engines_at_start(cfg, engines, driver, eval_hook, version)  # the checkpoint's weights, or the base model measured
     summary: dict[str, Any] = {}
     progress = tqdm(total=cfg.run.iterations, initial=iteration, desc="SPICE", disable=not is_driver)
     stop_request = StopRequest(guard.stop_file)
@@ -137,27 +136,27 @@ def _train(cfg: SpiceConfig, is_driver: bool, control, resume: bool, eval_hook: 
             lost, abandoned = _broadcast((got.lost, got.abandoned), control)
             seqs, routing_volume = deliver(got.batch.seqs if got.batch else None)  # MoE routing where it is used
             if lost:  # every engine died: bring them back with the current weights, then roll out again
-                guard.recover(lost, iteration, version, sync=True)
+                engines.recover(lost, iteration, version, sync=True)
                 continue
             if abandoned:  # STOP during the rollouts: keep what the iterations before it did
                 guard.stop_requested(iteration, version,
                                      f"abandoned iteration {iteration + 1} (STOP during its rollouts)")
             # 5. DrGRPO on the learner (refusing samples older than train.max_staleness); colocated,
             # the engines sleep meanwhile
-            colocation.before_step(iteration + 1)
+            engines.sleep(iteration + 1)
             steps = learner.train_on_batch(seqs, version=version, old_logprobs=got.old_logprobs) if seqs else []
-            colocation.after_step()
+            engines.wake_for_sync()
             version += 1
             lost, t_wait = rollouts.wait()  # one step off: the next batch, rolled out meanwhile
             # 6. the new weights to the engines (lost or dead ones brought back first)
-            sync = guard.sync_engines(lost, version)
+            sync = engines.update(lost, version)
             iteration += 1
             # 7. logs; rank 0 decides for all (its kill switch, its Ctrl-C or SIGTERM); a checkpoint
             stop = ""
             if driver:
                 now = time.perf_counter()
                 summary = {**_iteration_stats(got.batch, steps, sync, version - 1), **routing_volume,
-                           **colocation.stats(), **got.stats, "time/wait_for_rollouts": t_wait,
+                           **engines.stats(), **got.stats, "time/wait_for_rollouts": t_wait,
                            "time/iteration": now - t_iter, "time/elapsed": now - t_start}
                 stop = _log_iteration(cfg, driver, eval_hook, iteration, got.batch, steps, summary, progress)
             stop, interrupted = _broadcast((stop, stop_request.requested_after(iteration)) if driver else None, control)
@@ -200,20 +199,20 @@ def _start(cfg: SpiceConfig, is_driver: bool, control, resume: bool, resume_afte
 def _export(cfg: SpiceConfig, learner) -> None:
     """The final weights as a Hugging Face checkpoint (run.export_hf)."""
     from spice_megatron.bridge.convert import save_hf_checkpoint
-    from spice_megatron.policy.checkpoint import HF_META_DIR
+    from spice_megatron.policy.checkpoint_files import HF_META_DIR
 
     if cfg.run.export_hf:
         save_hf_checkpoint(learner, os.path.join(cfg.run.output_dir, "hf_final"),
                            os.path.join(cfg.run.output_dir, "checkpoints", HF_META_DIR))
 
 
-def _engines_at_start(cfg: SpiceConfig, guard: RunGuard, driver: RolloutDriver | None, eval_hook: EvalHook | None,
+def _engines_at_start(cfg: SpiceConfig, engines: Engines, driver: RolloutDriver | None, eval_hook: EvalHook | None,
                       version: int) -> None:
     """The engines start from the base model: a resumed run brings them to its checkpoint's weights;
     a new one with evaluations measures the base model first, logged as iteration 0 (what the last
     evaluation is compared with)."""
     if version > 0:
-        guard.load_engines(version)
+        engines.load(version)
     elif driver and eval_hook and cfg.run.eval_every and cfg.run.eval_before:
         driver.log(0, _evaluate(eval_hook, 0, driver.fleet), [])
 
@@ -250,7 +249,8 @@ def _load_learner(cfg: SpiceConfig, is_driver: bool, control, resume: bool, resu
     state to continue from and the checkpoint it came from."""
     from spice_megatron.bridge.convert import copy_hf_metadata, write_training_prompts
     from spice_megatron.bridge.hf_io import learner_from_hf
-    from spice_megatron.policy.checkpoint import HF_META_DIR, resumable_checkpoint
+    from spice_megatron.policy.checkpoint import resumable_checkpoint
+    from spice_megatron.policy.checkpoint_files import HF_META_DIR
 
     refusal = kill_switch_refusal(cfg.run.output_dir, is_driver) if resume and not resume_after_kill_switch else ""
     if refusal:

@@ -71,8 +71,9 @@ def simulate(device: str) -> None:
     import torch
 
     import spice_megatron.rollout.engine as engine
+    import spice_megatron.rollout.engine_args as engine_args
 
-    class TorchWithGpu:  # the project's own device queries (engine.py asks torch.cuda)
+    class TorchWithGpu:  # the project's own device queries (engine.py and engine_args.py ask torch.cuda)
         cuda = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 8,
                                      get_device_properties=lambda i=0: types.SimpleNamespace(total_memory=gib * 2**30,
                                                                                              name=name))
@@ -80,7 +81,7 @@ def simulate(device: str) -> None:
         def __getattr__(self, attr: str):
             return getattr(torch, attr)
 
-    engine.torch = TorchWithGpu()
+    engine.torch = engine_args.torch = TorchWithGpu()
 
 
 def capture(role: str, argv: list[str]):

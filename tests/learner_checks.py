@@ -12,11 +12,8 @@ def step_checkpoint_resume(model_dir: str, parallel_kwargs: dict, root: str, res
     from spice_megatron.bridge.export import gathered_hf_state_dict
     from spice_megatron.bridge.hf_io import learner_from_hf
     from spice_megatron.families import model_spec_from_hf
-    from spice_megatron.policy.checkpoint import (
-        latest_checkpoint,
-        load_checkpoint,
-        save_checkpoint,
-    )
+    from spice_megatron.policy.checkpoint import load_checkpoint, save_checkpoint
+    from spice_megatron.policy.checkpoint_files import latest_checkpoint
     from spice_megatron.policy.learner import Learner
 
     optim = OptimConfig(lr=1e-3, adam_eps=1e-5)

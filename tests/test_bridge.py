@@ -40,7 +40,8 @@ def _roundtrip_rank(models, root, tp, pp):
     from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
     from spice_megatron.families import model_spec_from_hf
     from spice_megatron.policy.batching import TrainSequence, collate
-    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint
+    from spice_megatron.policy.checkpoint import load_checkpoint
+    from spice_megatron.policy.checkpoint_files import latest_checkpoint
     from spice_megatron.policy.learner import Learner
 
     logits = {}
@@ -562,7 +563,7 @@ def _ordered_sync_rank(port, stages, receivers):
 
 @pytest.mark.multiprocess
 def test_every_engine_worker_issues_the_stages_receives_in_the_same_order(tmp_path):
-    """Review 3, finding 4: with one receiving thread per stage, two engine workers issued the
+    """With one receiving thread per stage, two engine workers issued the
     stages' broadcasts in different orders from the 2nd collective on (NCCL, several communicators
     on one device: a deadlock risk). One thread, a fixed interleave: the same order on every worker."""
     results = run_ranks(_ordered_sync_rank, 4, free_port(), 2, 2, tmp_path=tmp_path, timeout=300)

@@ -96,7 +96,7 @@ def test_audit_shows_a_task_with_its_document_and_answers(tmp_path, capsys):
 
 
 def test_a_printing_command_piped_into_head_ends_quietly(tmp_path):
-    """Newcomer review item 4: `spice audit RUN --trained | head` ended in a BrokenPipeError traceback."""
+    """`spice audit RUN --trained | head` ended in a BrokenPipeError traceback."""
     import json
 
     rows = [{"kind": "document", "iteration": 1, "doc_id": f"d{i}", "text": "x" * 2000} for i in range(3000)]
@@ -154,7 +154,7 @@ def test_a_document_read_again_is_stored_once_and_shown_with_its_text(tmp_path, 
 
 
 def test_plan_takes_the_cpu_recipes_and_names_the_answer_when_a_layout_does_not_fit(capsys):
-    """Newcomer review item 7: `spice plan --recipe tiny_cpu` failed (its model is filled in at
+    """`spice plan --recipe tiny_cpu` failed (its model is filled in at
     train time); a recipe too big for the nodes asked about said what the recipe already had. A CPU
     recipe is planned on GPUs only when asked for them (F1: without, it planned the demo on 8 GPUs)."""
     for recipe in ("tiny_cpu", "tiny_cpu_deepseek"):
@@ -170,7 +170,7 @@ def test_plan_takes_the_cpu_recipes_and_names_the_answer_when_a_layout_does_not_
 
 
 def test_audit_says_when_an_iteration_or_kind_is_not_in_the_run_and_counts_iterations_from_1(tmp_path, capsys):
-    """Newcomer review item 3: `spice audit RUN --iteration 3` printed nothing, exit 0, and the
+    """`spice audit RUN --iteration 3` printed nothing, exit 0, and the
     trail counted iterations from 0 where the metrics count from 1; a trail written so is read
     shifted (its first record says iteration 0)."""
     import json
@@ -190,7 +190,7 @@ def test_audit_says_when_an_iteration_or_kind_is_not_in_the_run_and_counts_itera
 
 
 def test_every_command_says_its_options_alike_with_their_defaults_and_plans_every_recipe(capsys):
-    """Newcomer review item 6: one spelling per option (--output, --data, --model, --recipe) with
+    """One spelling per option (--output, --data, --model, --recipe) with
     the older ones still taken, defaults and recipe names in --help; `spice plan` for every recipe."""
     from recipes import DEFAULT_RECIPE, recipe_names
     from spice_megatron.cli import build_parser
@@ -209,7 +209,7 @@ def test_every_command_says_its_options_alike_with_their_defaults_and_plans_ever
             assert f"(default: {DEFAULT_RECIPE}" in text and "qwen3_8b_1node" in text, name
     with pytest.raises(SystemExit):
         main(["launch", "--help"])
-    launch = capsys.readouterr().out  # the same metavars as every other command (newcomer review, F10)
+    launch = capsys.readouterr().out  # the same metavars as every other command
     assert "--output OUTPUT" in launch and "--model MODEL" in launch and "--data DATA" in launch
     assert "_DIR" not in launch.split("options:")[0] and "Launch a recipe's SPICE run" in launch
     parser = build_parser()
@@ -222,14 +222,14 @@ def test_every_command_says_its_options_alike_with_their_defaults_and_plans_ever
         assert getattr(parser.parse_args(argv), dest) == value, argv
     from recipes import CPU_RECIPES
 
-    for recipe in recipe_names():  # newcomer review F1: a CPU recipe is one line, not a plan on eight GPUs
+    for recipe in recipe_names():  # a CPU recipe is one line, not a plan on eight GPUs
         assert main(["plan", "--recipe", recipe]) == (2 if recipe in CPU_RECIPES else 0), recipe
     assert main(["plan", "--recipe", "tiny_cpu", "--gpus-per-node", "8"]) == 0
     assert "tokens/s/GPU" in capsys.readouterr().out
 
 
 def test_a_near_miss_gets_the_one_close_match(capsys):
-    """Newcomer review F6: no "did you mean" for a recipe, an override field or a command."""
+    """No "did you mean" for a recipe, an override field or a command."""
     from spice_megatron.cli import main
 
     for argv, want in ((["train", "--recipe", "tiny-cpu"], "--recipe 'tiny-cpu' is unknown, did you mean tiny_cpu?"),
@@ -246,8 +246,7 @@ def test_a_near_miss_gets_the_one_close_match(capsys):
 
 
 def test_spice_says_its_version_and_a_failed_start_leaves_no_run_directory(tmp_path, capsys):
-    """Newcomer review F12 (`spice --version` was unknown) and F14.1 (a refused start left an empty
-    run directory)."""
+    """`spice --version` was unknown, and a refused start left an empty run directory."""
     from spice_megatron.cli import main
 
     with pytest.raises(SystemExit) as e:
@@ -259,7 +258,7 @@ def test_spice_says_its_version_and_a_failed_start_leaves_no_run_directory(tmp_p
 
 
 def test_the_summary_prints_counts_as_integers_and_small_values_with_their_digits():
-    """Newcomer review F9: a count printed as 3.0000, a log-prob gap of 1.87e-06 as 0.0000."""
+    """A count printed as 3.0000, a log-prob gap of 1.87e-06 as 0.0000."""
     from spice_megatron.cli.train import shown
 
     assert [shown(v) for v in (3.0, 3, 1.87e-06, 0.0, 0.39123, -2.5e-05, 12.5)] == [
@@ -267,7 +266,7 @@ def test_the_summary_prints_counts_as_integers_and_small_values_with_their_digit
 
 
 def test_the_job_script_run_by_hand_or_without_its_settings_is_one_spice_line():
-    """Newcomer review F7: `bash slurm/spice_8b.sbatch` ended in `!name: unbound variable`, exit 1."""
+    """`bash slurm/spice_8b.sbatch` ended in `!name: unbound variable`, exit 1."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MODEL_DIR"))}
     r = subprocess.run(["bash", os.path.join(ROOT, "slurm", "spice_8b.sbatch")], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
@@ -279,7 +278,7 @@ def test_the_job_script_run_by_hand_or_without_its_settings_is_one_spice_line():
 
 
 def test_audit_filters_that_match_nothing_say_so_like_the_iteration_filter(tmp_path, capsys):
-    """Newcomer review F3: `--version 3`, `--doc nope` (and filters that match nothing together)
+    """`--version 3`, `--doc nope` (and filters that match nothing together)
     printed nothing and exited 0, where `--iteration 4` named what the run has."""
     import json
 
@@ -297,7 +296,7 @@ def test_audit_filters_that_match_nothing_say_so_like_the_iteration_filter(tmp_p
 
 
 def test_every_option_of_every_command_says_what_it_is():
-    """Newcomer review F12: about 20 of spice's options printed no description."""
+    """About 20 of spice's options printed no description."""
     import argparse
 
     from spice_megatron.cli import build_parser
@@ -316,7 +315,7 @@ def test_every_option_of_every_command_says_what_it_is():
 
 
 def test_the_converter_wrappers_answer_like_spice_in_one_line():
-    """Newcomer review F11: tools/convert_to_hf.py printed 8 lines of megatron's import warnings before
+    """Tools/convert_to_hf.py printed 8 lines of megatron's import warnings before
     its error line, where `spice convert to-hf` printed the line alone."""
     for tool, argv in (("convert_to_hf.py", ["--ckpt", "x", "--out", "y"]),
                        ("convert_from_hf.py", ["--hf", "x", "--out", "y"])):
@@ -327,7 +326,7 @@ def test_the_converter_wrappers_answer_like_spice_in_one_line():
 
 
 def test_choose_says_where_its_layout_stands_in_the_ranking():
-    """Newcomer review F2: `--choose --rank 5` recommended the third of its own ranking (14% slower
+    """`--choose --rank 5` recommended the third of its own ranking (14% slower
     than the first) without saying so."""
     from spice_megatron.plan.report import choice_in_ranking
 
@@ -340,7 +339,7 @@ def test_choose_says_where_its_layout_stands_in_the_ranking():
 
 
 def test_audit_lines_print_rewards_and_advantages_with_three_decimals():
-    """Newcomer review F14.3: challenger advantages came with 16 decimals (-0.4079527002175556), the
+    """Challenger advantages came with 16 decimals (-0.4079527002175556), the
     task blocks' with 3."""
     from spice_megatron.run.audit import one_line
 

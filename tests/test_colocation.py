@@ -96,7 +96,7 @@ def _colocation(monkeypatch, tmp_path, not_asleep=(), cluster=()):
 
 
 def test_an_engine_that_did_not_sleep_never_shares_the_gpu_with_the_step(monkeypatch, tmp_path):
-    """GPU review 2 finding 3: a failed /sleep once left the engine awake beside the learner's step
+    """A failed /sleep once left the engine awake beside the learner's step
     (an out-of-memory step). The driver's own engine is killed (restarted before the next sync); a
     cluster's, which the driver cannot stop, ends the run with one line naming it."""
     from spice_megatron.loop.colocation import EngineNotAsleep

@@ -37,7 +37,7 @@ def test_each_rank_holds_an_early_and_a_late_chunk_and_the_ranks_cover_the_seque
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_the_attention_over_gathered_keys_is_the_causal_mask_without_one(monkeypatch):
-    """Review 3, finding 5: with a boolean [s/CP, s] mask and grouped K/V heads, a GPU without TE
+    """With a boolean [s/CP, s] mask and grouped K/V heads, a GPU without TE
     ran SDPA's math kernel (it keeps the probabilities). Two lower-right causal calls over the
     keys sorted by position give the same values and pass no explicit mask (flash-eligible)."""
     import torch.nn.functional as F

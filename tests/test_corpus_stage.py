@@ -12,7 +12,7 @@ from spice_megatron.data.corpus_stage import MANIFEST, stage_corpus
 
 
 def _hub_stand_in(monkeypatch, calls):
-    import spice_megatron.data.corpus as corpus
+    import spice_megatron.data.sources as sources
 
     def fake(builder_or_id, src, data_files):
         if data_files is not None:  # local json/parquet files still go through datasets
@@ -23,7 +23,7 @@ def _hub_stand_in(monkeypatch, calls):
                 yield {"url": "x"}  # no text field: a counted skip
             else:
                 yield {"text": f"Document {i} from {builder_or_id}. " + "The quick brown fox jumps. " * 20}
-    monkeypatch.setattr(corpus, "_iter_datasets", fake)
+    monkeypatch.setattr(sources, "_iter_datasets", fake)
 
 
 def _cfg(stage_dir):
@@ -58,7 +58,7 @@ def test_staging_writes_the_first_records_and_jobs_read_it_offline(tmp_path, mon
     assert calls == ["org/math-docs", "org/web-docs"]
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr("spice_megatron.data.corpus._iter_datasets",
+    monkeypatch.setattr("spice_megatron.data.sources._iter_datasets",
                         lambda *a: (_ for _ in ()).throw(AssertionError("hub")))
     corpus = Corpus.build(cfg, qwen3_tokenizer)  # the staged copy, offline, with the sources' names
     assert {d.source for d in corpus.documents} == {"math", "web"} and len(corpus.documents) == 18

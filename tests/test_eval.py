@@ -177,7 +177,7 @@ def test_training_curves_png(tmp_path):
     finally:
         matplotlib.figure.Figure.savefig = save
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
-    # titled with the run's name, not its absolute path; whole iterations on the x axes (review F14.2)
+    # titled with the run's name, not its absolute path; whole iterations on the x axes
     (fig,) = drawn
     assert fig._suptitle.get_text() == tmp_path.name
     assert all(float(t).is_integer() for ax in fig.axes for t in ax.get_xticks())

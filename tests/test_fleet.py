@@ -59,7 +59,7 @@ def _slow_engine(monkeypatch, fleet, statuses):
 
 
 def test_a_request_that_outlives_its_timeout_on_a_working_engine_is_waited_for(monkeypatch):
-    """Review 4 (the self-play check on a loaded machine): one 64-prompt request took longer than the
+    """One 64-prompt request took longer than the
     read timeout, the only engine was taken for dead and NoEngineLeft ended a check whose engine was
     working. An engine whose /status answers and whose steps advance is waited for: the request is
     posted again under its id (the engine answers with the first post's completions), not failed."""

@@ -81,7 +81,7 @@ DEVICES = ("h100", "h200")
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_node_of_an_engine_builds_the_same_step_cache_and_parallel_settings(engine_configs, device):
-    """Review 4, finding 1. vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults: on a GPU of >= 70
+    """On a GPU of >= 70
     GiB that is not an A100, max_num_batched_tokens defaults to 16384 for UsageContext.LLM_CLASS (the
     leader's `vllm.LLM`) and 8192 for OPENAI_API_SERVER (a follower's create_engine_config, as `vllm
     serve --headless`); _set_default_max_num_seqs_and_batched_tokens_args applies it whenever the

@@ -1,7 +1,7 @@
 """The colocated ipc weight sync when an engine fails mid-send (spice_megatron/bridge/ipc_sender.py):
 vLLM's packed IPC trainer engine, run on two gloo ranks with its chunk loop as it is (each chunk's
 handle all-gather and barrier on the default group); only the CUDA buffer (packed_ipc_producer) is
-a CPU stand-in. GPU review 2 finding 3: rank 0 raised at the failed chunk and rank 1 waited in the
+a CPU stand-in. Rank 0 once raised at the failed chunk and rank 1 waited in the
 next collective until the watchdog; every rank must leave the send together."""
 from types import SimpleNamespace
 

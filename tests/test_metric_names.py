@@ -65,7 +65,7 @@ def test_every_row_carries_the_same_names(tmp_path):
     resumed.close()
     last = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])
     assert last == {"iteration": 3, "valid_task_rate": 0.9, "time/eval": None, "eval/gsm8k": None}
-    # TensorBoard's tags are the JSONL's names: one spelling to search for (newcomer review F14.4)
+    # TensorBoard's tags are the JSONL's names: one spelling to search for
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))

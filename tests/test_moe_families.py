@@ -126,7 +126,7 @@ def test_an_fp8_block_scaled_checkpoint_converts_dequantized_without_its_mtp_lay
 
 
 def test_the_bf16_copy_for_the_engines_holds_the_learners_dequantized_weights(deepseek_dir, tmp_path):
-    """Review 3, finding 3: engines that load an FP8 directory hold float8 parameters that the bf16
+    """Engines that load an FP8 directory hold float8 parameters that the bf16
     weight sync is cast into with stale scales (served weights ~5,000x too small). They serve
     `spice convert bf16`'s copy instead, and an engine directory still quantized is refused."""
     import json
@@ -172,7 +172,7 @@ def test_another_quantization_is_refused_before_any_rank_starts():
 
 def test_the_bf16_copy_writes_only_a_fresh_directory_of_its_own_and_removes_nothing_it_did_not_make(
         deepseek_dir, tmp_path):
-    """Security review 3, C1 (bf16_output_probe.py): `spice convert bf16` wrote into an existing empty
+    """`spice convert bf16` wrote into an existing empty
     directory (or a link) another user owned, who then rewrote what the engines serve, and deleted
     OUTPUT.partial unasked. Now: any existing output or link refused, an output under a directory
     another user could change refused, the copy written in a directory of its own and renamed in."""

@@ -47,7 +47,7 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
         assert "2 worker(s) on 2 node(s) built the same step" in open(leader.log_path).read()
         # a stranger subscribed to every other port the leader listens on (vLLM's queues to the other
         # node among them) reads nothing of the requests: they speak CURVE with the job token's keys
-        # (rollout/engine_channels.py; security review 3, M3)
+        # (rollout/engine_channels.py)
         listening = _listening_ports(leader.process.pid) - {int(leader.url.rsplit(":", 1)[1])}
         assert listening, "the leader's queues to the follower's node were not found"
         stranger = _subscribed_everywhere(listening)
@@ -70,7 +70,7 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
         fleet.close()
 
         # a follower's death during a long batch is the engine's (rollout/node_watch.py): the leader exits,
-        # to be restarted whole, with every worker of its own (review 4, finding 2); vLLM alone would wait
+        # to be restarted whole, with every worker of its own; vLLM alone would wait
         # in its next collective
         long = RolloutFleet([leader.url], TOKEN, request_timeout=300)
         batch = long._pool.submit(long.generate, [f"story {i}:" for i in range(32)],
@@ -97,8 +97,8 @@ def test_an_engine_across_two_nodes_serves_syncs_every_worker_and_dies_with_a_fo
         long.close()
 
         # restarted whole, as rollout_node.sh restarts each node's part: it serves again, on the same ports.
-        # A stranger without the token reaches the watch first (security review 3, M2 and M4, against the
-        # real engine): one connection closes at once, one holds its slot and one sends a made-up hello;
+        # A stranger without the token reaches the watch first: one connection closes at once, one holds
+        # its slot and one sends a made-up hello;
         # none ends the leader, keeps the job's follower out or learns the engine's store port
         port = int(leader.url.rsplit(":", 1)[1])
         leader = start_engine(a, TOKEN, str(tmp_path / "restarted"), port, extra=span, env=TRUSTED)

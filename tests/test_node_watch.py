@@ -1,6 +1,6 @@
 """An engine across nodes lives and dies whole (spice_megatron/rollout/node_watch.py): where the
-leader listens for its followers, and that its own workers die with it. Review 4's reproducers
-(findings 2 and 3), run against the leader's real `serve.main` with its vLLM engine replaced by a
+leader listens for its followers, and that its own workers die with it; run against the leader's
+real `serve.main` with its vLLM engine replaced by a
 stand-in that starts one worker as vLLM's executor does (forked, the project's plugin run first)."""
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _outward_address() -> str | None:
 
 
 def test_followers_reach_a_leader_whose_name_resolves_to_loopback_on_itself():
-    """Review 4, finding 3 (follower_watch_bind.py): the watch listened where the leader's name resolves
+    """The watch listened where the leader's name resolves
     on the leader; followers elsewhere were refused and the engine never started."""
     outward = _outward_address()
     name = socket.gethostname()
@@ -124,7 +124,7 @@ def test_followers_reach_a_leader_whose_name_resolves_to_loopback_on_itself():
 
 
 def test_a_leaders_workers_die_with_it_when_a_follower_goes_and_free_its_port():
-    """Review 4, finding 2 (leader_workers_outlive_leader.py): the leader os._exit-ed and its worker, stuck
+    """The leader os._exit-ed and its worker, stuck
     in a collective, lived on (parent 1) holding the API port against the restarted leader."""
     tmp = f"/tmp/spice_watch_{os.getpid()}_{time.monotonic_ns()}"
     watch, api = free_port(), free_port()

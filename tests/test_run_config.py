@@ -54,7 +54,7 @@ def _recorded_run(tmp_path, overrides=("run.iterations=2",)):
 
 
 def test_a_second_start_into_a_run_directory_refuses_and_touches_nothing(tmp_path):
-    """Newcomer review F4: `spice train` into a directory holding a run, without --resume, started over
+    """`spice train` into a directory holding a run, without --resume, started over
     silently (config.json overwritten, the logs renamed aside, the old checkpoints left until
     overwritten). Now one line naming what is there and the two ways on, exit 2, before anything loads."""
     import subprocess
@@ -71,7 +71,7 @@ def test_a_second_start_into_a_run_directory_refuses_and_touches_nothing(tmp_pat
 
 
 def test_a_resume_takes_the_runs_recipe_and_overrides_and_compares_new_ones_first(tmp_path):
-    """Newcomer review F5: --resume made the user retype the recipe and every override (else tiny_cpu's
+    """--resume made the user retype the recipe and every override (else tiny_cpu's
     defaults were assumed), and the comparison came after 33 s of start-up. `spice train --resume
     --output RUN` takes RUN/config.json's recipe and overrides; a new override is compared before any
     model or data is loaded, every differing field named, unless --force-config."""
@@ -125,7 +125,7 @@ def test_a_resume_takes_the_runs_evaluation_options_unless_the_command_line_give
 
 
 def test_the_main_job_called_again_keeps_the_first_run_under_a_new_name_and_says_so(tmp_path):
-    """Newcomer review F4: the README's main job (tools/env/run_main.sh) run a second time started over
+    """The README's main job (tools/env/run_main.sh) run a second time started over
     in runs/tiny_cpu. Now it keeps the first run as runs/tiny_cpu.1 (then .2 ...) and says so; with
     --resume it continues the run in place. Run on a copy of the script with stand-ins for the setup
     and for `spice`, which record what they were asked."""

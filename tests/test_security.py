@@ -1,5 +1,5 @@
-"""Security on a shared cluster (docs/cluster.md): the probes of the first security review
-(shared/notes/review-security-1/) as tests. A squatter on an engine's port, a stranger in the
+"""Security on a shared cluster (docs/cluster.md, "Security on a shared cluster"): each attack it
+protects against, played here and refused. A squatter on an engine's port, a stranger in the
 weight-sync group, a planted checkpoint or counter file and hostile launcher values are each
 refused before anything is sent, loaded or run."""
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_the_engine_holds_its_port_before_the_model_loads(monkeypatch, tmp_path)
 
     class Loading:
         def __init__(self, *args, **kwargs):
-            for reuse in (False, True):  # review 2: with SO_REUSEADDR a bound, not listening port was free
+            for reuse in (False, True):  # with SO_REUSEADDR a bound, not listening port was free
                 s = socket.socket()
                 if reuse:
                     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -121,7 +121,7 @@ def test_the_engine_holds_its_port_before_the_model_loads(monkeypatch, tmp_path)
     with pytest.raises(RuntimeError, match="stand-in engine"):
         serve.main(["--model", str(tmp_path), "--port", str(port)])
     assert seen == {False: "Address already in use", True: "Address already in use", "token": TOKEN}
-    # security review 2, finding 2: an engine given --token-file hands the token to vLLM's side too
+    # an engine given --token-file hands the token to vLLM's side too
     token_file = tmp_path / "token"
     token_file.write_text("from-the-file\n")
     token_file.chmod(0o600)
@@ -132,7 +132,7 @@ def test_the_engine_holds_its_port_before_the_model_loads(monkeypatch, tmp_path)
 
 
 def test_an_engine_without_the_job_token_receives_no_weights(monkeypatch):
-    """Security review 2, finding 2 (token_file_probe.py): the engine's receive fails closed."""
+    """The engine's receive fails closed."""
     from spice_megatron.bridge.sync_integrity import WeightSyncError
     from spice_megatron.rollout.engine_transfer import SpiceUpdateInfo, SpiceWeightTransferEngine
 
@@ -236,7 +236,7 @@ def test_every_route_but_health_and_attest_needs_a_signed_request_and_says_nothi
 
 
 class Relay(BaseHTTPRequestHandler):
-    """Security review 2, squat_relay_probe.py: a squatter on engine A's port forwards every request
+    """A squatter on engine A's port forwards every request
     (the attestation's nonce, signed requests) to sibling engine B of the same job, answering with
     B's answers; on POST /generate it answers with its own text."""
 
@@ -269,7 +269,7 @@ class Relay(BaseHTTPRequestHandler):
 
 
 def test_a_squatter_relaying_to_a_sibling_engine_proves_nothing_and_signed_requests_bind_one_engine():
-    """Security review 2, findings 1 and 8: the proof names the engine's own port and process, so a
+    """The proof names the engine's own port and process, so a
     relayed proof is refused; a signed request is good at one engine process only (not a sibling,
     not a restarted engine on the same port, not with another query string), and an answer that
     the asked engine did not sign is refused."""
@@ -316,7 +316,7 @@ def test_a_squatter_relaying_to_a_sibling_engine_proves_nothing_and_signed_reque
 
 
 def test_local_engines_are_trusted_only_as_the_process_that_was_started(stub_service):
-    """Security review 2, finding 1: wait_healthy compares the engine's signed pid with its child's."""
+    """`wait_healthy` compares the engine's signed pid with its child's."""
     from spice_megatron.rollout.local import LocalEngine, wait_healthy
 
     _, url = stub_service
@@ -330,7 +330,7 @@ def test_local_engines_are_trusted_only_as_the_process_that_was_started(stub_ser
 
 
 def test_bodies_are_capped_on_every_method_and_unsigned_ones_never_parsed(stub_service):
-    """Security review 2, finding 7 (limits_probe.py): a GET with a body, chunked or not, is refused
+    """A GET with a body, chunked or not, is refused
     before it is read; an unsigned POST is refused before FastAPI parses it."""
     _, url = stub_service
     r = requests.get(url + "/status", data=b"x" * (64 << 10))
@@ -437,7 +437,7 @@ def test_a_stranger_in_the_sync_group_cannot_make_an_engine_load_weights(strange
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stranger", [None, "a-stranger-without-the-token"])
 def test_a_stranger_in_an_engines_sync_rank_receives_no_weights(stranger, tmp_path):
-    """Security review 2, finding 6 (sync_probe.py A): a process that takes an engine's sync rank
+    """A process that takes an engine's sync rank
     without the token fails the membership round before the first bucket: the sender sends nothing
     and says so, instead of reporting the sync done."""
     sender, (outcome, loaded) = run_ranks(_sync_rank, 2, free_port(), TOKEN, stranger, tmp_path=tmp_path, timeout=120)
@@ -446,7 +446,7 @@ def test_a_stranger_in_an_engines_sync_rank_receives_no_weights(stranger, tmp_pa
 
 
 def test_a_tensor_rewritten_in_flight_no_longer_keeps_its_checksum():
-    """Security review 2, finding 5 (sync_probe.py B): the unkeyed checksum is linear with public
+    """The unkeyed checksum is linear with public
     coefficients (words 251 apart weigh the same), so a rewrite can keep it; the sync's checksum is
     keyed with the sync's key and catches the same rewrite."""
     import torch
@@ -492,7 +492,7 @@ def _capped_receiver_rank(port):
 
 @pytest.mark.multiprocess
 def test_unsigned_sizes_are_capped_before_the_engine_allocates(tmp_path):
-    """Security review 2, finding 9: a bucket's size comes from unsigned metadata; the engine caps
+    """A bucket's size comes from unsigned metadata; the engine caps
     it by the trainer's largest bucket (sent over the signed HTTP plane) before allocating."""
     _, refused = run_ranks(_capped_receiver_rank, 2, free_port(), tmp_path=tmp_path, timeout=120)
     assert "a bucket of 16384 bytes announced, this engine takes at most 4096: refused before allocating" in refused
@@ -576,10 +576,10 @@ def test_a_planted_checkpoint_is_refused_before_anything_loads(how, tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a directory another user's")
 def test_a_run_directory_under_another_users_parent_is_refused_and_checked_again_before_a_load(tmp_path):
-    """Security review 2, finding 4 (rundir_probe.py): in a sticky shared scratch another user made
+    """In a sticky shared scratch another user made
     `scratch/alice` before the user's first run; whatever is under it can be swapped after the
     checks. The run directory, and a checkpoint right before it loads, are refused."""
-    from spice_megatron.policy.checkpoint import latest_checkpoint
+    from spice_megatron.policy.checkpoint_files import latest_checkpoint
     from spice_megatron.run_dir import UnsafeRunDir, check_checkpoint_tree, prepare_run_dir
 
     scratch = tmp_path / "scratch"
@@ -609,7 +609,7 @@ def test_a_run_directory_under_another_users_parent_is_refused_and_checked_again
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files to another user")
 def test_the_job_script_refuses_code_or_a_run_directory_another_user_controls(tmp_path):
-    """Security review 2, finding 4 (slurm_probe.py): another user's copy of spice_megatron/ (mode
+    """Another user's copy of spice_megatron/ (mode
     644) passed the job's code check, and an OUTPUT_DIR under another user's directory started."""
     import shutil
 
@@ -705,7 +705,7 @@ dist.destroy_process_group()
 
 @pytest.mark.multiprocess
 def test_the_learners_rendezvous_store_listens_on_loopback_only(tmp_path):
-    """Security review 2, finding 3 (learner_store_probe.py): torchrun's store, which `spice train`
+    """torchrun's store, which `spice train`
     starts for its local ranks, listened on every interface; it is bound to 127.0.0.1 now (the
     c10d rendezvous of a multi-node job to the head node's address)."""
     from spice_megatron.torchrun import free_port
@@ -737,7 +737,7 @@ def _world_member(secrets_by_rank):
 
 @pytest.mark.multiprocess
 def test_a_process_in_a_learner_ranks_place_is_refused_before_any_object_is_exchanged(tmp_path):
-    """Security review 2, finding 3: ranks unpickle each other's objects; a process that took a
+    """Ranks unpickle each other's objects; a process that took a
     rank's place through the store (no secret of the job's) stops the world before any of that."""
     assert run_ranks(_world_member, 2, ["job-secret", "job-secret"], tmp_path=tmp_path) == ["joined", "joined"]
     refused = run_ranks(_world_member, 2, ["job-secret", "a-stranger's-guess"], tmp_path=tmp_path)
@@ -842,8 +842,8 @@ def _watch_py(code: str, *args: object, token: str = TOKEN) -> subprocess.Popen:
 
 @pytest.mark.multiprocess
 def test_the_follower_watch_counts_only_peers_that_prove_the_job_token_both_ways():
-    """Security review 3, M4 and the seat of M1/M2 (watch_port_probe.py, engine_follower_slot.py,
-    engine_master_squat.py), played by a process without the token (the attack needs only the network,
+    """A squatter on an engine's follower watch and on vLLM's store port, played by a process without
+    the token (the attack needs only the network,
     so no second user here). A: a stranger that connects first and hangs up ends nothing. B: one that
     holds a slot keeps the job's follower out of nothing. C: one that binds the watch port before the
     leader is not followed, and learns no store port. The store's port (M1's second squat) is told only
@@ -896,7 +896,7 @@ def test_the_follower_watch_counts_only_peers_that_prove_the_job_token_both_ways
 
 @pytest.mark.multiprocess
 def test_an_engine_across_nodes_starts_only_on_a_declared_trusted_network(tmp_path, monkeypatch):
-    """Security review 3, M1-M3: vLLM's store and message queues are not authenticated (vLLM's security
+    """vLLM's store and message queues are not authenticated (vLLM's security
     guide: an isolated network; vllm#29565): an engine across nodes starts only where the operator
     declared a network only the job reaches, one line and exit 2 otherwise, on every path."""
     env = {k: v for k, v in os.environ.items() if k != "SPICE_TRUSTED_NETWORK"}
@@ -928,7 +928,7 @@ def test_an_engine_across_nodes_starts_only_on_a_declared_trusted_network(tmp_pa
 
 
 def test_the_job_refuses_a_spice_home_others_can_write_or_a_file_of_anothers_in_it(tmp_path):
-    """Security review 3, J1 (spice_home_probe.py): the job checked SPICE_HOME's ancestors and three
+    """The job checked SPICE_HOME's ancestors and three
     subtrees, not SPICE_HOME itself; every node runs `python -m` from it, so another group member's
     SPICE_HOME/secrets.py ran as the job's user. Refused now: a SPICE_HOME writable by group or others,
     or anything directly in it that is another user's (the second case needs root to play that user)."""
@@ -971,7 +971,7 @@ def test_the_job_refuses_a_spice_home_others_can_write_or_a_file_of_anothers_in_
 
 
 def test_a_rank_a_launcher_started_checks_the_run_directory_before_it_writes_the_config(tmp_path):
-    """Security review 3, R2 (config_json_probe.py): rank 0 of a srun task wrote config.json.tmp through
+    """Rank 0 of a srun task wrote config.json.tmp through
     another user's link, into a private file of its user, before the run directory was refused."""
     os.chmod(tmp_path, 0o755)
     results = tmp_path / "results"
@@ -990,7 +990,7 @@ def test_a_rank_a_launcher_started_checks_the_run_directory_before_it_writes_the
 
 
 def test_a_link_on_the_way_to_a_run_directory_is_refused_unless_it_is_the_users_in_a_safe_place(tmp_path):
-    """Security review 3, R1 (rundir_link_probe.py): the checks resolved links first, so another user's
+    """The checks resolved links first, so another user's
     link in a sticky scratch (flipped between the check and a load) was never checked."""
     from spice_megatron.run_dir import UnsafeRunDir, prepare_run_dir
 
@@ -1016,7 +1016,7 @@ def test_a_link_on_the_way_to_a_run_directory_is_refused_unless_it_is_the_users_
 
 
 def test_only_an_engine_across_nodes_arms_the_parent_death_switch_of_its_workers():
-    """Security review 3, I1: SPICE_DIE_WITH_PARENT inherited from the submitting shell (sbatch exports
+    """SPICE_DIE_WITH_PARENT inherited from the submitting shell (sbatch exports
     it) armed the plugin in any vLLM process; `spice` and a single-node engine drop it, and a leader or
     follower sets it to its own pid."""
     code = ("import os\nfrom spice_megatron import cli\n"
@@ -1028,7 +1028,7 @@ def test_only_an_engine_across_nodes_arms_the_parent_death_switch_of_its_workers
 
 
 def test_an_unsigned_body_is_refused_before_the_engine_reads_any_of_it(stub_service):
-    """Security review 3, H1 (unsigned_body_probe.py): a well-formed header with a made-up MAC made the
+    """A well-formed header with a made-up MAC made the
     engine buffer its body (up to 64 MiB, ~69 MiB RSS per connection, 1,024 connections) before the MAC
     was checked. The header now signs the body's SHA-256: a forged one is answered 401 while the body is
     still unsent."""
@@ -1057,7 +1057,7 @@ def test_an_unsigned_body_is_refused_before_the_engine_reads_any_of_it(stub_serv
 
 
 def test_an_engines_proof_names_its_address_so_a_relay_at_another_address_is_refused():
-    """Security review 3, A1 (attest_host_probe.py): the attestation bound the engine's port, not its
+    """The attestation bound the engine's port, not its
     address; a process at the same port on another address relayed to a sibling engine, was trusted,
     and read every prompt. The proof now names the address the engine's socket is bound to, and the
     fleet refuses a proof for an address the URL it dialled does not name."""
@@ -1114,7 +1114,7 @@ def test_an_engines_proof_names_its_address_so_a_relay_at_another_address_is_ref
 
 
 def test_an_engines_queues_across_nodes_are_read_only_with_the_job_token(monkeypatch):
-    """Security review 3, M3: vLLM's message queues between an engine's nodes (the broadcast of every
+    """vLLM's message queues between an engine's nodes (the broadcast of every
     step's prompts) bound unauthenticated on the node's address. With the plugin they speak CURVE with
     keys from the job token: the job's subscriber reads, a plain one and one of another token do not;
     the plugin changes vLLM's queue module only where the token is set."""

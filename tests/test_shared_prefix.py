@@ -168,7 +168,7 @@ def test_a_completion_sees_its_prefix_and_itself_and_never_another_completion():
 
 
 def test_a_long_prefix_row_saves_what_the_planner_counts_for_attention():
-    """GPU review 2 finding 5: a challenger-like unit (a 2,400-token prefix, 3 completions of 300,
+    """A challenger-like unit (a 2,400-token prefix, 3 completions of 300,
     GQA 4) once saved 6.9x the planner's attention terms (K/V per query head, copied per completion,
     a mask each). Now what the backward keeps (each storage once, q/k/v included, plus the output the
     projection keeps) is within 1.3x of the planner's terms for the row's tokens."""

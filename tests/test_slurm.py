@@ -398,7 +398,7 @@ def test_nccl_mismatch_names_a_remedy_that_reaches_torchs_nccl(tmp_path):
 
 
 def test_a_quantized_engine_model_is_refused_before_any_srun_and_not_requeued(fake_bin, tmp_path, monkeypatch):
-    """Review 4, finding 4: an FP8 MODEL_DIR without ROLLOUT_MODEL_DIR was refused only from the engines'
+    """An FP8 MODEL_DIR without ROLLOUT_MODEL_DIR was refused only from the engines'
     /status after the learner had loaded 671B parameters, as a failure that requeued (four starts)."""
     import io
 
@@ -421,7 +421,7 @@ def test_a_quantized_engine_model_is_refused_before_any_srun_and_not_requeued(fa
 
 
 def test_an_engine_across_nodes_gets_vllm_host_ip_and_a_restart_waits_for_its_port(fake_bin, tmp_path):
-    """Review 4, findings 2 and 3: vLLM advertises its message queues at VLLM_HOST_IP (else the default
+    """vLLM advertises its message queues at VLLM_HOST_IP (else the default
     route's interface); a restarted engine waits, bounded, until its last one's processes let go of its
     ports (and GPUs, where nvidia-smi is)."""
     import socket
@@ -454,7 +454,7 @@ def test_an_engine_across_nodes_gets_vllm_host_ip_and_a_restart_waits_for_its_po
 
 
 def test_an_engine_across_nodes_needs_a_declared_trusted_network_before_any_srun(fake_bin, tmp_path):
-    """Security review 3, M1-M3: vLLM's store and queues are not authenticated; the job starts an engine
+    """vLLM's store and queues are not authenticated; the job starts an engine
     across nodes only where SPICE_TRUSTED_NETWORK says the rollout nodes' network is the job's alone."""
     script = os.path.join(ROOT, "slurm", "spice_deepseek_v3.sbatch")
     r, calls, _, _ = _run_job(script, fake_bin, tmp_path, SPICE_TRUSTED_NETWORK="")
@@ -468,7 +468,7 @@ def test_an_engine_across_nodes_needs_a_declared_trusted_network_before_any_srun
 
 
 def test_the_learners_world_secret_is_fresh_and_reaches_the_learners_step_only(fake_bin, tmp_path):
-    """Security review 3, L1: the learner's world secret fell back to the engines' token, which every
+    """The learner's world secret fell back to the engines' token, which every
     rollout node (vLLM's open plane) holds. The job gives the learner's step a secret of its own."""
     r, calls, _, _ = _run_job(os.path.join(ROOT, "slurm", "spice_8b.sbatch"), fake_bin, tmp_path)
     assert r.returncode == 0, r.stderr
@@ -481,7 +481,7 @@ def test_the_learners_world_secret_is_fresh_and_reaches_the_learners_step_only(f
 
 
 def test_one_set_of_image_names_and_every_disaggregated_example_names_both_images():
-    """Newcomer review F8: three names for the images, and sbatch headers whose example gave one image
+    """Three names for the images, and sbatch headers whose example gave one image
     where the job needs two (vLLM's torch breaks an NGC image's TE/apex: slurm/spice_job.sh)."""
     names = set()
     for path in [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md")),

@@ -33,7 +33,7 @@ def test_only_an_on_policy_disaggregated_streamed_run_with_several_steps_per_bat
 
 
 def _deliver_a_streamed_chunk(dp):
-    """Review 3, finding 1: a complete document's sequences (advantage 0: not known yet) through
+    """A complete document's sequences (advantage 0: not known yet) through
     BatchDelivery's forward_only path, on `dp` ranks; each rank checks the routing of its share as
     compute_logprobs does first."""
     import types

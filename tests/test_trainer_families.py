@@ -42,7 +42,7 @@ def test_the_tiny_deepseek_recipe_replays_routing_and_syncs_latent_attention_and
     with the main job's small-run overrides: two iterations, the engine's routing replayed, the
     synced weights giving the learner's log-probs, an export with every DeepSeek-V3 tensor. The
     learner reads the model as DeepSeek-V3 is published (FP8, block scales) and the engine serves
-    `spice convert bf16`'s copy (review 3, finding 3); an engine on the FP8 directory is refused."""
+    `spice convert bf16`'s copy; an engine on the FP8 directory is refused."""
     import subprocess
     import sys
 

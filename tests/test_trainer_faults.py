@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 def test_the_smollm2_demo_run_and_what_a_newcomer_reads_of_it(tmp_path, capsys):
     """The README's main job, shortened: SmolLM2-135M-Instruct on real offline documents; then the
-    newcomer's path through its output (review 2026-12): the summary, the config, the metrics and
+    newcomer's path through its output: the summary, the config, the metrics and
     their glossary, the curves, the audit trail from iteration 1, its footprint and `spice clean`."""
     from spice_megatron.data.offline_assets import smollm2_dir
 

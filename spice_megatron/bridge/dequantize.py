@@ -3,7 +3,7 @@
 The learner dequantizes an FP8 checkpoint on import and trains bf16; the weight sync then sends
 bf16 tensors. An engine that loaded the FP8 directory holds float8 parameters with the checkpoint's
 block scales: vLLM's loaders copy a synced bf16 tensor into them element by element and keep
-multiplying by the old scales (review 3: served weights ~5,000x too small, every checksum passing).
+multiplying by the old scales (served weights ~5,000x too small, every checksum passing; found on a GPU).
 So engines serve a bf16 copy (`rollout.model`) while the learner reads the original, and an engine
 directory that is still quantized is refused before anything starts.
 
@@ -57,7 +57,7 @@ def write_bf16_copy(src: str, dst: str, progress: Callable[[str], None] = print)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise CheckpointError(f"--output {dst}: the copy must not overwrite its source")
     # a fresh directory only: an existing one (or a link) may be another user's, who could rewrite what
-    # the engines serve (security review 3, C1)
+    # the engines serve (docs/cluster.md, "The weight sync only with the job's members")
     if os.path.lexists(dst):
         raise CheckpointError(f"--output {dst}: already exists (the copy writes a fresh directory of its own; "
                               "choose another path, or remove it if it is yours)")

@@ -131,7 +131,7 @@ CONVERT_FLAGS = {"parallel.tensor_parallel": "--tp", "parallel.pipeline_parallel
 def check_checkpoint(ckpt: str, flag: str = "--ckpt") -> str:
     """A Megatron checkpoint (a root or one step directory) whose files are all there; returns the
     step directory. Sizes are checked against the manifest; checksums are left to the load."""
-    from spice_megatron.policy.checkpoint import HF_META_DIR, MANIFEST, checkpoint_root, latest_checkpoint
+    from spice_megatron.policy.checkpoint_files import HF_META_DIR, MANIFEST, checkpoint_root, latest_checkpoint
 
     require_dir(ckpt, flag)
     root = checkpoint_root(ckpt)

@@ -43,7 +43,8 @@ def tensor_checksum(t: torch.Tensor, key: bytes | None = None) -> int:
     """A position-sensitive checksum of a tensor's bytes, exact on any device and in any
     summation order: 32-bit words times small weights, summed in float64 over chunks of 2^12,
     stay integers below 2^51, so BLAS may add them in any order and still agree bit for bit.
-    With a sync `key`: keyed_checksum, which a rewrite in flight cannot keep (security review 2)."""
+    With a sync `key`: keyed_checksum, which a rewrite in flight cannot keep (docs/cluster.md, "The
+    weight sync only with the job's members")."""
     if key is not None:
         return keyed_checksum(t, key)
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
@@ -74,7 +75,7 @@ def tensor_checksum(t: torch.Tensor, key: bytes | None = None) -> int:
 # then HMAC-SHA256 over every chunk's sums in order. Without the key a change to a chunk keeps one
 # round's sum with probability about 2^-10, all six's about 2^-60, and the HMAC binds the sums'
 # order and the size: the bytes are authenticated, not a linear function anyone can steer (the
-# unkeyed checksum, which security review 2 rewrote tensors under).
+# unkeyed checksum, under which a tensor could be rewritten unseen).
 KEYED_ROUNDS = 6
 
 

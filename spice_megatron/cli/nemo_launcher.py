@@ -238,7 +238,8 @@ def require_mounted(flag: str, path: str, mounts: list[str]) -> None:
 
 
 def completed_iterations(output_dir: str) -> int:
-    from spice_megatron.policy.checkpoint import latest_checkpoint, read_trainer_state
+    from spice_megatron.policy.checkpoint import read_trainer_state
+    from spice_megatron.policy.checkpoint_files import latest_checkpoint
 
     latest = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
     return int(read_trainer_state(latest).get("iteration", 0)) if latest else 0

@@ -75,7 +75,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     elif global_rank() == 0 and not os.environ.get(CONFIG_RECORDED_ENV):  # ranks a cluster launcher started
         from spice_megatron.run_dir import prepare_run_dir
 
-        # the run directory checked before anything is written into it (security review 3, R2)
+        # the run directory checked before anything is written into it (docs/cluster.md, "A run
+        # directory nobody else writes")
         prepare_run_dir(cfg.run.output_dir, cfg.run.group_readable)
         print(record_run_config(cfg, args.recipe, args.overrides, resuming, args.force_config, _run_options(args)),
               flush=True)

@@ -15,7 +15,8 @@ import time
 from collections import Counter
 
 from spice_megatron.config import CorpusConfig
-from spice_megatron.data.corpus import StagingError, is_hub_source, iter_source_records, record_text, staged_path
+from spice_megatron.data.corpus import StagingError, staged_path
+from spice_megatron.data.sources import is_hub_source, iter_source_records, record_text
 
 log = logging.getLogger(__name__)
 

@@ -1,22 +1,19 @@
-"""What saves or ends a run around its iterations (trainer.py steps 6 and 7): checkpoints, a stop
-someone asked for, the kill switch, and the engines' loss or death."""
+"""What saves or ends a run around its iterations (trainer.py step 7): checkpoints, a stop someone
+asked for, and the kill switch. (When no engine comes back, engines.py asks it for the checkpoint.)"""
 from __future__ import annotations
 
 import os
 
 from spice_megatron.config import SpiceConfig
-from spice_megatron.loop.driver import EnginesLost, KillSwitch
-from spice_megatron.loop.interfaces import RolloutDriver
-from spice_megatron.policy.parallel import broadcast_from_driver
+from spice_megatron.loop.driver import KillSwitch
 from spice_megatron.run.control import KILL_SWITCH_FILE, STOP_FILE, STOPPED_FILE, Interrupted, write_marker
 
 
 class RunGuard:
-    def __init__(self, cfg: SpiceConfig, learner, driver: RolloutDriver | None, control, weights, colocation, rollouts,
-                 saved_iteration: int, is_driver: bool) -> None:
-        """`saved_iteration`: the iteration the newest checkpoint holds (-1: none)."""
-        self.cfg, self.learner, self.driver, self.control = cfg, learner, driver, control
-        self.weights, self.colocation, self.rollouts = weights, colocation, rollouts
+    def __init__(self, cfg: SpiceConfig, learner, rollouts, saved_iteration: int, is_driver: bool) -> None:
+        """`saved_iteration`: the iteration the newest checkpoint holds (-1: none); `rollouts`: the
+        loop's rollout source, whose state() a checkpoint holds."""
+        self.cfg, self.learner, self.rollouts = cfg, learner, rollouts
         self.saved, self.is_driver = saved_iteration, is_driver
         self.ckpt_root = os.path.join(cfg.run.output_dir, "checkpoints")
         self.stop_file = os.path.join(cfg.run.output_dir, STOP_FILE)
@@ -31,6 +28,11 @@ class RunGuard:
         save_checkpoint(self.learner, self.ckpt_root, done, trainer_state, self.cfg.run.keep_last)  # rank 0 writes
         self.saved = done
 
+    def save_unless_held(self, done: int, held: int) -> None:
+        """A checkpoint of the `done` iterations before the run stops, unless the newest holds them."""
+        if done > self.saved:
+            self.save(done, held)
+
     def stop_requested(self, done: int, held: int, why: str, raise_: bool = True) -> None:
         """Ctrl-C, SIGTERM or a STOP file: a checkpoint of the `done` iterations (unless the newest
         holds them already), the STOP file consumed (the next attempt runs on), the STOPPED marker
@@ -43,43 +45,6 @@ class RunGuard:
         if raise_:
             where = f"after iteration {done} with a checkpoint" if done else "before iteration 1 (nothing to save)"
             raise Interrupted(f"{why + '; ' if why else ''}stopped {where}; continue with --resume")
-
-    def recover(self, why: str, done: int | None, held: int, sync: bool = False) -> None:
-        """No rollout engine is left: the driver restarts those it started (or waits for a cluster's)
-        and the sync group is formed anew (with `sync`, the engines then get weights `held`). If none
-        comes back, the run stops; with `done`, after a checkpoint of the `done` iterations finished
-        (the learner holds their weights), else from the last checkpoint. --resume continues either."""
-        reason = broadcast_from_driver(self.driver.recover_engines(why) if self.driver else "", self.control)
-        if reason:
-            if done is not None and done > self.saved:
-                self.save(done, held)
-            at = f"a checkpoint after iteration {done}" if done is not None else "the last checkpoint"
-            raise EnginesLost(f"{reason}; the run stopped: continue from {at} with --resume")
-        self.weights.reform()
-        self.colocation.before_sync()  # restarted engines start awake: their KV cache waits for the sync
-        if sync:
-            self.weights.sync(held)
-            self.colocation.after_sync()
-
-    def load_engines(self, version: int) -> None:
-        """Weights `version` to engines that hold others (a resumed run's, which start from the base model)."""
-        self.colocation.before_sync()
-        self.weights.sync(version)
-        self.colocation.after_sync()
-
-    def sync_engines(self, lost: str, version: int) -> dict[str, float]:
-        """Step 6: the new weights to the engines. Engines lost while the learner stepped are brought
-        back first; one that died during the rollouts (the fleet served its requests elsewhere) is
-        restarted and the sync group formed anew."""
-        lost = broadcast_from_driver(lost, self.control)
-        if lost:
-            self.recover(lost, None, version)
-        elif broadcast_from_driver(self.driver.restart_dead_engines() if self.driver else False, self.control):
-            self.weights.reform()
-            self.colocation.before_sync()
-        sync = self.weights.sync(version)
-        self.colocation.after_sync()
-        return sync
 
     def end_iteration(self, done: int, version: int, stop: str, interrupted: bool) -> None:
         """Step 7's end: a checkpoint when one is due (every run.checkpoint_every, the last, or the run

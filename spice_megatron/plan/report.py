@@ -125,7 +125,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
 
 def choice_in_ranking(chosen: str, ranked: list[tuple[str, dict]]) -> str:
-    """Where --choose's layout stands in the ranking, and why it need not be first (newcomer review F2)."""
+    """Where --choose's layout stands in the ranking, and why it need not be first."""
     place = next((i for i, (overrides, _) in enumerate(ranked, 1) if overrides == chosen), None)
     best = ranked[0][1]["tokens_per_s_per_gpu"]
     if place == 1:

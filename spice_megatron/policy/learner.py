@@ -21,10 +21,12 @@ from spice_megatron.families import ModelSpec
 from spice_megatron.policy import cpu_compat
 from spice_megatron.policy.batching import MicroBatch, TrainSequence, make_microbatches, split_data_parallel
 from spice_megatron.policy.context_parallel import rank_micro_batch, whole_sequence
+from spice_megatron.policy.logprobs import gather_scored
 from spice_megatron.policy.mismatch import mismatch_by_role, mismatch_metrics, mismatch_rows
 from spice_megatron.policy.model import build_policy_model, have_transformer_engine, layer_offset, resolve_shared_prefix
+from spice_megatron.policy.optimizer import data_parallel_chunks, lr_scheduler, megatron_optimizer
 from spice_megatron.policy.packing import minibatch_split, packed_microbatches, split_units_data_parallel
-from spice_megatron.policy.parallel import Layout, current_layout, init_distributed
+from spice_megatron.policy.parallel import Layout, current_layout, init_distributed, layout_matches
 from spice_megatron.policy.routing_replay import RoutingReplay, check_routing
 from spice_megatron.policy.shared_prefix import PackedForward, scored_logprobs
 from spice_megatron.selfplay.loss import drgrpo_token_loss
@@ -73,18 +75,14 @@ class Learner:
         """`load_weights(learner)` fills `learner.model` before the optimizer exists: megatron's
         bf16 optimizers copy fp32 main weights from the model when they are built and write them
         back after every step, so weights loaded later would be replaced by the random init."""
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER, OptimizerConfig, get_megatron_optimizer
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER
 
         for c in (parallel, optim, train):
             c.validate()
         if optim.use_distributed_optimizer and USING_PYTORCH_OPTIMIZER and not ALLOW_TORCH_DISTRIBUTED_OPTIMIZER:
             # megatron-core 0.16.1's torch fallback restores one shared Adam `step` tensor for all
-            # parameters on load, silently corrupting resumed runs (notes/megatron-core-on-cpu.md).
+            # parameters on load, silently corrupting resumed runs (docs/architecture.md, "bf16").
             raise ConfigError("optim.use_distributed_optimizer: needs Transformer Engine or apex; the torch "
                               "fallback's checkpoint restore is broken in megatron-core 0.16.1")
         if "moe_act" in train.recompute_modules and train.recompute == "selective" and not have_transformer_engine():
@@ -92,7 +90,7 @@ class Learner:
                               "(Transformer Engine's grouped GEMM); without it use moe")
         train = resolve_shared_prefix(spec, train, parallel.context_parallel)
         self.spec, self.parallel, self.optim_cfg, self.train_cfg, self.pad_id = spec, parallel, optim, train, pad_id
-        if not dist.is_initialized() or not self._layout_matches(parallel):
+        if not dist.is_initialized() or not layout_matches(parallel):
             init_distributed(parallel, seed=train.seed)
         self.layout: Layout = current_layout()
         self.dtype = resolve_dtype(train.dtype)
@@ -136,55 +134,14 @@ class Learner:
                 self.replay.add_chunk(chunk, layer_offset(chunk))
         if load_weights is not None:
             load_weights(self)
-        with cpu_compat.cuda_to_cpu():
-            # the data-parallel gradient reduce runs bucket by bucket during the backward pass
-            # (finalize_model_grads waits for the last buckets); a later chunk's buckets are not
-            # split (megatron's rule: the interleaved schedule reduces them chunk by chunk)
-            self.ddp_chunks = [DistributedDataParallel(
-                config=chunk.config, module=chunk,
-                ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=optim.use_distributed_optimizer,
-                                                         overlap_grad_reduce=self.layout.dp > 1,
-                                                         grad_reduce_in_fp32=True),
-                disable_bucketing=i > 0) for i, chunk in enumerate(self.chunks)]
-            self.ddp = self.ddp_chunks[0]
-            # optim.cpu_offload_fraction: megatron's HybridDeviceOptimizer (CPU Adam for that share of
-            # the state; it requires the precision-aware distributed optimizer); GPU only, never run here
-            offload = ({"optimizer_cpu_offload": True, "optimizer_offload_fraction": optim.cpu_offload_fraction,
-                        "use_precision_aware_optimizer": True} if optim.cpu_offload_fraction else {})
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-                                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                                clip_grad=optim.clip_grad, bf16=self.dtype == torch.bfloat16,
-                                params_dtype=self.dtype, use_distributed_optimizer=optim.use_distributed_optimizer,
-                                **offload),
-                self.ddp_chunks)
-        self.scheduler = self._scheduler(optim)
+        self.ddp_chunks = data_parallel_chunks(self.chunks, optim, self.layout.dp)
+        self.ddp = self.ddp_chunks[0]
+        self.optimizer = megatron_optimizer(self.ddp_chunks, optim, self.dtype)
+        self.scheduler = lr_scheduler(self.optimizer, optim)
         self.tconfig.no_sync_func = ([d.no_sync for d in self.ddp_chunks] if len(self.ddp_chunks) > 1
                                      else self.ddp.no_sync)
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.steps = 0
-
-    @staticmethod
-    def _layout_matches(parallel: ParallelConfig) -> bool:
-        from megatron.core import parallel_state as ps
-
-        return (ps.model_parallel_is_initialized()
-                and ps.get_tensor_model_parallel_world_size() == parallel.tensor_parallel
-                and ps.get_pipeline_model_parallel_world_size() == parallel.pipeline_parallel
-                and ps.get_context_parallel_world_size() == parallel.context_parallel
-                and (ps.get_virtual_pipeline_model_parallel_world_size() or 1) == parallel.virtual_pipeline
-                and ps.get_expert_model_parallel_world_size() == parallel.expert_parallel
-                and ps.get_expert_tensor_parallel_world_size() == parallel.expert_tensor_parallel)
-
-    def _scheduler(self, optim: OptimConfig):
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        decay_steps = optim.decay_steps if optim.decay_style != "constant" else optim.warmup_steps + 1
-        return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
-            lr_warmup_steps=optim.warmup_steps, lr_decay_steps=max(decay_steps, optim.warmup_steps + 1),
-            lr_decay_style=optim.decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
-            wd_incr_steps=1, wd_incr_style="constant")
 
     # ------------------------------------------------------------------------- forward/backward
 
@@ -254,7 +211,7 @@ class Learner:
 
         outs = self._run(mbs, loss_fn, forward_only=True)
         result: list[list[float]] = [[] for _ in seqs]
-        index, counts, values = self._gather_logprobs(outs)
+        index, counts, values = gather_scored(outs, self.layout, self.device)
         for i, part in zip(index.tolist(), values.split(counts.tolist())):
             result[i] = part.tolist()
         return result
@@ -272,33 +229,6 @@ class Learner:
         if self.shared_prefix:
             return split_units_data_parallel(seqs, self.layout.dp)
         return split_data_parallel([len(x) for x in seqs], self.layout.dp)
-
-    def _gather_logprobs(self, outs: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every (sequence index, count, log-probs) that the last stages' TP rank 0 hold, on every
-        rank, as tensors: two all-gathers of sizes and padded tensors on the device (NCCL on GPU)
-        instead of pickled lists, then one copy to the host."""
-        dev = self.device
-        # context-parallel ranks all hold the whole sequences' log-probs (compute_logprobs)
-        mine = outs if (self.layout.is_last_stage and self.layout.tp_rank == 0 and self.layout.cp_rank == 0) else []
-        index = torch.cat([o["index"] for o in mine]).to(dev) if mine else torch.zeros(0, dtype=torch.long, device=dev)
-        counts = torch.cat([o["counts"].long().to(dev) for o in mine]) if mine else torch.zeros_like(index)
-        values = torch.cat([o["values"].to(dev) for o in mine]) if mine else torch.zeros(0, device=dev)
-        world = self.layout.world_size
-        sizes = [torch.zeros(2, dtype=torch.long, device=dev) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([index.numel(), values.numel()], device=dev))
-        rows, vals = (max(int(sz[k]) for sz in sizes) for k in (0, 1))
-        packed = torch.zeros(world, 2 * rows, dtype=torch.long, device=dev)
-        flat = torch.zeros(world, vals, dtype=torch.float32, device=dev)
-        mine_packed = torch.zeros(2 * rows, dtype=torch.long, device=dev)
-        mine_packed[:index.numel()], mine_packed[rows:rows + counts.numel()] = index, counts
-        mine_flat = torch.zeros(vals, dtype=torch.float32, device=dev)
-        mine_flat[:values.numel()] = values
-        dist.all_gather(list(packed.unbind(0)), mine_packed)
-        dist.all_gather(list(flat.unbind(0)), mine_flat)
-        packed, flat = packed.cpu(), flat.cpu()
-        parts = [(packed[r, :int(sz[0])], packed[r, rows:rows + int(sz[0])], flat[r, :int(sz[1])])
-                 for r, sz in enumerate(s.cpu() for s in sizes)]
-        return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
 
     def steps_for(self, num_sequences: int) -> int:
         """Optimiser steps for a batch: ceil(n / trajectories_per_update) (the paper's updates of
@@ -324,30 +254,6 @@ class Learner:
             moe = self.spec.moe
             mine = self.data_parallel_split(seqs)[self.layout.dp_rank]
             check_routing([seqs[i] for i in sorted(mine)], self.spec.num_layers, moe.top_k, moe.num_experts)
-
-    def _routing_metrics(self) -> tuple[float | None, dict[str, float] | None]:
-        """Since the last call, over every rank (collective): the share of engine-routed (token,
-        MoE layer) pairs whose learner routing differs from the engine's, and per MoE layer (keyed by
-        its decoder-layer index) its busiest expert's load over the mean and its router's mean
-        entropy, over real tokens. A token is counted by each TP rank that routes it; the shares are
-        unchanged by that."""
-        if self.replay is None:
-            return None, None
-        moe = self.spec.moe
-        differ, load = self.replay.take_counts(self.spec.num_layers, moe.num_experts)
-        # on the device: the default group is NCCL on GPU
-        counts = torch.cat([differ, load.reshape(-1)]).to(self.device)
-        dist.all_reduce(counts)
-        counts = counts.cpu()
-        differs = float(counts[0] / counts[1]) if counts[1] > 0 else None
-        load = counts[2:].view(self.spec.num_layers, moe.num_experts + 2)
-        router = {}
-        for layer, row in enumerate(load):
-            experts, entropy, tokens = row[:-2], row[-2], row[-1]
-            if tokens > 0:
-                router[f"router/max_load/{layer}"] = float(experts.max() / experts.mean())
-                router[f"router/entropy/{layer}"] = float(entropy / tokens)
-        return differs, router or None
 
     def trained_mask(self, seqs: list[TrainSequence]) -> list[bool]:
         """Which sequences the learner runs. DrGRPO's gradient is a sum of advantage-weighted terms
@@ -477,7 +383,9 @@ class Learner:
         gap_tokens = sum(p["gap_tokens"] for p in parts)
         if not ok:
             log.warning("optimizer step %d skipped (non-finite gradients)", self.steps)
-        differs, router = self._routing_metrics()
+        differs, router = None, None
+        if self.replay is not None:
+            differs, router = self.replay.metrics(self.spec.num_layers, self.spec.moe.num_experts, self.device)
         return StepMetrics(
             loss=sum(p["loss"] for p in parts), grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"], tokens=int(tokens), sequences=n_global,

@@ -56,9 +56,9 @@ def _authenticate_world(rank: int, world: int, backend: str) -> None:
     """Before any rank unpickles a peer's object (the driver's broadcasts, the batch's scatter):
     every rank proves it holds the job's secret (HMAC over its rank, all-gathered as bytes, no
     pickle). A process that took a rank's place through the rendezvous store fails it and the world
-    stops with one line on every rank (security review 2). The secret: $SPICE_WORLD_SECRET (set by
-    `spice train`'s relaunch) or the job's $SPICE_ROLLOUT_TOKEN (fresh per attempt in the Slurm and
-    NeMo-Run scripts); without either the members are not checked."""
+    stops with one line on every rank (docs/cluster.md, "The learner's rendezvous"). The secret:
+    $SPICE_WORLD_SECRET (set by `spice train`'s relaunch) or the job's $SPICE_ROLLOUT_TOKEN (fresh per
+    attempt in the Slurm and NeMo-Run scripts); without either the members are not checked."""
     import hashlib
     import hmac
 
@@ -165,6 +165,19 @@ def current_layout() -> Layout:
                   edp_rank=ps.get_expert_data_parallel_rank(), cp=ps.get_context_parallel_world_size(),
                   cp_rank=ps.get_context_parallel_rank(),
                   vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+
+
+def layout_matches(parallel: ParallelConfig) -> bool:
+    """Whether megatron's parallel state is initialized with the layout `parallel` asks for."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.model_parallel_is_initialized()
+            and ps.get_tensor_model_parallel_world_size() == parallel.tensor_parallel
+            and ps.get_pipeline_model_parallel_world_size() == parallel.pipeline_parallel
+            and ps.get_context_parallel_world_size() == parallel.context_parallel
+            and (ps.get_virtual_pipeline_model_parallel_world_size() or 1) == parallel.virtual_pipeline
+            and ps.get_expert_model_parallel_world_size() == parallel.expert_parallel
+            and ps.get_expert_tensor_parallel_world_size() == parallel.expert_tensor_parallel)
 
 
 def control_group(timeout_s: float):

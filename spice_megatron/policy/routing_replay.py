@@ -196,3 +196,26 @@ class RoutingReplay:
                 rr.set_router_replay_action(self._action)
             else:  # measure only: the router picks its own experts
                 rr.clear_router_replay_action()
+
+    def metrics(self, num_layers: int, num_experts: int, device) -> tuple[float | None, dict[str, float] | None]:
+        """Since the last call, over every rank (collective): the share of engine-routed (token,
+        MoE layer) pairs whose learner routing differs from the engine's, and per MoE layer (keyed by
+        its decoder-layer index) its busiest expert's load over the mean and its router's mean
+        entropy, over real tokens. A token is counted by each TP rank that routes it; the shares are
+        unchanged by that."""
+        import torch.distributed as dist
+
+        differ, load = self.take_counts(num_layers, num_experts)
+        # on the device: the default group is NCCL on GPU
+        counts = torch.cat([differ, load.reshape(-1)]).to(device)
+        dist.all_reduce(counts)
+        counts = counts.cpu()
+        differs = float(counts[0] / counts[1]) if counts[1] > 0 else None
+        load = counts[2:].view(num_layers, num_experts + 2)
+        router = {}
+        for layer, row in enumerate(load):
+            experts, entropy, tokens = row[:-2], row[-2], row[-1]
+            if tokens > 0:
+                router[f"router/max_load/{layer}"] = float(experts.max() / experts.mean())
+                router[f"router/entropy/{layer}"] = float(entropy / tokens)
+        return differs, router or None

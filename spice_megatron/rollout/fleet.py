@@ -16,7 +16,6 @@ the samples are split or batched.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import uuid
@@ -25,8 +24,9 @@ from dataclasses import dataclass, field, replace
 
 import requests
 
-from spice_megatron.rollout.ipc_handles import encode_update
-from spice_megatron.wire.auth import AuthError, attest, new_nonce, signed_request, sync_key
+from spice_megatron.rollout.fleet_sync import FleetSyncClient
+from spice_megatron.rollout.request_plan import Request, plan_requests
+from spice_megatron.wire.auth import AuthError, attest, signed_request
 from spice_megatron.wire.types import Completion, SamplingSpec, unpack_completions
 
 log = logging.getLogger(__name__)
@@ -59,52 +59,6 @@ class EngineStats:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.busy_seconds if self.busy_seconds else 0.0
-
-
-@dataclass(frozen=True)
-class Request:
-    """One /generate request of a phase: prompts[first:first + count], each sampled n times. A prompt
-    whose samples are split over engines sends samples offset.. of its n as a request of its own."""
-    first: int
-    count: int
-    n: int
-    offset: int = 0
-    unit: int = 0  # requests of one unit go to one engine: a unit is one engine's share
-
-    @property
-    def sequences(self) -> int:
-        return self.count * self.n
-
-    def seed_offset(self, num_prompts: int) -> int:
-        """Prompt i of a request samples with seed + i (the engine's rule), so the request's seed is
-        seed + first; the later samples of a split prompt take seeds past every prompt's first."""
-        return self.first + self.offset * num_prompts
-
-
-def plan_requests(num_prompts: int, n: int, engines: int, cap: int) -> list[Request]:
-    """Cut a phase of num_prompts x n sequences into units of near-equal size, one per healthy engine
-    (at most `cap` sequences each: then several per engine), whole prompts where they fit and a
-    prompt's samples split between units where they do not."""
-    if num_prompts < 1 or n < 1 or engines < 1 or cap < 1:
-        raise ValueError(f"plan_requests: num_prompts {num_prompts}, n {n}, engines {engines}, cap {cap}")
-    size = max(1, min(cap, math.ceil(num_prompts * n / engines)))
-    plan: list[Request] = []
-    unit = fill = prompt = taken = 0  # taken: samples of `prompt` already planned
-    while prompt < num_prompts:
-        room = size - fill
-        if taken == 0 and n <= room:
-            count = min(room // n, num_prompts - prompt)
-            plan.append(Request(prompt, count, n, 0, unit))
-            prompt, fill = prompt + count, fill + count * n
-        else:
-            part = min(n - taken, room)
-            plan.append(Request(prompt, 1, part, taken, unit))
-            taken, fill = taken + part, fill + part
-            if taken == n:
-                prompt, taken = prompt + 1, 0
-        if fill == size:
-            unit, fill = unit + 1, 0
-    return plan
 
 
 # Sequences posted to one engine at a time, where its /status does not say how many vLLM's scheduler
@@ -357,7 +311,7 @@ class RolloutFleet:
                     raise FleetError(f"engines {url0} and {url} hold different weights: first difference {name!r}")
         return first
 
-    def _on_every_engine(self, path: str, bodies: list[dict | None]) -> list[dict]:
+    def on_every_engine(self, path: str, bodies: list[dict | None]) -> list[dict]:
         futures = [self._pool.submit(self._control, e, path, b) for e, b in zip(self.engines, bodies)]
         results, error = [], None
         for f in futures:  # every engine's answer, so that none is left mid-request
@@ -408,48 +362,3 @@ class RolloutFleet:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class FleetSyncClient:
-    """vLLM's `VLLMWeightSyncClient` (init / start / update / finish) over every engine of the fleet,
-    through each engine's HTTP service; a call returns when every engine has answered. Each engine
-    is a separate vLLM instance, so the client gives each its own `rank_offset`: the one it was
-    given, plus the workers of the engines before it."""
-
-    def __init__(self, fleet: RolloutFleet):
-        self.fleet = fleet
-        self.version: str | None = None  # stamped on an update whose trainer engine finishes without one
-        # vLLM's ipc backend: the learner's checksum of each tensor it shares (EveryRankSource on rank
-        # 0), added to every update for the engines to check (rollout/ipc_engine.py)
-        self.checksums: dict[str, int] | None = None
-
-    def sync_credentials(self) -> tuple[str, bytes]:
-        """A fresh nonce for one weight sync (the engines get it with the update) and the key that
-        signs its buckets, which the engines derive from the token and the nonce themselves."""
-        nonce = new_nonce()
-        return nonce, sync_key(self.fleet.token, nonce)
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        bodies, offset = [], int(init_info.get("rank_offset", 0))
-        for e in self.fleet.engines:
-            bodies.append({"init_info": {**init_info, "rank_offset": offset}} if "rank_offset" in init_info
-                          else {"init_info": init_info})
-            offset += e.workers
-        self.fleet._on_every_engine("/init_weight_transfer_engine", bodies)
-
-    def start_weight_update(self) -> None:
-        self.fleet._on_every_engine("/start_weight_update", [None] * len(self.fleet.engines))
-
-    def update_weights(self, update_info: dict | list[dict]) -> None:
-        if isinstance(update_info, dict):  # vLLM's ipc backend: CUDA IPC handles as JSON, not pickle
-            if self.checksums is not None and "names" in update_info:
-                update_info = {**update_info, "checksums": [self.checksums[n] for n in update_info["names"]]}
-            update_info = encode_update(update_info)
-        self.fleet._on_every_engine("/update_weights", [{"update_info": update_info}] * len(self.fleet.engines))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.fleet._on_every_engine("/finish_weight_update",
-                                    [{"weight_version": weight_version or self.version}] * len(self.fleet.engines))
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.fleet._on_every_engine("/shutdown_weight_transfer_engine", [None] * len(self.fleet.engines))

@@ -19,7 +19,7 @@ import os
 import sys
 
 from spice_megatron.entry import ArgumentParser
-from spice_megatron.rollout.engine_cli import add_engine_args, follower_engine_kwargs, parse_engine_args, watch_port
+from spice_megatron.rollout.engine_args import add_engine_args, follower_engine_kwargs, parse_engine_args, watch_port
 
 
 def main(argv: list[str] | None = None) -> int:

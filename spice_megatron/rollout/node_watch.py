@@ -5,13 +5,13 @@ its leader for as long as it lives; when one closes, the leader exits, its engin
 whoever started it (rollout_node.sh, the driver) starts the whole engine again. A follower whose
 leader is gone exits the same way.
 
-The connection is proved both ways with the job's token before it counts (security review 3): the
-leader sends a nonce, the follower answers with an HMAC over its role, its node rank, that nonce and
-the watch port, and the leader answers with one over the follower's nonce and the port of vLLM's
-store, which it picks at random for this start and tells no one else. A connection that proves
-nothing is closed and ends nothing; a follower starts its workers only once its leader has proved
-itself, so a process squatting the watch port learns nothing and is followed by no one. What this
-does not cover: vLLM's own store and message queues carry no authentication (a process that reaches
+The connection is proved both ways with the job's token before it counts (docs/cluster.md, "An
+engine across nodes"): the leader sends a nonce, the follower answers with an HMAC over its role,
+its node rank, that nonce and the watch port, and the leader answers with one over the follower's
+nonce and the port of vLLM's store, which it picks at random for this start and tells no one else.
+A connection that proves nothing is closed and ends nothing; a follower starts its workers only once
+its leader has proved itself, so a process squatting the watch port learns nothing and is followed
+by no one. What this does not cover: vLLM's own store and message queues carry no authentication (a process that reaches
 them while the engine starts can run code in it, and its broadcast carries every prompt), which is
 why an engine across nodes starts only where the operator declared a network only the job reaches
 ($SPICE_TRUSTED_NETWORK; docs/cluster.md, "Security on a shared cluster")."""

@@ -34,7 +34,8 @@ def footprint_line(run_dir: str) -> str:
 def removable(run_dir: str, keep: int) -> list[str]:
     """The checkpoint directories `spice clean` removes: complete ones older than the newest `keep`
     (never the one `latest` names), damaged ones, and unfinished writes (*.partial, *.tmp)."""
-    from spice_megatron.policy.checkpoint import DAMAGED_PREFIX, checkpoint_candidates, latest_checkpoint
+    from spice_megatron.policy.checkpoint import DAMAGED_PREFIX, checkpoint_candidates
+    from spice_megatron.policy.checkpoint_files import latest_checkpoint
 
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):

@@ -95,7 +95,8 @@ def write_marker(path: str, reason: str, is_driver: bool) -> None:
 def kill_switch_refusal(output_dir: str, is_driver: bool) -> str:
     """Why a plain resume of this run must not train on ("" when it may): the kill switch stopped it
     at its newest checkpoint. The marker is written again for the job script (a requeue reads it)."""
-    from spice_megatron.policy.checkpoint import latest_checkpoint, read_trainer_state
+    from spice_megatron.policy.checkpoint import read_trainer_state
+    from spice_megatron.policy.checkpoint_files import latest_checkpoint
 
     newest = latest_checkpoint(os.path.join(output_dir, "checkpoints"))
     try:

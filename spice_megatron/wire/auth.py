@@ -122,7 +122,7 @@ class RequestVerifier:
     def verify_header(self, header: str, method: str, path: str) -> None:
         """The header's signature over method, path, time, nonce and the body's announced SHA-256: checked
         before any of the body is read, so an unsigned request costs the engine no buffered body
-        (security review 3, H1)."""
+        (docs/cluster.md, "Engines cannot be impersonated")."""
         ts, nonce, sha, given = self.check_header(header)
         message = _request_message(method, path, ts, nonce, sha, self.instance)
         if not hmac.compare_digest(given.encode(), mac(self.token, message).encode()):
@@ -237,7 +237,7 @@ def attest(url: str, token: str, timeout: float = 10.0) -> str:
     from urllib.parse import urlsplit
 
     dialled = urlsplit(url).hostname or ""
-    if bound and bound not in _addresses(dialled):  # proved for another address: a relay (security review 3, A1)
+    if bound and bound not in _addresses(dialled):  # proved for another address: a relay
         with _instances_lock:
             _instances.pop(url, None)
         raise AuthError(f"the engine answering at {url} proved it holds this job's token for {bound}, an address "

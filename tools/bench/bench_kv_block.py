@@ -29,7 +29,7 @@ def _measure(block: int, items: int) -> dict:
 
     from spice_megatron.data.offline_assets import smollm2_dir
     from spice_megatron.data.story_corpus import PROMPT_DIR, REASONER_STOP
-    from spice_megatron.rollout.engine import engine_kwargs
+    from spice_megatron.rollout.engine_args import engine_kwargs
 
     with open(os.path.join(ROOT, "data", "eval", "stories.jsonl")) as f:
         rows = [json.loads(line) for line in f][:items]

@@ -10,7 +10,7 @@ Two cases, each a real Learner on one gloo rank, fp32:
   1,000) through a small-width Qwen3 (hidden 64, 2 layers, 32,768 vocabulary), micro_batch_tokens
   8192.
 - attention: the shared-prefix core attention alone (8 heads, 2 KV groups, head dim 64, fp32) on
-  the GPU-shaped rows of GPU review 2: two groups of 4 x (600 prompt + 300) packed to a multiple
+  GPU-shaped rows: two groups of 4 x (600 prompt + 300) packed to a multiple
   of 1 and of 128 (the pads under sequence parallelism): backward time at pad_to=128 over
   pad_to=1 (target <= 1.25); and one long-prefix unit, 2,400 + 3 x 300: what its backward keeps
   (autograd's saved tensors, q/k/v and the projection's input included) over the planner's

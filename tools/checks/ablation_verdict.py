@@ -19,7 +19,7 @@ import os
 
 from spice_megatron.eval.stats import mcnemar, obrien_fleming, random_effects, t_quantile, t_sf
 
-# the paper's margins of SPICE over each comparison, in points (as issue 73's analysis reads its tables)
+# the paper's margins of SPICE over each comparison, in points (its Table 1 and Figure 4a)
 PAPER_GAPS = {"fixed_challenger": 1.9, "absolute_zero": 4.2, "r_zero": 1.3}
 LOOKS = (4, 6, 8)
 ALPHA = 0.025  # one-sided, family-wise over the three arms (Holm)

@@ -126,7 +126,7 @@ def check_vllm_routed_experts(moe_dir: str) -> tuple[bool | None, str]:
 # ----------------------------------------------------------------------------- checks
 
 def check_hf_load_then_step(model_dir: str) -> tuple[bool, str]:
-    """Defect 1 of issue 14: a bf16 step at lr=1e-9 must leave the HF weights where they were."""
+    """A bf16 step at lr=1e-9 must leave the HF weights where they were."""
     from spice_megatron.bridge.export import gathered_hf_state_dict
     from spice_megatron.bridge.hf_io import HFCheckpointReader
 
@@ -198,7 +198,8 @@ def check_shared_prefix(model_dir: str) -> tuple[bool, str]:
 
 
 def check_checkpoint_resume(model_dir: str, work: str) -> tuple[bool, str]:
-    from spice_megatron.policy.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from spice_megatron.policy.checkpoint import load_checkpoint, save_checkpoint
+    from spice_megatron.policy.checkpoint_files import latest_checkpoint
 
     root = os.path.join(work, "ckpt")
     a = learner(model_dir, "bf16", 1e-3)
@@ -325,7 +326,7 @@ def main() -> int:
         model_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3"))
         moe_dir = make_tiny_qwen3(os.path.join(work, "tiny_qwen3_moe"), config=TINY_MOE)
         checks = [("versions_and_checksums", lambda: check_versions_and_checksums(on_gpu)),
-                  # GPU review 2 (issue 44): tools/checks/gpu_check_colocation.py
+                  # tools/checks/gpu_check_colocation.py
                   ("optimizer_offload_round_trip", lambda: check_optimizer_offload_round_trip(model_dir)),
                   ("ipc_leg_learner_allocator", lambda: check_ipc_leg(work)),
                   ("long_prefix_row_pad_to_128", lambda: check_long_prefix_row(work)),

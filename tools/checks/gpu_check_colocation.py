@@ -1,4 +1,4 @@
-"""gpu_check's colocation checks and those of GPU review 2 (issue 44): the colocated learner's
+"""gpu_check's colocation checks: the colocated learner's
 optimizer offload, the CUDA IPC leg under the learner's allocator setting, a long-prefix
 shared-prefix row, and sleep / wake / IPC transfer with a vLLM engine. Each returns (ok | None for
 skipped, figures); tools/checks/gpu_check.py prints them."""
@@ -28,7 +28,7 @@ def _buffers_hold(ddp, tensors) -> bool:
 
 
 def check_optimizer_offload_round_trip(model_dir: str) -> tuple[bool | None, str]:
-    """Review 2 finding 1: optim.cpu_offload_fraction (megatron's HybridDeviceOptimizer over the
+    """optim.cpu_offload_fraction (megatron's HybridDeviceOptimizer over the
     precision-aware optimizer's bf16 views) through the colocated offload and reload, twice: every
     step moves the model's weights and the views stay inside DDP's buffer."""
     if not torch.cuda.is_available():
@@ -73,7 +73,7 @@ def _as_nobody():
 
 
 def check_ipc_leg(work: str) -> tuple[bool | None, str]:
-    """Review 2 finding 2: a learner process exports a staging buffer (torch's reduce_tensor, as
+    """A learner process exports a staging buffer (torch's reduce_tensor, as
     vLLM's packed IPC producer does) and a sibling process, as an engine is, opens it
     (rebuild_cuda_tensor), each in a fresh process so the allocator reads its setting: the
     learner's setting for the ipc sync (expandable segments off) must work, also as a non-root user;
@@ -112,7 +112,7 @@ def check_ipc_leg(work: str) -> tuple[bool | None, str]:
 
 
 def check_long_prefix_row(work: str) -> tuple[bool | None, str]:
-    """Review 2 findings 4-5: one challenger-like row (a 6,000-token prefix, 3 completions of 600) at
+    """One challenger-like row (a 6,000-token prefix, 3 completions of 600) at
     Qwen3-4B widths, packed to a multiple of 1 and of 128 (the pads under sequence parallelism):
     the step's time at pad_to=128 against pad_to=1, and its peak memory above the resting state
     against the planner's activations + logits for the row; on a GPU the flex kernel beside sdpa.

@@ -29,7 +29,7 @@ def check_engine_step_agrees(work: str) -> tuple[bool | None, str]:
         return None, ("needs vLLM (the rollout image): run `python tools/checks/gpu_check.py --only "
                       "engine_step_leader_vs_follower` there")
     from spice_megatron.data.offline_assets import make_tiny_engine_model
-    from spice_megatron.rollout.engine import NodeSpan, engine_kwargs
+    from spice_megatron.rollout.engine_args import NodeSpan, engine_kwargs
     from spice_megatron.rollout.step_settings import agreed_settings
 
     model = make_tiny_engine_model(os.path.join(work, "engine_step_qwen3"), "qwen3")
