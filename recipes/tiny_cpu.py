@@ -2,39 +2,8 @@
 gloo learner rank; a few iterations in minutes on 2 cores. The algorithm is the paper's (document
 challenger groups, variance reward, DrGRPO on both roles), scaled down to what a 135M model can play.
 
-Why these settings (measured with the base model, docs/learning.md):
-- Documents: `story_corpus` stories that end with their result. On the offline Wikipedia/math corpus
-  this model writes no valid task at all, so every advantage is zero.
-- Prompts: the few-shot files in `spice_megatron/prompts/stories` (compact tags for the challenger,
-  worked answers for the reasoner), plain text: the model's chat template gave 0/128 valid tasks.
-  The challenger's examples write <answer> first, copied from the story's last sentence, then the
-  question (generation stops at the examples' last tag, </question>): in the question-first order
-  the model computed the answer instead of copying it, and most golds were wrong (37 of 99 valid
-  tasks right; answer first, 97 of 98; 16 stories x 8 at temperature 0.5, plain vLLM).
-- Temperature 0.5 for both roles (and the learner): at 1.0 this model drifts off format (on held-out
-  questions its answers are boxed 21% of the time, pass rate 0.8%, 4/64 questions at the frontier;
-  challenger 56/128 valid tasks, 12 with the story's result as gold); at 0.5, 71% boxed, pass rate
-  11%, 21/64 at the frontier; challenger 249/256 valid, 83 with the right gold
-  (question first).
-- leak_check="all": a task whose answer stands in its question is invalid, however short. The
-  stories' answers are small numbers, which the default rule lets through; in the first self-play
-  check (docs/learning.md) one trained run learned to copy the story's result into the question and the
-  reasoner to copy it back (leak rate 0.13 -> 0.38, held-out accuracy 25% -> 0%).
-- invalid_penalty (rho) = -0.5, the paper's -0.1 five times over: with leak_check="all" a leak is
-  invalid, but at -0.1 it cost little against the 0.04 of a valid task nobody solves, and copying
-  more of the story into the question is also what makes valid tasks answerable; in the lr 1e-5
-  check seed 4321's leak attempts grew from 12.5% to 25% of attempts; at -0.5 they stayed at
-  10-15% (seed 1234's fell to 2%), and held-out accuracy after 4 iterations was 44.5% (seed 1234)
-  and 32.5% (seed 4321) from 25% (docs/learning.md).
-- reasoner_task="frontier": each document's reasoner group is one of its tasks at the reasoner's
-  frontier (0 < pass rate < 1) where it has one; the paper draws among all its valid tasks. At 4-6
-  documents an iteration most random draws are tasks nobody solves (zero advantage): in the lr 1e-5
-  check seed 4321's reasoner trained on 0-2 frontier groups an iteration while 1-5 documents had one.
-- Two documents x G=8 per iteration: the main job's three iterations take about 2 minutes on 2
-  cores (the learner's fp32 step on ~16 challenger sequences of ~340 tokens and up to 16 reasoner
-  ones dominates); the learning check takes 6 per iteration.
-- run.eval_every = 3: with `--eval-benchmarks` (the main job passes `stories`) the base model is
-  measured before the first iteration and the policy after the last (tools/env/run_main.sh).
+Why each setting differs from the paper's (each measured with the base model): docs/learning.md,
+"The CPU demo's settings".
 """
 from __future__ import annotations
 

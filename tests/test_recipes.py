@@ -23,8 +23,10 @@ from recipes import (
     resolve_recipe,
 )
 from spice_megatron.config import ConfigError, apply_overrides
+from spice_megatron.plan.costs import Throughput
 from spice_megatron.plan.memory import learner_memory
-from spice_megatron.plan.planner import PlanError, Throughput, estimate_step_time, model_spec, plan_layout
+from spice_megatron.plan.planner import PlanError, model_spec, plan_layout
+from spice_megatron.plan.step_time import estimate_step_time
 
 
 @pytest.mark.parametrize("name", PAPER_RECIPES)
@@ -220,7 +222,7 @@ def test_step_time_estimate_shrinks_with_nodes():
 
 
 def test_the_streamed_iteration_is_planned_on_the_slowest_documents_chain_not_the_sum_of_phase_maxima():
-    from spice_megatron.plan.planner import expected_longest
+    from spice_megatron.plan.step_time import expected_longest
 
     cfg = get_recipe("qwen3_8b")
     cfg.cluster.nodes, cfg.cluster.learner_nodes = 2, 0
@@ -724,21 +726,21 @@ def test_virtual_pipeline_stages_halve_the_bubble_and_choose_takes_them_where_th
 def test_the_all_to_all_is_priced_where_megatron_places_the_expert_groups(monkeypatch):
     """Megatron's EP groups are consecutive ranks (ETP innermost), so EP=8
     stays inside a node at any TP; it was priced across nodes whenever TP x EP exceeded one."""
-    import spice_megatron.plan.planner as planner
+    import spice_megatron.plan.step_time as step_time
 
-    seen, original = [], planner.all_to_all_seconds
+    seen, original = [], step_time.all_to_all_seconds
 
     def recorded(micro_batches, gib, work, inside_node, t):
         seen.append((inside_node, work.moe_recompute))
         return original(micro_batches, gib, work, inside_node, t)
 
-    monkeypatch.setattr(planner, "all_to_all_seconds", recorded)
+    monkeypatch.setattr(step_time, "all_to_all_seconds", recorded)
     for name, inside in (("qwen3_30b_a3b", True), ("glm4_5_air", False), ("qwen3_30b_a3b_1node", True)):
         cfg = get_recipe(name)
         spec = model_spec(cfg.run.model)
-        plan = planner.plan_layout(cfg, spec)
+        plan = plan_layout(cfg, spec)
         seen.clear()
-        planner.estimate_step_time(plan, spec, cfg)
+        step_time.estimate_step_time(plan, spec, cfg)
         assert seen and all(s[0] == inside for s in seen), (name, plan.tp, plan.ep, seen)
         # selective "moe" recompute runs the dispatch and combine again in the backward
         moe_recompute = cfg.train.recompute == "selective" and "moe" in cfg.train.recompute_modules

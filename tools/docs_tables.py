@@ -30,7 +30,8 @@ BLOCK = re.compile(r"(<!-- generated: (\w+) \(tools/docs_tables\.py\) -->\n)(.*?
 
 def _plan(name: str, nodes: int | None = None):
     from recipes import get_recipe
-    from spice_megatron.plan.planner import estimate_step_time, model_spec, plan_layout
+    from spice_megatron.plan.planner import model_spec, plan_layout
+    from spice_megatron.plan.step_time import estimate_step_time
 
     cfg = get_recipe(name)
     if nodes is not None:
@@ -125,7 +126,8 @@ def recipes_vs_published_table() -> str:
     from recipes import get_recipe
     from spice_megatron.plan.calibration import PUBLISHED_RUNS
     from spice_megatron.plan.choice import choose_plan, compare_placements
-    from spice_megatron.plan.planner import PlanError, estimate_step_time, model_spec
+    from spice_megatron.plan.planner import PlanError, model_spec
+    from spice_megatron.plan.step_time import estimate_step_time
 
     rows = ["| model | NeMo-RL (GPUs) | recipe | as laid out: GPUs, tokens/s/GPU | on NeMo-RL's GPU count |",
             "|---|---|---|---|---|"]
@@ -211,7 +213,8 @@ def ranked_layouts_table() -> str:
     """`spice plan --recipe qwen3_32b --rank 6` on the recipe's cluster, beside what --choose takes."""
     from recipes import get_recipe
     from spice_megatron.plan.choice import choose_plan, compare_placements, rank_layouts
-    from spice_megatron.plan.planner import estimate_step_time, model_spec
+    from spice_megatron.plan.planner import model_spec
+    from spice_megatron.plan.step_time import estimate_step_time
 
     cfg = get_recipe("qwen3_32b")
     spec = model_spec(cfg.run.model)

@@ -14,7 +14,8 @@ from spice_megatron.plan.learner import (
     powers_of_two,
     tp_divides_model,
 )
-from spice_megatron.plan.planner import Plan, estimate_step_time, plan_layout
+from spice_megatron.plan.planner import Plan, plan_layout
+from spice_megatron.plan.step_time import estimate_step_time
 
 
 def compare_placements(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None

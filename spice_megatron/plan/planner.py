@@ -5,7 +5,7 @@ The estimates (plan_memory.py) are the usual back-of-envelope ones for Megatron-
 parameter) and for vLLM (bf16 weights, paged KV cache in what gpu_memory_utilization leaves). A
 layout that cannot fit is refused with the numbers, so the user sees which term is too large.
 
-`estimate_step_time` turns a plan into seconds per SPICE iteration from stated throughput
+`step_time.estimate_step_time` turns a plan into seconds per SPICE iteration from stated throughput
 assumptions (`Throughput`); it is a planning aid, not a measurement.
 """
 from __future__ import annotations
@@ -18,15 +18,10 @@ from spice_megatron.config import ClusterConfig, SpiceConfig
 from spice_megatron.families import ModelSpec, model_spec_from_hf
 from spice_megatron.plan.costs import (
     GiB,
-    LearnerWork,
-    Throughput,
-    all_to_all_seconds,
-    decode_phase,
-    forward_pass_seconds,
-    learner_seconds,
 )
 from spice_megatron.plan.known_models import KNOWN_MODELS
 from spice_megatron.plan.learner import (
+    Candidate,
     LearnerLayout,
     PlanError,
     evaluate_learner,
@@ -43,7 +38,6 @@ from spice_megatron.plan.memory import (
     LearnerMemory,
     engine_memory,
 )
-from spice_megatron.policy.model import resolve_shared_prefix
 
 
 def model_spec(model: str) -> ModelSpec:
@@ -168,10 +162,31 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         raise PlanError(f"cluster: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs leave no GPU for rollout "
                         "engines")
     budget = cluster.gpu_memory_gib * headroom
-    learner_budget = budget - (ENGINE_ASLEEP_GIB if colocate else 0.0)
-    # a sequence longer than the budget is a micro-batch of its own: activations are planned at it
+    found, mem, tokens, bound = fit_learner(cfg, spec, learner_gpus, rollout_gpus, budget, headroom, choose, colocate,
+                                            learner, experts_across_nodes)
+    resident = mem.weights + LEARNER_RESIDENT_GIB  # colocated: what the learner keeps during the rollouts
+    utilization = engine_share(cfg, resident, budget, headroom, choose, colocate)
+    etp, em = choose_engines(cfg, spec, rollout_gpus, utilization, choose, colocate, min_engine_kv_tokens)
+    phases = colocated_phases(cfg, spec, mem, em, resident, utilization, budget) if colocate else {}
+    notes = plan_notes(cfg, found, etp, tokens, bound, colocate)
+    return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
+                learner_gpus, rollout_gpus, found.tp, found.pp, learner_gpus // (found.tp * found.pp * found.cp), etp,
+                rollout_gpus // etp, mem, em, notes, found.ep, spec.active_parameters / 1e9, colocate,
+                utilization if colocate else 0.0, found.offload, **phases, first_stage_layers=found.first,
+                last_stage_layers=found.last, recompute=found.recompute, cp=found.cp, vpp=found.vpp)
+
+
+def fit_learner(cfg: SpiceConfig, spec: ModelSpec, learner_gpus: int, rollout_gpus: int, budget: float,
+                headroom: float, choose: bool, colocate: bool, learner: LearnerLayout | None,
+                experts_across_nodes: bool) -> tuple[Candidate, LearnerMemory, int, str]:
+    """The first learner layout that fits (beside sleeping engines when colocated), upgraded to two
+    virtual pipeline stages where they still fit; its memory; the tokens its activations are planned
+    at and what bounds them."""
     from spice_megatron.selfplay.context_budget import longest_sequence
 
+    cluster = cfg.cluster
+    learner_budget = budget - (ENGINE_ASLEEP_GIB if colocate else 0.0)
+    # a sequence longer than the budget is a micro-batch of its own: activations are planned at it
     longest, bound = longest_sequence(cfg)
     tokens = max(cfg.train.micro_batch_tokens, longest)
     candidates = learner_candidates(cfg, spec, learner_gpus, choose, colocate, learner, experts_across_nodes)
@@ -192,19 +207,32 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
         interleaved = evaluate_learner(cfg, spec, replace(found, vpp=2), learner_gpus, tokens)
         if interleaved.total <= learner_budget:
             found, mem = replace(found, vpp=2), interleaved
-    tp, pp, first, last, cp, offload, recompute, ep, vpp = (found.tp, found.pp, found.first, found.last, found.cp,
-                                                           found.offload, found.recompute, found.ep, found.vpp)
-    resident = mem.weights + LEARNER_RESIDENT_GIB  # colocated: what the learner keeps during the rollouts
+    return found, mem, tokens, bound
+
+
+def engine_share(cfg: SpiceConfig, resident: float, budget: float, headroom: float, choose: bool,
+                 colocate: bool) -> float:
+    """vLLM's gpu_memory_utilization: the recipe's, or colocated and choosing, what the learner's
+    resident weights leave of the budget; refused when colocated engines do not fit beside them."""
+    gpu = cfg.cluster.gpu_memory_gib
     utilization = cfg.rollout.gpu_memory_utilization
     if colocate and choose:
-        utilization = round(math.floor((budget - resident) / cluster.gpu_memory_gib * 100) / 100, 2)
-    if colocate and resident + utilization * cluster.gpu_memory_gib > budget:
+        utilization = round(math.floor((budget - resident) / gpu * 100) / 100, 2)
+    if colocate and resident + utilization * gpu > budget:
         raise PlanError(f"rollout.gpu_memory_utilization={utilization}: colocated, the engine's {utilization:.2f} x "
-                        f"{cluster.gpu_memory_gib:.0f} GiB beside the learner's resident {resident:.1f} GiB exceeds "
+                        f"{gpu:.0f} GiB beside the learner's resident {resident:.1f} GiB exceeds "
                         f"{budget:.1f} GiB ({headroom:.0%}); at most "
-                        f"{(budget - resident) / cluster.gpu_memory_gib:.2f} (`spice plan --choose` picks it)")
-    # engines inside a node first; then across up to four whole nodes (slurm/rollout_node.sh starts a leader
-    # and followers; their all-reduces over InfiniBand), never colocated (sleep mode and IPC stay in a node)
+                        f"{(budget - resident) / gpu:.2f} (`spice plan --choose` picks it)")
+    return utilization
+
+
+def choose_engines(cfg: SpiceConfig, spec: ModelSpec, rollout_gpus: int, utilization: float, choose: bool,
+                   colocate: bool, min_engine_kv_tokens: int) -> tuple[int, EngineMemory]:
+    """The engines' TP and memory: the recipe's TP, or choosing, the smallest whose KV cache holds
+    `min_engine_kv_tokens` and a full-length sequence. Engines inside a node first; then across up
+    to four whole nodes (slurm/rollout_node.sh starts a leader and followers; their all-reduces over
+    InfiniBand), never colocated (sleep mode and IPC stay in a node)."""
+    cluster = cfg.cluster
     engine_tps = [cfg.rollout.engine_tensor_parallel] if not choose else [
         t for t in powers_of_two(min(4 * cluster.gpus_per_node, rollout_gpus)) if spec.num_heads % t == 0
         and (t <= cluster.gpus_per_node or not colocate and t % cluster.gpus_per_node == 0)]
@@ -215,33 +243,42 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     for etp in engine_tps:
         em = engine_memory(spec, etp, cluster.gpu_memory_gib, utilization, cfg.rollout.max_model_len)
         if em.kv_tokens >= min_engine_kv_tokens and em.max_sequences >= 1 and rollout_gpus % etp == 0:
-            break
-    else:
-        raise PlanError(f"rollout: with engine TP={engine_tps[-1]} the KV cache is {em.kv_cache:.1f} GiB per GPU "
-                        f"(weights {em.weights:.1f} GiB of {cluster.gpu_memory_gib * utilization:.1f} "
-                        f"usable): {em.kv_tokens:,} tokens ({em.max_sequences} sequences of "
-                        f"{cfg.rollout.max_model_len}), "
-                        f"fewer than {min_engine_kv_tokens:,} or than one sequence; raise "
-                        "rollout.engine_tensor_parallel "
-                        "or lower rollout.max_model_len" + (" (colocated: the learner's weights take their share "
-                                                            "of every GPU)" if colocate else ""))
-    notes = []
-    phases = {}
+            return etp, em
+    raise PlanError(f"rollout: with engine TP={engine_tps[-1]} the KV cache is {em.kv_cache:.1f} GiB per GPU "
+                    f"(weights {em.weights:.1f} GiB of {cluster.gpu_memory_gib * utilization:.1f} "
+                    f"usable): {em.kv_tokens:,} tokens ({em.max_sequences} sequences of "
+                    f"{cfg.rollout.max_model_len}), "
+                    f"fewer than {min_engine_kv_tokens:,} or than one sequence; raise "
+                    "rollout.engine_tensor_parallel "
+                    "or lower rollout.max_model_len" + (" (colocated: the learner's weights take their share "
+                                                        "of every GPU)" if colocate else ""))
+
+
+def colocated_phases(cfg: SpiceConfig, spec: ModelSpec, mem: LearnerMemory, em: EngineMemory, resident: float,
+                     utilization: float, budget: float) -> dict[str, float]:
+    """Colocated, the three peaks per GPU (Plan's *_phase_gib): the step beside sleeping engines,
+    the rollouts beside the learner's weights, the weight sync; refused when the sync's does not fit."""
+    gpu = cfg.cluster.gpu_memory_gib
+    largest = 2 * spec.vocab_size * spec.hidden_size / GiB  # the embedding, bf16: one whole tensor per rank
+    staging = max(cfg.rollout.bucket_mb / 1024, largest)  # vLLM's packed IPC buffer (engine_weights.py)
+    phases = {"train_phase_gib": mem.total + ENGINE_ASLEEP_GIB,
+              "rollout_phase_gib": resident + utilization * gpu,
+              # the engine's share minus its KV cache: its weights and overhead, awake before the KV;
+              # the learner's staging buffer and largest gathered tensor; the engine's clone of a
+              # received chunk (vLLM's packed IPC consumer copies each before loading it)
+              "sync_phase_gib": resident + utilization * gpu - em.kv_cache + 2 * staging + largest}
+    if phases["sync_phase_gib"] > budget:
+        raise PlanError(f"colocated weight sync: the engine's weights ({em.weights:.1f} GiB) beside the learner's "
+                        f"{resident:.1f} GiB and the IPC buffers ({2 * staging + largest:.1f} GiB) exceed "
+                        f"{budget:.1f} GiB; "
+                        "raise rollout.engine_tensor_parallel")
+    return phases
+
+
+def plan_notes(cfg: SpiceConfig, found: Candidate, etp: int, tokens: int, bound: str, colocate: bool) -> list[str]:
+    """What a reader of the plan should know about where it runs (Plan.notes)."""
+    cluster, notes = cfg.cluster, []
     if colocate:
-        largest = 2 * spec.vocab_size * spec.hidden_size / GiB  # the embedding, bf16: one whole tensor per rank
-        staging = max(cfg.rollout.bucket_mb / 1024, largest)  # vLLM's packed IPC buffer (engine_weights.py)
-        phases = {"train_phase_gib": mem.total + ENGINE_ASLEEP_GIB,
-                  "rollout_phase_gib": resident + utilization * cluster.gpu_memory_gib,
-                  # the engine's share minus its KV cache: its weights and overhead, awake before the KV;
-                  # the learner's staging buffer and largest gathered tensor; the engine's clone of a
-                  # received chunk (vLLM's packed IPC consumer copies each before loading it)
-                  "sync_phase_gib": resident + utilization * cluster.gpu_memory_gib - em.kv_cache + 2 * staging
-                  + largest}
-        if phases["sync_phase_gib"] > budget:
-            raise PlanError(f"colocated weight sync: the engine's weights ({em.weights:.1f} GiB) beside the learner's "
-                            f"{resident:.1f} GiB and the IPC buffers ({2 * staging + largest:.1f} GiB) exceed "
-                            f"{budget:.1f} GiB; "
-                            "raise rollout.engine_tensor_parallel")
         notes.append("colocated: the phases run one after another on every GPU; on-policy only (train.max_staleness=0)")
     if cfg.selfplay.challenger == "model" and not cfg.rollout.challenger_engines:
         ctp = challenger_engine_tp(cfg)
@@ -249,22 +286,18 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
                      f"on the learner's node: {check_challenger_engine(cfg).kv_tokens:,} tokens of KV cache")
     if cluster.nodes == 1 and not colocate:
         notes.append("one node: learner and engines share it (GPUs split in half)")
-    if tp > 1 and cluster.nodes > 1:
+    if found.tp > 1 and cluster.nodes > 1:
         notes.append("TP stays within a node; PP and DP cross nodes")
     if etp > cluster.gpus_per_node:
         span = etp // cluster.gpus_per_node
         notes.append(f"engine TP={etp} spans {span} nodes: slurm/rollout_node.sh starts a leader and {span - 1} "
                      "follower(s) per engine (vLLM's multi-node serving; its all-reduces cross the inter-node fabric)")
-    if ep > cluster.gpus_per_node:
-        notes.append(f"EP={ep} spans nodes: the experts' all-to-all crosses the inter-node fabric")
+    if found.ep > cluster.gpus_per_node:
+        notes.append(f"EP={found.ep} spans nodes: the experts' all-to-all crosses the inter-node fabric")
     if tokens > cfg.train.micro_batch_tokens:
         notes.append(f"activations planned at {tokens:,} tokens, the longest sequence ({bound}), over "
                      f"train.micro_batch_tokens={cfg.train.micro_batch_tokens:,}")
-    return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
-                learner_gpus, rollout_gpus, tp, pp, learner_gpus // (tp * pp * cp), etp, rollout_gpus // etp, mem, em,
-                notes,
-                ep, spec.active_parameters / 1e9, colocate, utilization if colocate else 0.0, offload, **phases,
-                first_stage_layers=first, last_stage_layers=last, recompute=recompute, cp=cp, vpp=vpp)
+    return notes
 
 
 def challenger_engine_tp(cfg: SpiceConfig) -> int:
@@ -288,134 +321,3 @@ def check_challenger_engine(cfg: SpiceConfig) -> EngineMemory:
             f"({em.max_sequences} sequences of {ro.max_model_len}), fewer than {MIN_ENGINE_KV_TOKENS:,}; raise "
             "rollout.challenger_engine_tensor_parallel or serve it on its own nodes (rollout.challenger_engines)")
     return em
-
-
-# ------------------------------------------------------------------------------------------ step time
-
-
-def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Throughput | None = None) -> dict[str, float]:
-    """Seconds per SPICE iteration by phase (the terms: plan_costs.py). A phased iteration's phase
-    lasts at least as long as its longest sequence takes at the decode step time, a streamed one's
-    rollouts as long as the engines' work or the slowest document's chain of requests (its rounds'
-    and answers' longest outputs). The learner runs a forward for the old log-probs, then forward
-    and backward, plus the recomputed parameters with train.recompute (full: every layer's;
-    selective mlp: the dense MLPs'; moe: the experts a token runs through), per token it runs:
-    with train.shared_prefix each group's prompt once."""
-    t = t or Throughput.for_gpu(cfg.cluster.gpu)
-    sp = cfg.selfplay
-    p, active = spec.num_parameters, spec.active_parameters
-    full_step = [0.0]  # a decode step of an engine running its most sequences (the streamed path's)
-
-    def generate(prompts: float, prompt_tokens: int, gen_tokens: int, max_gen: int) -> tuple[float, float]:
-        """A phase's seconds when it waits for its longest sequence (phased), and the engines' busy
-        seconds for its sequences alone (what a streamed iteration spends on them)."""
-        phased, busy, step = decode_phase(spec, plan.engine_tp, plan.engines, plan.engine.max_sequences,
-                                          plan.engine.kv_bytes_per_token, cfg.rollout.max_model_len, prompts,
-                                          prompt_tokens, gen_tokens, max_gen, t, cfg.cluster.gpus_per_node)
-        full_step[0] = max(full_step[0], step)
-        return phased, busy
-
-    docs = sp.batch_docs
-    challenger, pending, work = 0.0, float(docs), 0.0
-    path_tokens = 0.0  # the slowest document's way: its rounds' and its answers' longest outputs, one after another
-    for _ in range(t.challenger_rounds):
-        attempts = pending * sp.attempts_per_round
-        if sp.protocol == "paper":
-            phased, busy = generate(attempts, t.doc_tokens, t.selection_gen_tokens, sp.selection_max_tokens)
-            challenger, work = challenger + phased, work + busy
-            path_tokens += expected_longest(t.selection_gen_tokens, sp.selection_max_tokens, sp.attempts_per_round)
-            attempts *= t.selection_valid_rate
-        phased, busy = generate(attempts, t.doc_tokens, t.challenger_gen_tokens, sp.challenger_max_tokens)
-        challenger, work = challenger + phased, work + busy
-        path_tokens += expected_longest(t.challenger_gen_tokens, sp.challenger_max_tokens,
-                                        1 if sp.protocol == "paper" else sp.attempts_per_round)
-        pending = max(1.0, pending * t.pending_after_round)
-    answers = docs * sp.group_size  # the G answers of one task per document
-    reasoner, busy = generate(answers, t.question_tokens, t.reasoner_gen_tokens, sp.reasoner_max_tokens)
-    work += busy
-    path_tokens += expected_longest(t.reasoner_gen_tokens, sp.reasoner_max_tokens, sp.group_size)
-    # streamed (run.streamed): no phase waits for the batch's longest sequence; the rollouts last as
-    # long as the engines' work or the slowest document's own chain of requests, whichever is longer
-    streamed = max(work, path_tokens * full_step[0])
-    challenger_trained = docs * (sp.group_size if sp.challenger_group == "document" else 1)
-    train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
-                    + answers * (t.question_tokens + t.reasoner_gen_tokens))
-    learner_tokens = train_tokens
-    if resolve_shared_prefix(spec, cfg.train, plan.cp).use_shared_prefix:  # the plan's CP (--choose may add it)
-        prompts = 1.0 if sp.protocol == "compact" else t.paper_challenger_prompts
-        challenger_prompts = docs * min(prompts, sp.group_size) if sp.challenger_group == "document" \
-            else challenger_trained
-        learner_tokens = (challenger_prompts * t.doc_tokens + challenger_trained * t.challenger_gen_tokens
-                          + docs * t.question_tokens + answers * t.reasoner_gen_tokens)
-    recomputed = 0.0
-    recompute = plan.recompute
-    if recompute == "full":
-        recomputed = active
-    elif recompute == "selective":
-        modules, moe = cfg.train.recompute_modules, spec.moe
-        dense_layers = spec.num_layers - (moe.num_moe_layers if moe else 0)
-        if "mlp" in modules:
-            recomputed += dense_layers * 3 * spec.hidden_size * spec.ffn_hidden_size
-        if moe is not None and "moe" in modules:  # the routed and shared experts a token runs through
-            expert = moe.top_k * moe.expert_ffn_hidden_size + moe.shared_expert_ffn_hidden_size
-            recomputed += moe.num_moe_layers * 3 * spec.hidden_size * expert
-        # moe_act recomputes an activation, no matmul: nothing counted
-    per_update = cfg.train.trajectories_per_update
-    steps = math.ceil((challenger_trained + answers) / per_update) if per_update else cfg.train.steps_per_batch
-    work_done = LearnerWork(tokens=learner_tokens, mean_row_tokens=train_tokens / (challenger_trained + answers),
-                            forwards=1, recomputed_params=recomputed, full_recompute=recompute == "full",
-                            micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / plan.dp, steps=steps,
-                            moe_recompute=recompute == "selective" and "moe" in cfg.train.recompute_modules)
-    learner = learner_seconds(spec, work_done, plan.learner.weights, plan.learner_gpus, plan.tp, plan.pp, plan.dp,
-                              cfg.cluster.gpus_per_node, t, vpp=plan.vpp, cp=plan.cp)
-    train = sum(learner.values())
-    if plan.learner.all_to_all_gib:
-        train += all_to_all_seconds(learner_tokens / cfg.train.micro_batch_tokens / plan.dp,
-                                    plan.learner.all_to_all_gib, work_done,
-                                    plan.ep * cfg.parallel.expert_tensor_parallel <= cfg.cluster.gpus_per_node, t)
-    if plan.optimizer_offload:  # the CPU's share of every optimizer step
-        offloaded = plan.optimizer_offload * p / plan.learner_gpus  # parameters per GPU updated on the host
-        train += steps * offloaded / t.cpu_adam_params_per_s
-    rollout = streamed if cfg.run.streamed else challenger + reasoner
-    hidden = 0.0
-    if cfg.old_logprobs_during_rollouts and not plan.colocated:
-        # the old-log-prob forward (one of the learner's 4 passes) runs while documents still
-        # roll out: hidden but for the last documents' share (taken as one in B)
-        forward = forward_pass_seconds(spec, work_done, plan.learner_gpus, t)
-        hidden = min(forward * (1 - 1 / docs), rollout)
-        train -= hidden
-    out = {"rollout": rollout, "train": train}
-    if plan.colocated:
-        out["weight_sync"] = 2 * p / (t.ipc_gb_s * 1e9) + 1.0
-        # engines' weights to the host and back (sleep level 1; level 2 drops them: the sync refills),
-        # the learner's optimizer state out and in (its gradient buffers are freed, not copied)
-        moved = (2 * plan.engine.weights if cfg.rollout.sleep_level == 1 else 0.0) + 2 * plan.learner.optimizer
-        out["sleep_wake_offload"] = moved * GiB / (t.host_gb_s * 1e9) + 2.0
-    else:
-        out["weight_sync"] = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
-    out["total"] = sum(out.values())
-    # the phases as a phased iteration has them (run.streamed=false), and both schedules' rollouts
-    out.update(challenger_rollout=challenger, reasoner_rollout=reasoner, rollout_phased=challenger + reasoner,
-               rollout_streamed=streamed, old_logprobs_during_rollouts=hidden)
-    out.update({f"train_{term}": seconds for term, seconds in learner.items()})  # within train
-    out["train_tokens"] = float(train_tokens)
-    out["learner_tokens"] = float(learner_tokens)
-    # NeMo-RL's throughput unit: tokens (prompt + generated) through the loop per second per GPU of
-    # the job; one step off, the rollouts overlap the learner's step and sync (not colocated: the
-    # engines sleep while the learner steps)
-    out["tokens_per_s_per_gpu"] = train_tokens / out["total"] / plan.gpus
-    out["tokens_per_s_per_gpu_one_step_off"] = 0.0 if plan.colocated else \
-        train_tokens / max(rollout, train + out["weight_sync"]) / plan.gpus
-    return out
-
-
-def expected_longest(mean: float, cap: int, n: int) -> float:
-    """The expected longest of n outputs: lengths taken as exponential with `mean` (RL outputs have a
-    long tail) and cut at the max tokens, so the longest of n is about mean x H(n), at most `cap`.
-    A round of a whole batch (hundreds of outputs) reaches the cap; one document's 8 often do not."""
-    return min(float(cap), mean * sum(1.0 / k for k in range(1, max(1, int(n)) + 1)))
-
-
-# NeMo-RL's published GRPO throughput, Llama-3.1-8B-Instruct on 2 nodes of 8 H100s (its performance
-# summary): the figures `spice plan` prints beside its own estimate
-NEMO_RL_TOKENS_PER_S_PER_GPU = {"synchronous": 1581.0, "one step off": 2478.0}

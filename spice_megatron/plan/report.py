@@ -29,7 +29,8 @@ def plan_command(args: argparse.Namespace) -> int:
     time, and print the report (or --json)."""
     from recipes import resolve_recipe
     from spice_megatron.plan.choice import choose_plan, compare_placements, rank_layouts
-    from spice_megatron.plan.planner import PlanError, estimate_step_time, model_spec, plan_layout
+    from spice_megatron.plan.planner import PlanError, model_spec, plan_layout
+    from spice_megatron.plan.step_time import estimate_step_time
     from spice_megatron.policy.model import resolve_shared_prefix
 
     cfg = resolve_recipe(args.recipe, args.overrides)
@@ -86,7 +87,7 @@ def plan_command(args: argparse.Namespace) -> int:
               f"{step['old_logprobs_during_rollouts']:.1f} s of its step hidden (train above is what remains)")
     print(f"  {cfg.run.iterations} iterations: {step['total'] * cfg.run.iterations / 3600:.1f} h")
     from spice_megatron.plan.calibration import PUBLISHED_RUNS
-    from spice_megatron.plan.planner import NEMO_RL_TOKENS_PER_S_PER_GPU as nemo
+    from spice_megatron.plan.step_time import NEMO_RL_TOKENS_PER_S_PER_GPU as nemo
 
     off = "colocated: on-policy only" if plan.colocated else \
         f"{step['tokens_per_s_per_gpu_one_step_off']:,.0f} one step off (train.max_staleness=1)"
