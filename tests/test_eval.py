@@ -334,7 +334,8 @@ def test_fixed_challenger_documents_name_a_bad_line(tmp_path):
 
 def test_the_summary_compares_the_base_models_held_out_accuracy_with_the_last_evaluations(tmp_path):
     """The main job's summary line: before (iteration 0) and after (the last evaluation), per item
-    file, with Wilson intervals; a run that did not measure the base model gets none."""
+    file, with Wilson intervals; a run that did not measure the base model (run.eval_before=false)
+    gets each evaluation it has."""
     from spice_megatron.eval.run import held_out_change
 
     def items(iteration: int, right: int) -> None:
@@ -344,7 +345,13 @@ def test_the_summary_compares_the_base_models_held_out_accuracy_with_the_last_ev
             json.dumps({"benchmark": "stories", "id": f"s{i}", "correct": i < right}) + "\n" for i in range(20)))
 
     items(2, 9)
-    assert held_out_change(str(tmp_path)) == []  # no iteration 0: nothing to compare with
+    items(4, 11)
+    assert held_out_change(str(tmp_path)) == [  # no iteration 0: nothing to compare with
+        "  held-out accuracy (stories, 20 items, greedy): 45.0% (95% CI 25.8-65.8) at iteration 2, "
+        "55.0% (95% CI 34.2-74.2) at iteration 4"]
+    import shutil
+
+    shutil.rmtree(tmp_path / "iteration_0004")
     items(0, 5)
     items(3, 12)
     assert held_out_change(str(tmp_path)) == [

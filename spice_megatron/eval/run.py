@@ -164,29 +164,33 @@ def shown_name(benchmark: str) -> str:
 def held_out_change(eval_dir: str) -> list[str]:
     """'  held-out accuracy (B, N items, greedy): A% (95% CI) -> A% (95% CI), iteration 0 -> K' per
     benchmark a run measured before its first iteration and after (its per-item records under
-    `eval_dir`, out_dir of training_eval_hook); none when it did not."""
+    `eval_dir`, out_dir of training_eval_hook); without the measure before (run.eval_before=false),
+    each evaluation it has, by iteration; none when it evaluated nothing."""
     from spice_megatron.eval.stats import wilson
 
     done = sorted(d for d in os.listdir(eval_dir) if d.startswith("iteration_")) if os.path.isdir(eval_dir) else []
-    if len(done) < 2 or done[0] != "iteration_0000":
+    if not done:
         return []
     lines = []
     for name in sorted(f for f in os.listdir(os.path.join(eval_dir, done[-1])) if f.endswith(".items.jsonl")):
-        by_iteration = evaluation_records(eval_dir, name)
-        last = max(by_iteration)
-        if not by_iteration[last]:
+        by_iteration = {i: r for i, r in evaluation_records(eval_dir, name).items() if r}
+        if not by_iteration:
             continue
-        shown = []
-        for records in (by_iteration.get(0, []), by_iteration[last]):
+        last = max(by_iteration)
+        shown = {}
+        for iteration, records in by_iteration.items():
             items = len({r["id"] for r in records})
-            share = sum(bool(r["correct"]) for r in records) / max(len(records), 1)
+            share = sum(bool(r["correct"]) for r in records) / len(records)
             lo, hi = wilson(share * items, items)
-            shown.append(f"{100 * share:.1f}% (95% CI {lo:.1f}-{hi:.1f})")
+            shown[iteration] = f"{100 * share:.1f}% (95% CI {lo:.1f}-{hi:.1f})"
         records = by_iteration[last]
         samples = len(records) // max(items, 1)
-        decoding = "greedy" if samples == 1 else f"avg@{samples}"
-        lines.append(f"  held-out accuracy ({shown_name(records[0]['benchmark'])}, {items} items, {decoding}): "
-                     f"{shown[0]} -> {shown[1]}, iteration 0 -> {last}")
+        head = (f"  held-out accuracy ({shown_name(records[0]['benchmark'])}, {items} items, "
+                f"{'greedy' if samples == 1 else f'avg@{samples}'}): ")
+        if 0 in shown and last > 0:
+            lines.append(f"{head}{shown[0]} -> {shown[last]}, iteration 0 -> {last}")
+        else:  # no base-model measure to compare with
+            lines.append(head + ", ".join(f"{shown[i]} at iteration {i}" for i in sorted(shown)))
     return lines
 
 
