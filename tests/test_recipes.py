@@ -51,9 +51,10 @@ def test_paper_recipes_carry_the_paper_settings(name):
 def test_cluster_recipes_fit_their_cluster(name):
     cfg = get_recipe(name)
     plan = plan_layout(cfg)
-    assert plan.learner.total <= 0.9 * cfg.cluster.gpu_memory_gib
-    assert plan.tp * plan.pp * plan.dp == plan.learner_gpus and plan.engines * plan.engine_tp == plan.rollout_gpus
-    assert plan.engine.kv_tokens >= 32 * 8192 and plan.engine.max_sequences >= 1
+    assert plan.learner.memory.total <= 0.9 * cfg.cluster.gpu_memory_gib
+    lp, en = plan.learner, plan.engines
+    assert lp.tp * lp.pp * lp.dp == lp.gpus and en.count * en.tp == en.gpus
+    assert plan.engines.memory.kv_tokens >= 32 * 8192 and plan.engines.memory.max_sequences >= 1
 
 
 def test_large_recipes_use_tensor_and_pipeline_parallelism():
@@ -75,15 +76,16 @@ def test_one_node_recipes_colocate_within_90_percent_of_every_gpu(name):
     assert cfg.run.colocate and cfg.cluster.nodes == 1 and cfg.train.max_staleness == 0
     assert cfg.rollout.weight_transfer == "ipc" and cfg.selfplay.protocol == "paper"
     plan = plan_layout(cfg)
-    assert plan.colocated and plan.learner_gpus == plan.rollout_gpus == plan.gpus == 8
+    assert plan.colocated and plan.learner.gpus == plan.engines.gpus == plan.gpus == 8
     budget = 0.9 * cfg.cluster.gpu_memory_gib
-    assert max(plan.train_phase_gib, plan.rollout_phase_gib, plan.sync_phase_gib) <= budget
-    assert plan.engine.kv_tokens >= 32 * 8192 and plan.engines * plan.engine_tp == 8
-    assert cfg.rollout.local_engines == plan.engines  # under plain torchrun the driver starts them all
+    assert max(plan.phases.train_gib, plan.phases.rollout_gib, plan.phases.sync_gib) <= budget
+    assert plan.engines.memory.kv_tokens >= 32 * 8192 and plan.engines.count * plan.engines.tp == 8
+    assert cfg.rollout.local_engines == plan.engines.count  # under plain torchrun the driver starts them all
     chosen = plan_layout(cfg, choose=True)
-    assert (chosen.tp, chosen.pp, chosen.ep, chosen.engine_tp, chosen.engine_utilization, chosen.optimizer_offload) == (
-        cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, plan.ep, cfg.rollout.engine_tensor_parallel,
-        cfg.rollout.gpu_memory_utilization, cfg.optim.cpu_offload_fraction)
+    assert (chosen.learner.tp, chosen.learner.pp, chosen.learner.ep, chosen.engines.tp, chosen.engines.utilization,
+            chosen.learner.optimizer_offload) == (
+        cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, plan.learner.ep,
+        cfg.rollout.engine_tensor_parallel, cfg.rollout.gpu_memory_utilization, cfg.optim.cpu_offload_fraction)
     spec = model_spec(cfg.run.model)
     step = estimate_step_time(plan, spec, cfg)
     assert step["sleep_wake_offload"] > 0 and step["tokens_per_s_per_gpu_one_step_off"] == 0.0
@@ -110,11 +112,11 @@ def test_moe_recipes_split_experts_and_replay_routing(name):
     cfg = get_recipe(name)
     plan = plan_layout(cfg)
     spec = model_spec(cfg.run.model)
-    assert plan.ep == cfg.parallel.expert_parallel > 1 and cfg.train.routing_replay == "auto"
-    assert (plan.tp * plan.dp) % plan.ep == 0 and spec.moe.num_experts % plan.ep == 0
+    assert plan.learner.ep == cfg.parallel.expert_parallel > 1 and cfg.train.routing_replay == "auto"
+    assert (plan.learner.tp * plan.learner.dp) % plan.learner.ep == 0 and spec.moe.num_experts % plan.learner.ep == 0
     assert cfg.parallel.use_sequence_parallel  # megatron requires it for MoE with TP > 1
     assert plan.active_params_billion < plan.params_billion / 7  # A3B / A22B: ~10% active
-    assert plan.learner.experts > 0 and plan.learner.all_to_all_gib > 0
+    assert plan.learner.memory.experts > 0 and plan.learner.memory.all_to_all_gib > 0
 
 
 def test_planner_expert_terms_by_hand():
@@ -183,7 +185,7 @@ def test_planner_refuses_with_numbers_and_chooses_larger_layouts():
     assert "use_distributed_optimizer" not in str(e.value) and "optim.cpu_offload_fraction" in str(e.value)
     big = get_recipe("llama3_70b")
     chosen = plan_layout(big, choose=True)
-    assert chosen.tp * chosen.pp >= 8 and chosen.learner.total <= 72
+    assert chosen.learner.tp * chosen.learner.pp >= 8 and chosen.learner.memory.total <= 72
 
 
 def test_a_fixed_layout_the_learner_would_refuse_is_refused_by_the_planner():
@@ -521,7 +523,7 @@ def test_spice_plan_prints_tokens_per_gpu_beside_nemo_rl(capsys):
     cfg = get_recipe("qwen3_8b")
     plan = plan_layout(cfg)
     step = estimate_step_time(plan, model_spec(cfg.run.model), cfg, Throughput())
-    gpus = plan.learner_gpus + plan.rollout_gpus
+    gpus = plan.learner.gpus + plan.engines.gpus
     assert step["tokens_per_s_per_gpu"] == pytest.approx(step["train_tokens"] / step["total"] / gpus)
     assert step["tokens_per_s_per_gpu_one_step_off"] > step["tokens_per_s_per_gpu"]
     assert main(["plan", "--recipe", "qwen3_8b"]) == 0
@@ -556,7 +558,7 @@ def test_activations_are_planned_at_the_longest_sequence_a_run_can_train():
         c = copy.deepcopy(cfg)
         c.train.micro_batch_tokens = budget
         plans[budget] = plan_layout(c)
-    assert len({p.learner.activations for p in plans.values()}) == 1  # all at the longest sequence
+    assert len({p.learner.memory.activations for p in plans.values()}) == 1  # all at the longest sequence
     assert any(f"activations planned at {longest:,} tokens" in n for n in plans[4096].notes)
     assert not any("activations planned" in n for n in plans[longest].notes)
     c = copy.deepcopy(cfg)
@@ -606,9 +608,10 @@ def test_choose_explores_uneven_pipeline_stages_and_full_recompute(capsys):
     cfg = get_recipe("qwen3_235b_a22b")
     cfg.train.recompute = "off"
     plan = plan_layout(cfg, choose=True)
-    assert plan.recompute == "full" and plan.learner.total <= 72
-    if 94 % plan.pp:
-        assert plan.first_stage_layers + plan.last_stage_layers + (plan.pp - 2) * -(-94 // plan.pp) == 94
+    assert plan.learner.recompute == "full" and plan.learner.memory.total <= 72
+    if 94 % plan.learner.pp:
+        lp = plan.learner
+        assert lp.first_stage_layers + lp.last_stage_layers + (lp.pp - 2) * -(-94 // lp.pp) == 94
     assert main(["plan", "--recipe", "qwen3_235b_a22b", "--choose", "train.recompute=off"]) == 0
     assert "train.recompute=full" in capsys.readouterr().out
 
@@ -622,17 +625,19 @@ def test_choose_splits_long_sequences_over_context_parallel_ranks_when_nothing_e
     long = ["rollout.max_model_len=262144", "train.micro_batch_tokens=262144", "corpus.max_doc_tokens=253952"]
     cfg = resolve_recipe("qwen3_32b", long)
     plan = plan_layout(cfg, choose=True)
-    assert plan.cp == 2 and plan.recompute == "full" and plan.learner.total <= 0.9 * 80
-    assert plan.dp == plan.learner_gpus // (plan.tp * plan.pp * plan.cp) and "CP=2" in plan.describe()
+    assert plan.learner.cp == 2 and plan.learner.recompute == "full" and plan.learner.memory.total <= 0.9 * 80
+    lp = plan.learner
+    assert lp.dp == lp.gpus // (lp.tp * lp.pp * lp.cp) and "CP=2" in plan.describe()
     half = plan_layout(resolve_recipe("qwen3_32b", ["rollout.max_model_len=131072", "train.micro_batch_tokens=131072",
                                                     "corpus.max_doc_tokens=122880"]), choose=True)
-    assert half.cp == 1  # half the tokens fit without it
-    fixed = resolve_recipe("qwen3_32b", long + [f"parallel.tensor_parallel={plan.tp}",
-                                                f"parallel.pipeline_parallel={plan.pp}", "parallel.context_parallel=2",
-                                                f"parallel.virtual_pipeline={plan.vpp}",
+    assert half.learner.cp == 1  # half the tokens fit without it
+    fixed = resolve_recipe("qwen3_32b", long + [f"parallel.tensor_parallel={lp.tp}",
+                                                f"parallel.pipeline_parallel={lp.pp}", "parallel.context_parallel=2",
+                                                f"parallel.virtual_pipeline={lp.vpp}",
                                                 "train.recompute=full"])
     same = plan_layout(fixed)
-    assert (same.cp, same.dp) == (2, plan.dp) and same.learner.total == pytest.approx(plan.learner.total)
+    assert (same.learner.cp, same.learner.dp) == (2, lp.dp)
+    assert same.learner.memory.total == pytest.approx(lp.memory.total)
     assert estimate_step_time(same, model_spec(fixed.run.model), fixed)["train_cp_comm"] > 0
     assert main(["plan", "--recipe", "qwen3_32b", "--choose", *long]) == 0
     assert "parallel.context_parallel=2 train.shared_prefix=off" in capsys.readouterr().out
@@ -654,15 +659,16 @@ def test_rank_layouts_lists_every_fitting_layout_fastest_first_and_choose_is_amo
         ranked = rank_layouts(cfg, spec)
         speeds = [st["tokens_per_s_per_gpu"] for _, st in ranked]
         assert len(ranked) > 10 and speeds == sorted(speeds, reverse=True), name
-        assert {p.colocated for p, _ in ranked} == {True, False} and any(p.cp > 1 for p, _ in ranked), name
+        assert {p.colocated for p, _ in ranked} == {True, False} and any(p.learner.cp > 1 for p, _ in ranked), name
         for p, st in ranked:
-            check_parallel_layout(spec, p.tp, p.pp, p.ep, 1, p.first_stage_layers, p.last_stage_layers, p.vpp)
-            assert p.learner.total <= 0.9 * cfg.cluster.gpu_memory_gib and st["total"] > 0, (name, p)
+            lp = p.learner
+            check_parallel_layout(spec, lp.tp, lp.pp, lp.ep, 1, lp.first_stage_layers, lp.last_stage_layers, lp.vpp)
+            assert p.learner.memory.total <= 0.9 * cfg.cluster.gpu_memory_gib and st["total"] > 0, (name, p)
         chosen = choose_plan(cfg, compare_placements(cfg, spec))
         best = estimate_step_time(chosen, spec, cfg)["tokens_per_s_per_gpu"]
         assert speeds[0] >= best - 1e-6 and any(v == pytest.approx(best) for v in speeds), name
-        unshared = next(st for p, st in ranked if p.cp > 1)
-        shared = next(st for p, st in ranked if p.cp == 1)
+        unshared = next(st for p, st in ranked if p.learner.cp > 1)
+        shared = next(st for p, st in ranked if p.learner.cp == 1)
         assert unshared["learner_tokens"] > shared["learner_tokens"], name  # the CP plan trains every prompt
     assert main(["plan", "--recipe", "qwen3_32b", "--rank", "3"]) == 0
     out = capsys.readouterr().out
@@ -684,20 +690,20 @@ def test_each_gpu_part_has_its_links_and_engines_and_experts_span_nodes_where_th
     cfg.train.max_staleness, cfg.rollout.weight_transfer = 0, "ipc"
     with pytest.raises(PlanError, match="with engine TP=8 the KV cache"):
         plan_layout(cfg, choose=True)
-    assert plan_layout(get_recipe("qwen3_32b"), choose=True).engine_tp <= 8
+    assert plan_layout(get_recipe("qwen3_32b"), choose=True).engines.tp <= 8
     cfg = get_recipe("qwen3_235b_a22b_h200")
     cfg.cluster.nodes, cfg.cluster.learner_nodes, cfg.run.colocate = 16, 0, True
     cfg.train.max_staleness, cfg.rollout.weight_transfer = 0, "ipc"
     plan = plan_layout(cfg, choose=True)
-    assert plan.engine_tp == 8 and plan.gpus == 128
+    assert plan.engines.tp == 8 and plan.gpus == 128
     # the experts across the stage's nodes: ranked by the planned iteration against experts in a node
     from spice_megatron.plan.choice import compare_placements
 
     spread, step = compare_placements(cfg, model_spec(cfg.run.model))["colocated"]
     within = estimate_step_time(plan, model_spec(cfg.run.model), cfg)
-    assert spread.ep > cfg.cluster.gpus_per_node and plan.ep <= cfg.cluster.gpus_per_node
+    assert spread.learner.ep > cfg.cluster.gpus_per_node and plan.learner.ep <= cfg.cluster.gpus_per_node
     assert step["tokens_per_s_per_gpu"] > 1.05 * within["tokens_per_s_per_gpu"]
-    assert any(f"EP={spread.ep} spans nodes" in n for n in spread.notes)
+    assert any(f"EP={spread.learner.ep} spans nodes" in n for n in spread.notes)
 
 
 def test_virtual_pipeline_stages_halve_the_bubble_and_choose_takes_them_where_they_fit(capsys):
@@ -708,14 +714,14 @@ def test_virtual_pipeline_stages_halve_the_bubble_and_choose_takes_them_where_th
 
     cfg = resolve_recipe("llama3_70b", ["train.recompute=full"])
     plan = plan_layout(cfg, choose=True)
-    assert (plan.pp, plan.vpp) == (2, 2) and "VPP=2" in plan.describe()
-    layout = [f"parallel.tensor_parallel={plan.tp}", "parallel.pipeline_parallel=2", "train.recompute=full",
-              f"rollout.gpu_memory_utilization={plan.engine_utilization}"]
+    assert (plan.learner.pp, plan.learner.vpp) == (2, 2) and "VPP=2" in plan.describe()
+    layout = [f"parallel.tensor_parallel={plan.learner.tp}", "parallel.pipeline_parallel=2", "train.recompute=full",
+              f"rollout.gpu_memory_utilization={plan.engines.utilization}"]
     one, two = (resolve_recipe("llama3_70b", layout + [f"parallel.virtual_pipeline={v}"]) for v in (1, 2))
     plans = [plan_layout(c) for c in (one, two)]
     steps = [estimate_step_time(p, model_spec(c.run.model), c) for p, c in zip(plans, (one, two))]
     assert steps[1]["train_bubble"] == pytest.approx(steps[0]["train_bubble"] / 2)
-    assert plans[1].learner.activations > plans[0].learner.activations
+    assert plans[1].learner.memory.activations > plans[0].learner.memory.activations
     with pytest.raises(PlanError, match="parallel.virtual_pipeline: pipeline_parallel x virtual_pipeline = 2 x 3 "
                                         "does not divide num_hidden_layers=80"):
         plan_layout(resolve_recipe("llama3_70b", layout + ["parallel.virtual_pipeline=3"]))
@@ -741,7 +747,7 @@ def test_the_all_to_all_is_priced_where_megatron_places_the_expert_groups(monkey
         plan = plan_layout(cfg, spec)
         seen.clear()
         step_time.estimate_step_time(plan, spec, cfg)
-        assert seen and all(s[0] == inside for s in seen), (name, plan.tp, plan.ep, seen)
+        assert seen and all(s[0] == inside for s in seen), (name, plan.learner.tp, plan.learner.ep, seen)
         # selective "moe" recompute runs the dispatch and combine again in the backward
         moe_recompute = cfg.train.recompute == "selective" and "moe" in cfg.train.recompute_modules
         assert all(s[1] == moe_recompute for s in seen), name

@@ -126,15 +126,15 @@ def test_sbatch_matches_its_recipe(script):
     assert s.get("ENGINE_EP", "0") == ("1" if cfg.rollout.engine_expert_parallel else "0")
     assert int(s["gpus-per-node"]) == cfg.cluster.gpus_per_node
     plan = plan_layout(cfg)  # the recipe's layout fits the nodes the script asks for
-    assert plan.learner_gpus == int(s["LEARNER_NODES"]) * cfg.cluster.gpus_per_node
+    assert plan.learner.gpus == int(s["LEARNER_NODES"]) * cfg.cluster.gpus_per_node
     # colocated: the engines' share of each GPU and vLLM's CUDA IPC, as the recipe plans them
     assert (s.get("COLOCATE") == "1") == cfg.run.colocate
     if "ENGINE_MEMORY_SHARE" in s:  # disaggregated too, where the recipe gives its engines more than 0.85
         assert float(s["ENGINE_MEMORY_SHARE"]) == cfg.rollout.gpu_memory_utilization
     if cfg.run.colocate:
-        assert float(s["ENGINE_MEMORY_SHARE"]) == cfg.rollout.gpu_memory_utilization == plan.engine_utilization
+        assert float(s["ENGINE_MEMORY_SHARE"]) == cfg.rollout.gpu_memory_utilization == plan.engines.utilization
         assert s["WEIGHT_TRANSFER"] == "${WEIGHT_TRANSFER:-ipc}" and cfg.rollout.weight_transfer == "ipc"
-        assert plan.rollout_phase_gib <= 0.9 * cfg.cluster.gpu_memory_gib
+        assert plan.phases.rollout_gib <= 0.9 * cfg.cluster.gpu_memory_gib
 
 
 def _job_env(script, fake_bin, tmp_path, learner="finish", restart=0, **extra_env):

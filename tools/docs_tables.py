@@ -49,11 +49,11 @@ def recipes_table() -> str:
     for name in (*PAPER_RECIPES, *BASELINE_RECIPES, *LARGE_RECIPES, *MOE_RECIPES, *COLOCATED_RECIPES,
                  *FAMILY_RECIPES):
         cfg, plan, _ = _plan(name)
-        layout = f"{plan.learner_gpus} GPUs: TP={plan.tp} PP={plan.pp} DP={plan.dp}" + (
-            f" EP={plan.ep}" if plan.ep > 1 else "")
-        planned, engines = f"{plan.learner.total:.1f} GiB", f"{plan.engines} x TP={plan.engine_tp}"
+        layout = f"{plan.learner.gpus} GPUs: TP={plan.learner.tp} PP={plan.learner.pp} DP={plan.learner.dp}" + (
+            f" EP={plan.learner.ep}" if plan.learner.ep > 1 else "")
+        planned, engines = f"{plan.learner.memory.total:.1f} GiB", f"{plan.engines.count} x TP={plan.engines.tp}"
         if plan.colocated:  # the largest of the three phases' peaks
-            planned = f"{max(plan.train_phase_gib, plan.rollout_phase_gib, plan.sync_phase_gib):.1f} GiB"
+            planned = f"{max(plan.phases.train_gib, plan.phases.rollout_gib, plan.phases.sync_gib):.1f} GiB"
             engines += " on the same GPUs"
         rows.append(f"| `{name}` | {cfg.run.model} | {plan.nodes} x {plan.gpus_per_node} ({plan.gpu_memory_gib:.0f} "
                     "GB) "
@@ -76,10 +76,11 @@ def placements_table() -> str:
                 rows.append(f"| `{name}` | {cfg.cluster.nodes} | {placement} | does not fit | | | |")
                 continue
             p, st = value
-            learner = f"TP={p.tp} PP={p.pp} DP={p.dp}" + (f" EP={p.ep}" if p.ep > 1 else "") + (
-                f", optimizer {p.optimizer_offload:.0%} on host" if p.optimizer_offload else "")
-            rows.append(f"| `{name}` | {cfg.cluster.nodes} | {placement} | {learner} | {p.engines} x TP={p.engine_tp} "
-                        f"| {st['total']:.0f} | {st['tokens_per_s_per_gpu']:,.0f} |")
+            lp = p.learner
+            learner = f"TP={lp.tp} PP={lp.pp} DP={lp.dp}" + (f" EP={lp.ep}" if lp.ep > 1 else "") + (
+                f", optimizer {lp.optimizer_offload:.0%} on host" if lp.optimizer_offload else "")
+            rows.append(f"| `{name}` | {cfg.cluster.nodes} | {placement} | {learner} | {p.engines.count} x "
+                        f"TP={p.engines.tp} | {st['total']:.0f} | {st['tokens_per_s_per_gpu']:,.0f} |")
     return "\n".join(rows)
 
 
@@ -90,7 +91,8 @@ def step_time_table() -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for nodes in (2, 4, 8):
         cfg, plan, s = _plan("qwen3_8b", nodes)
-        rows.append(f"| {nodes} | {plan.learner_gpus} GPUs, TP={plan.tp} DP={plan.dp} | {plan.engines} engines "
+        lp = plan.learner
+        rows.append(f"| {nodes} | {lp.gpus} GPUs, TP={lp.tp} DP={lp.dp} | {plan.engines.count} engines "
                     f"| {s['challenger_rollout']:.0f} s | {s['reasoner_rollout']:.0f} s | {s['rollout_phased']:.0f} s "
                     f"| {s['rollout_streamed']:.0f} s ({s['rollout_phased'] / s['rollout_streamed']:.2f}x) "
                     f"| {s['train']:.0f} s | {s['weight_sync']:.0f} s | {s['total']:.0f} "
@@ -224,11 +226,13 @@ def ranked_layouts_table() -> str:
             "|---|---|---|---|---|---|---|"]
 
     def row(label: str, p, st: dict) -> str:
-        layout = (f"TP={p.tp} PP={p.pp}" + (f" VPP={p.vpp}" if p.vpp > 1 else "") + (f" CP={p.cp}" if p.cp > 1 else "")
-                  + f" DP={p.dp}" + (f", recompute {p.recompute}" if p.recompute != "off" else ""))
-        return (f"| {label} | {'colocated' if p.colocated else 'disaggregated'} | {layout} | {p.engines} x "
-                f"TP={p.engine_tp} "
-                f"| {p.learner.total:.1f} | {st['total']:.1f} | {st['tokens_per_s_per_gpu']:,.0f} |")
+        lp = p.learner
+        layout = (f"TP={lp.tp} PP={lp.pp}" + (f" VPP={lp.vpp}" if lp.vpp > 1 else "")
+                  + (f" CP={lp.cp}" if lp.cp > 1 else "") + f" DP={lp.dp}"
+                  + (f", recompute {lp.recompute}" if lp.recompute != "off" else ""))
+        return (f"| {label} | {'colocated' if p.colocated else 'disaggregated'} | {layout} | {p.engines.count} x "
+                f"TP={p.engines.tp} "
+                f"| {p.learner.memory.total:.1f} | {st['total']:.1f} | {st['tokens_per_s_per_gpu']:,.0f} |")
 
     rows += [row(str(i), p, st) for i, (p, st) in enumerate(ranked[:6], 1)]
     rows.append(row(f"`--choose` (of {len(ranked)})", chosen, estimate_step_time(chosen, spec, cfg)))

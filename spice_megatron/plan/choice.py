@@ -68,7 +68,7 @@ def rank_layouts(cfg: SpiceConfig, spec: ModelSpec, t: Throughput | None = None,
                                            learner=layout)
                     except PlanError:
                         continue
-                    key = (colocate, layout, plan.ep)
+                    key = (colocate, layout, plan.learner.ep)
                     if key not in seen:
                         seen.add(key)
                         ranked.append((plan, estimate_step_time(plan, spec, cfg, t)))

@@ -54,83 +54,103 @@ def model_spec(model: str) -> ModelSpec:
 
 
 @dataclass
-class Plan:
-    model: str
-    params_billion: float
-    nodes: int
-    gpus_per_node: int
-    gpu_memory_gib: float
-    learner_gpus: int
-    rollout_gpus: int
+class LearnerPlan:
+    """The learner: its GPUs, its layout and what it needs per GPU."""
+
+    gpus: int
     tp: int
     pp: int
     dp: int
-    engine_tp: int
-    engines: int
-    learner: LearnerMemory
-    engine: EngineMemory
-    notes: list[str] = field(default_factory=list)
+    memory: LearnerMemory
     ep: int = 1
-    active_params_billion: float = 0.0
-    # run.colocate: learner and engines on the same GPUs, taking turns (colocation.py)
-    colocated: bool = False
-    engine_utilization: float = 0.0  # vLLM's gpu_memory_utilization: the engine's share of each GPU
-    optimizer_offload: float = 0.0  # optim.cpu_offload_fraction
-    # colocated peaks per GPU (GiB): the step beside sleeping engines, the rollouts beside the
-    # learner's weights, the weight sync (engine weights awake, KV cache not yet)
-    train_phase_gib: float = 0.0
-    rollout_phase_gib: float = 0.0
-    sync_phase_gib: float = 0.0
-    # uneven pipeline stages (parallel.first/last_stage_layers; 0: even) and train.recompute as
-    # planned (chosen: "full" when nothing fits without it)
-    first_stage_layers: int = 0
-    last_stage_layers: int = 0
-    recompute: str = "off"
     cp: int = 1  # parallel.context_parallel: each sequence over CP ranks (its activations split CP ways)
     vpp: int = 1  # parallel.virtual_pipeline: chunks per pipeline rank (the bubble divided by it)
+    # uneven pipeline stages (parallel.first/last_stage_layers; 0: even)
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
+    recompute: str = "off"  # train.recompute as planned (chosen: "full" when nothing fits without it)
+    optimizer_offload: float = 0.0  # optim.cpu_offload_fraction
+
+
+@dataclass
+class EnginePlan:
+    """The rollout engines: their GPUs, how many of what TP, and what each holds per GPU."""
+
+    gpus: int
+    tp: int
+    count: int
+    memory: EngineMemory
+    utilization: float = 0.0  # colocated: vLLM's gpu_memory_utilization, the engine's share of each GPU
+
+
+@dataclass
+class ColocatedPhases:
+    """Colocated peaks per GPU (GiB): the step beside sleeping engines, the rollouts beside the
+    learner's weights, the weight sync (engine weights awake, KV cache not yet)."""
+
+    train_gib: float
+    rollout_gib: float
+    sync_gib: float
+
+
+@dataclass
+class Plan:
+    model: str
+    params_billion: float
+    active_params_billion: float
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    learner: LearnerPlan
+    engines: EnginePlan
+    colocated: bool = False  # run.colocate: learner and engines on the same GPUs, taking turns (colocation.py)
+    phases: ColocatedPhases | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def gpus(self) -> int:
         """The job's GPUs (colocated, learner and engines share them)."""
-        return self.learner_gpus if self.colocated else self.learner_gpus + self.rollout_gpus
+        return self.learner.gpus if self.colocated else self.learner.gpus + self.engines.gpus
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d["learner"]["total"] = self.learner.total
+        d["learner"]["memory"]["total"] = self.learner.memory.total
         d["gpus"] = self.gpus
         return d
 
     def describe(self) -> str:
-        m, e = self.learner, self.engine
+        lp, ep = self.learner, self.engines
+        m, e = lp.memory, ep.memory
         active = (f" ({self.active_params_billion:.2f}B active per token)"
                   if self.active_params_billion < self.params_billion else "")
         lines = [
             f"model {self.model}: {self.params_billion:.2f}B parameters{active}",
             f"cluster: {self.nodes} node(s) x {self.gpus_per_node} GPUs of {self.gpu_memory_gib:.0f} GiB",
-            f"learner: {self.learner_gpus} GPUs, TP={self.tp} PP={self.pp}"
-            + (f" VPP={self.vpp}" if self.vpp > 1 else "") + (f" CP={self.cp}" if self.cp > 1 else "")
-            + f" DP={self.dp}" + (f" EP={self.ep}" if self.ep > 1 else "")
-            + (f", stages of {self.first_stage_layers} / .. / {self.last_stage_layers} layers"
-               if self.first_stage_layers else "")
-            + (f", recompute {self.recompute}" if self.recompute != "off" else ""),
+            f"learner: {lp.gpus} GPUs, TP={lp.tp} PP={lp.pp}"
+            + (f" VPP={lp.vpp}" if lp.vpp > 1 else "") + (f" CP={lp.cp}" if lp.cp > 1 else "")
+            + f" DP={lp.dp}" + (f" EP={lp.ep}" if lp.ep > 1 else "")
+            + (f", stages of {lp.first_stage_layers} / .. / {lp.last_stage_layers} layers"
+               if lp.first_stage_layers else "")
+            + (f", recompute {lp.recompute}" if lp.recompute != "off" else ""),
             f"  per GPU: weights {m.weights:.1f} + grads {m.gradients:.1f} + optimizer {m.optimizer:.1f} + activations "
             f"{m.activations:.1f} + logits {m.logits:.1f} + overhead {m.overhead:.1f} = {m.total:.1f} GiB "
             f"of {self.gpu_memory_gib:.0f}",
             *([f"  experts: {m.experts:.1f} GiB of those weights, grads and optimizer state; all-to-all "
                f"{m.all_to_all_gib:.2f} GiB sent per GPU per micro-batch"] if m.experts else []),
-            f"rollout: {self.engines} vLLM engine(s) x TP={self.engine_tp} on {self.rollout_gpus} GPUs"
+            f"rollout: {ep.count} vLLM engine(s) x TP={ep.tp} on {ep.gpus} GPUs"
             + (" (the learner's, colocated)" if self.colocated else ""),
             f"  per GPU: weights {e.weights:.1f} GiB, KV cache {e.kv_cache:.1f} GiB "
             f"({e.kv_bytes_per_token // 1024} KiB/token: {e.max_sequences} full-length sequences per engine)",
         ]
-        if self.colocated:
+        if self.phases is not None:
+            ph = self.phases
             lines += [
-                f"colocated phases per GPU: step {self.train_phase_gib:.1f} GiB (engines asleep, "
-                f"{ENGINE_ASLEEP_GIB:.1f} each), rollouts {self.rollout_phase_gib:.1f} GiB (learner weights "
+                f"colocated phases per GPU: step {ph.train_gib:.1f} GiB (engines asleep, "
+                f"{ENGINE_ASLEEP_GIB:.1f} each), rollouts {ph.rollout_gib:.1f} GiB (learner weights "
                 f"{m.weights:.1f} + {LEARNER_RESIDENT_GIB:.1f} resident beside the engine's "
-                f"{self.engine_utilization:.2f} of the GPU), weight sync {self.sync_phase_gib:.1f} GiB",
-                *([f"  optimizer: {self.optimizer_offload:.0%} of its state and update on the host "
-                   f"(optim.cpu_offload_fraction)"] if self.optimizer_offload else [])]
+                f"{ep.utilization:.2f} of the GPU), weight sync {ph.sync_gib:.1f} GiB",
+                *([f"  optimizer: {lp.optimizer_offload:.0%} of its state and update on the host "
+                   f"(optim.cpu_offload_fraction)"] if lp.optimizer_offload else [])]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
@@ -167,13 +187,13 @@ def plan_layout(cfg: SpiceConfig, spec: ModelSpec | None = None, choose: bool = 
     resident = mem.weights + LEARNER_RESIDENT_GIB  # colocated: what the learner keeps during the rollouts
     utilization = engine_share(cfg, resident, budget, headroom, choose, colocate)
     etp, em = choose_engines(cfg, spec, rollout_gpus, utilization, choose, colocate, min_engine_kv_tokens)
-    phases = colocated_phases(cfg, spec, mem, em, resident, utilization, budget) if colocate else {}
+    phases = colocated_phases(cfg, spec, mem, em, resident, utilization, budget) if colocate else None
     notes = plan_notes(cfg, found, etp, tokens, bound, colocate)
-    return Plan(cfg.run.model, spec.num_parameters / 1e9, cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory_gib,
-                learner_gpus, rollout_gpus, found.tp, found.pp, learner_gpus // (found.tp * found.pp * found.cp), etp,
-                rollout_gpus // etp, mem, em, notes, found.ep, spec.active_parameters / 1e9, colocate,
-                utilization if colocate else 0.0, found.offload, **phases, first_stage_layers=found.first,
-                last_stage_layers=found.last, recompute=found.recompute, cp=found.cp, vpp=found.vpp)
+    learner_plan = LearnerPlan(learner_gpus, found.tp, found.pp, learner_gpus // (found.tp * found.pp * found.cp), mem,
+                               found.ep, found.cp, found.vpp, found.first, found.last, found.recompute, found.offload)
+    engines = EnginePlan(rollout_gpus, etp, rollout_gpus // etp, em, utilization if colocate else 0.0)
+    return Plan(cfg.run.model, spec.num_parameters / 1e9, spec.active_parameters / 1e9, cluster.nodes,
+                cluster.gpus_per_node, cluster.gpu_memory_gib, learner_plan, engines, colocate, phases, notes)
 
 
 def fit_learner(cfg: SpiceConfig, spec: ModelSpec, learner_gpus: int, rollout_gpus: int, budget: float,
@@ -255,19 +275,20 @@ def choose_engines(cfg: SpiceConfig, spec: ModelSpec, rollout_gpus: int, utiliza
 
 
 def colocated_phases(cfg: SpiceConfig, spec: ModelSpec, mem: LearnerMemory, em: EngineMemory, resident: float,
-                     utilization: float, budget: float) -> dict[str, float]:
-    """Colocated, the three peaks per GPU (Plan's *_phase_gib): the step beside sleeping engines,
-    the rollouts beside the learner's weights, the weight sync; refused when the sync's does not fit."""
+                     utilization: float, budget: float) -> ColocatedPhases:
+    """Colocated, the three peaks per GPU: the step beside sleeping engines, the rollouts beside the
+    learner's weights, the weight sync; refused when the sync's does not fit."""
     gpu = cfg.cluster.gpu_memory_gib
     largest = 2 * spec.vocab_size * spec.hidden_size / GiB  # the embedding, bf16: one whole tensor per rank
     staging = max(cfg.rollout.bucket_mb / 1024, largest)  # vLLM's packed IPC buffer (engine_weights.py)
-    phases = {"train_phase_gib": mem.total + ENGINE_ASLEEP_GIB,
-              "rollout_phase_gib": resident + utilization * gpu,
-              # the engine's share minus its KV cache: its weights and overhead, awake before the KV;
-              # the learner's staging buffer and largest gathered tensor; the engine's clone of a
-              # received chunk (vLLM's packed IPC consumer copies each before loading it)
-              "sync_phase_gib": resident + utilization * gpu - em.kv_cache + 2 * staging + largest}
-    if phases["sync_phase_gib"] > budget:
+    phases = ColocatedPhases(
+        train_gib=mem.total + ENGINE_ASLEEP_GIB,
+        rollout_gib=resident + utilization * gpu,
+        # the engine's share minus its KV cache: its weights and overhead, awake before the KV;
+        # the learner's staging buffer and largest gathered tensor; the engine's clone of a
+        # received chunk (vLLM's packed IPC consumer copies each before loading it)
+        sync_gib=resident + utilization * gpu - em.kv_cache + 2 * staging + largest)
+    if phases.sync_gib > budget:
         raise PlanError(f"colocated weight sync: the engine's weights ({em.weights:.1f} GiB) beside the learner's "
                         f"{resident:.1f} GiB and the IPC buffers ({2 * staging + largest:.1f} GiB) exceed "
                         f"{budget:.1f} GiB; "

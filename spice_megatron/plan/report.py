@@ -108,10 +108,10 @@ def plan_command(args: argparse.Namespace) -> int:
             print(f"  {name:14s} does not fit: {value[:160]}")
             continue
         p, st = value
+        lp = p.learner
         print(f"  {name:14s} {st['tokens_per_s_per_gpu']:7,.0f} tokens/s/GPU, {st['total']:6.1f} s per iteration on "
-              f"{p.gpus} GPUs (learner TP={p.tp} PP={p.pp}{f' CP={p.cp}' if p.cp > 1 else ''} DP={p.dp}"
-              f"{f' EP={p.ep}' if p.ep > 1 else ''}, "
-              f"{p.engines} engines x TP={p.engine_tp})")
+              f"{p.gpus} GPUs (learner TP={lp.tp} PP={lp.pp}{f' CP={lp.cp}' if lp.cp > 1 else ''} DP={lp.dp}"
+              f"{f' EP={lp.ep}' if lp.ep > 1 else ''}, {p.engines.count} engines x TP={p.engines.tp})")
     if args.choose:
         print(f"to use it: {plan_overrides(plan, cfg)}")
     if args.rank:
@@ -119,7 +119,7 @@ def plan_command(args: argparse.Namespace) -> int:
               "(planned on-policy; differences of a few percent are below the model's resolution: docs/layouts.md):")
         for i, (p, st) in enumerate(ranked[:args.rank], 1):
             print(f"  {i}. {st['tokens_per_s_per_gpu']:7,.0f} tokens/s/GPU, {st['total']:6.1f} s, learner "
-                  f"{p.learner.total:5.1f} GiB/GPU: {plan_overrides(p, cfg)}")
+                  f"{p.learner.memory.total:5.1f} GiB/GPU: {plan_overrides(p, cfg)}")
         if args.choose and ranked:
             print(choice_in_ranking(plan_overrides(plan, cfg), [(plan_overrides(p, cfg), st) for p, st in ranked]))
     return 0
@@ -141,14 +141,15 @@ def choice_in_ranking(chosen: str, ranked: list[tuple[str, dict]]) -> str:
 
 def plan_overrides(plan, cfg) -> str:
     """The recipe overrides that lay a run out as `plan` says."""
-    return (f"parallel.tensor_parallel={plan.tp} parallel.pipeline_parallel={plan.pp} "
-            + (f"parallel.first_stage_layers={plan.first_stage_layers} "
-               f"parallel.last_stage_layers={plan.last_stage_layers} " if plan.first_stage_layers else "")
-            + (f"train.recompute={plan.recompute} " if plan.recompute != cfg.train.recompute else "")
-            + (f"parallel.expert_parallel={plan.ep} " if plan.ep > 1 else "")
-            + (f"parallel.context_parallel={plan.cp} train.shared_prefix=off " if plan.cp > 1 else "")
-            + (f"parallel.virtual_pipeline={plan.vpp} " if plan.vpp > 1 else "")
-            + f"rollout.engine_tensor_parallel={plan.engine_tp}"
-            + (f" run.colocate=true train.max_staleness=0 rollout.weight_transfer=ipc "
-               f"rollout.gpu_memory_utilization={plan.engine_utilization}" if plan.colocated else " run.colocate=false")
-            + (f" optim.cpu_offload_fraction={plan.optimizer_offload}" if plan.optimizer_offload else ""))
+    lp = plan.learner
+    return (f"parallel.tensor_parallel={lp.tp} parallel.pipeline_parallel={lp.pp} "
+            + (f"parallel.first_stage_layers={lp.first_stage_layers} "
+               f"parallel.last_stage_layers={lp.last_stage_layers} " if lp.first_stage_layers else "")
+            + (f"train.recompute={lp.recompute} " if lp.recompute != cfg.train.recompute else "")
+            + (f"parallel.expert_parallel={lp.ep} " if lp.ep > 1 else "")
+            + (f"parallel.context_parallel={lp.cp} train.shared_prefix=off " if lp.cp > 1 else "")
+            + (f"parallel.virtual_pipeline={lp.vpp} " if lp.vpp > 1 else "")
+            + f"rollout.engine_tensor_parallel={plan.engines.tp}"
+            + (f" run.colocate=true train.max_staleness=0 rollout.weight_transfer=ipc rollout.gpu_memory_utilization="
+               f"{plan.engines.utilization}" if plan.colocated else " run.colocate=false")
+            + (f" optim.cpu_offload_fraction={lp.optimizer_offload}" if lp.optimizer_offload else ""))

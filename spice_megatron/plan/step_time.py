@@ -30,15 +30,15 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     selective mlp: the dense MLPs'; moe: the experts a token runs through), per token it runs:
     with train.shared_prefix each group's prompt once."""
     t = t or Throughput.for_gpu(cfg.cluster.gpu)
-    sp = cfg.selfplay
+    sp, lp, en = cfg.selfplay, plan.learner, plan.engines
     p, active = spec.num_parameters, spec.active_parameters
     full_step = [0.0]  # a decode step of an engine running its most sequences (the streamed path's)
 
     def generate(prompts: float, prompt_tokens: int, gen_tokens: int, max_gen: int) -> tuple[float, float]:
         """A phase's seconds when it waits for its longest sequence (phased), and the engines' busy
         seconds for its sequences alone (what a streamed iteration spends on them)."""
-        phased, busy, step = decode_phase(spec, plan.engine_tp, plan.engines, plan.engine.max_sequences,
-                                          plan.engine.kv_bytes_per_token, cfg.rollout.max_model_len, prompts,
+        phased, busy, step = decode_phase(spec, en.tp, en.count, en.memory.max_sequences,
+                                          en.memory.kv_bytes_per_token, cfg.rollout.max_model_len, prompts,
                                           prompt_tokens, gen_tokens, max_gen, t, cfg.cluster.gpus_per_node)
         full_step[0] = max(full_step[0], step)
         return phased, busy
@@ -69,14 +69,14 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     train_tokens = (challenger_trained * (t.doc_tokens + t.challenger_gen_tokens)
                     + answers * (t.question_tokens + t.reasoner_gen_tokens))
     learner_tokens = train_tokens
-    if resolve_shared_prefix(spec, cfg.train, plan.cp).use_shared_prefix:  # the plan's CP (--choose may add it)
+    if resolve_shared_prefix(spec, cfg.train, lp.cp).use_shared_prefix:  # the plan's CP (--choose may add it)
         prompts = 1.0 if sp.protocol == "compact" else t.paper_challenger_prompts
         challenger_prompts = docs * min(prompts, sp.group_size) if sp.challenger_group == "document" \
             else challenger_trained
         learner_tokens = (challenger_prompts * t.doc_tokens + challenger_trained * t.challenger_gen_tokens
                           + docs * t.question_tokens + answers * t.reasoner_gen_tokens)
     recomputed = 0.0
-    recompute = plan.recompute
+    recompute = lp.recompute
     if recompute == "full":
         recomputed = active
     elif recompute == "selective":
@@ -92,24 +92,24 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
     steps = math.ceil((challenger_trained + answers) / per_update) if per_update else cfg.train.steps_per_batch
     work_done = LearnerWork(tokens=learner_tokens, mean_row_tokens=train_tokens / (challenger_trained + answers),
                             forwards=1, recomputed_params=recomputed, full_recompute=recompute == "full",
-                            micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / plan.dp, steps=steps,
+                            micro_batches=learner_tokens / steps / cfg.train.micro_batch_tokens / lp.dp, steps=steps,
                             moe_recompute=recompute == "selective" and "moe" in cfg.train.recompute_modules)
-    learner = learner_seconds(spec, work_done, plan.learner.weights, plan.learner_gpus, plan.tp, plan.pp, plan.dp,
-                              cfg.cluster.gpus_per_node, t, vpp=plan.vpp, cp=plan.cp)
+    learner = learner_seconds(spec, work_done, lp.memory.weights, lp.gpus, lp.tp, lp.pp, lp.dp,
+                              cfg.cluster.gpus_per_node, t, vpp=lp.vpp, cp=lp.cp)
     train = sum(learner.values())
-    if plan.learner.all_to_all_gib:
-        train += all_to_all_seconds(learner_tokens / cfg.train.micro_batch_tokens / plan.dp,
-                                    plan.learner.all_to_all_gib, work_done,
-                                    plan.ep * cfg.parallel.expert_tensor_parallel <= cfg.cluster.gpus_per_node, t)
-    if plan.optimizer_offload:  # the CPU's share of every optimizer step
-        offloaded = plan.optimizer_offload * p / plan.learner_gpus  # parameters per GPU updated on the host
+    if lp.memory.all_to_all_gib:
+        train += all_to_all_seconds(learner_tokens / cfg.train.micro_batch_tokens / lp.dp,
+                                    lp.memory.all_to_all_gib, work_done,
+                                    lp.ep * cfg.parallel.expert_tensor_parallel <= cfg.cluster.gpus_per_node, t)
+    if lp.optimizer_offload:  # the CPU's share of every optimizer step
+        offloaded = lp.optimizer_offload * p / lp.gpus  # parameters per GPU updated on the host
         train += steps * offloaded / t.cpu_adam_params_per_s
     rollout = streamed if cfg.run.streamed else challenger + reasoner
     hidden = 0.0
     if cfg.old_logprobs_during_rollouts and not plan.colocated:
         # the old-log-prob forward (one of the learner's 4 passes) runs while documents still
         # roll out: hidden but for the last documents' share (taken as one in B)
-        forward = forward_pass_seconds(spec, work_done, plan.learner_gpus, t)
+        forward = forward_pass_seconds(spec, work_done, lp.gpus, t)
         hidden = min(forward * (1 - 1 / docs), rollout)
         train -= hidden
     out = {"rollout": rollout, "train": train}
@@ -117,10 +117,10 @@ def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Through
         out["weight_sync"] = 2 * p / (t.ipc_gb_s * 1e9) + 1.0
         # engines' weights to the host and back (sleep level 1; level 2 drops them: the sync refills),
         # the learner's optimizer state out and in (its gradient buffers are freed, not copied)
-        moved = (2 * plan.engine.weights if cfg.rollout.sleep_level == 1 else 0.0) + 2 * plan.learner.optimizer
+        moved = (2 * en.memory.weights if cfg.rollout.sleep_level == 1 else 0.0) + 2 * lp.memory.optimizer
         out["sleep_wake_offload"] = moved * GiB / (t.host_gb_s * 1e9) + 2.0
     else:
-        out["weight_sync"] = 2 * p / plan.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
+        out["weight_sync"] = 2 * p / lp.pp / (t.sync_gb_s * 1e9) + 1.0  # + the engines' in-place load
     out["total"] = sum(out.values())
     # the phases as a phased iteration has them (run.streamed=false), and both schedules' rollouts
     out.update(challenger_rollout=challenger, reasoner_rollout=reasoner, rollout_phased=challenger + reasoner,
