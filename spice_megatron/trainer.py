@@ -1,7 +1,7 @@
 """SPICE, Algorithm 1, top to bottom.
 
 Every learner rank runs `train` (SPMD, under torchrun or srun). Global rank 0 is also the driver
-(driver.py; with run.driver=process, a process of its own beside rank 0): it owns the corpus, talks
+(loop/driver.py; with run.driver=process, a process of its own beside rank 0): it owns the corpus, talks
 to the rollout fleet, verifies answers, computes rewards and writes the logs; the training sequences
 it builds are broadcast to every learner rank.
 
@@ -21,9 +21,9 @@ The engines' upkeep (asleep during step 5 when colocated, step 6, their recovery
 loop/engines.py; checkpoints and stops are loop/run_guard.py's. With run.colocate the engines and
 the learner share the GPUs and take turns (loop/colocation.py).
 
-Streamed (run.streamed), steps 2-4 run per document, not per phase (rollout/schedule.py); with
+Streamed (run.streamed), steps 2-4 run per document, not per phase (selfplay/schedule.py); with
 several optimizer steps per batch the learner runs the old log-probs of step 5 for the documents
-already complete while the others roll out (streamed_forward.py).
+already complete while the others roll out (loop/streamed_forward.py).
 
 With train.max_staleness=1 (one step off policy) steps 1-4 of iteration t+1 run on the engines,
 in the background on the driver, while the learner takes step 5 of iteration t; the engines get
@@ -100,7 +100,7 @@ def train(cfg: SpiceConfig, resume: bool = False, eval_hook: EvalHook | None = N
     (which holds the current weights); its metrics are logged under eval/.
     A run the kill switch stopped is not resumed (a scheduler's requeue would otherwise train on
     from the collapse) unless `resume_after_kill_switch`. Rank 0 holds the run directory's lock
-    for the whole run (run_lock.py): a second run on it refuses (RunDirLocked)."""
+    for the whole run (run/lock.py): a second run on it refuses (RunDirLocked)."""
     from spice_megatron.bridge.hf_io import resolve_model_dir
     from spice_megatron.policy.parallel import control_group, init_distributed
 

@@ -577,7 +577,7 @@ def test_without_a_container_a_path_nemo_run_would_rewrite_is_refused():
 
 
 def test_the_planner_lands_within_30_percent_of_nemo_rls_published_runs():
-    """Its time terms on NeMo-RL's published H100 layouts and workloads (plan_calibration.py)."""
+    """Its time terms on NeMo-RL's published H100 layouts and workloads (plan/calibration.py)."""
     from spice_megatron.plan.calibration import PUBLISHED_RUNS, calibration_rows, grpo_step
 
     rows = calibration_rows()

@@ -1,4 +1,4 @@
-"""`spice clean RUN` (run_clean.py): a run's older checkpoints removed, what a resume reads kept."""
+"""`spice clean RUN` (run/clean.py): a run's older checkpoints removed, what a resume reads kept."""
 import pytest
 
 from spice_megatron.cli import main

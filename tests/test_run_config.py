@@ -1,4 +1,4 @@
-"""RUN/config.json (run_config.py): written at the start, compared on --resume."""
+"""RUN/config.json (run/config_file.py): written at the start, compared on --resume."""
 import json
 
 import pytest

@@ -61,7 +61,7 @@ def _cmd_corpus(args: argparse.Namespace) -> int:
 
 
 def _cmd_clean(args: argparse.Namespace) -> int:
-    """A run's older checkpoints removed (run_clean.py), each named with its size."""
+    """A run's older checkpoints removed (run/clean.py), each named with its size."""
     from spice_megatron.run.clean import clean_run
 
     print("\n".join(clean_run(args.run, args.keep, args.dry_run)))

@@ -144,7 +144,7 @@ class RunConfig:
     # hands rank 0 finished batches (driver_process.py); the cluster recipes use it.
     driver: str = "thread"
     # How long a requeued Slurm job waits for its earlier attempt, still holding the run directory's
-    # lock (run_lock.py), to end before it refuses to start.
+    # lock (run/lock.py), to end before it refuses to start.
     lock_wait_s: float = 300.0
     # The run directory is private (0700, files 0600: it holds prompts, answers and checkpoints, which a
     # resume executes); true: 0750, readable by the owner's group, still writable by the owner alone.
@@ -157,7 +157,7 @@ class RunConfig:
     # Each document's rollouts as soon as it can make them: its next challenger round when its last
     # one gave no valid task, its reasoner request when its group is formed, rather than every
     # document's round r before round r+1 and every challenger before any reasoner (false: phased).
-    # Same seeds, same outcome (rollout/schedule.py); only the engines' idle time differs.
+    # Same seeds, same outcome (selfplay/schedule.py); only the engines' idle time differs.
     streamed: bool = True
 
     def validate(self, prefix: str = "run") -> None:

@@ -60,7 +60,7 @@ GROUNDINGS = ("document", "none")
 PROTOCOLS = ("paper", "compact")
 TEMPLATES = ("plain", "chat", "qwen3", "qwen3_nothink", "octothinker")
 LEAK_CHECKS = ("long", "all")  # tasks.py:_leaks
-REASONER_TASKS = ("random", "frontier")  # selfplay.py: the reasoner group of each document
+REASONER_TASKS = ("random", "frontier")  # selfplay/iteration.py: the reasoner group of each document
 
 
 @dataclass

@@ -20,7 +20,7 @@ class Throughput:
     peak_tflops: float = 989.0  # dense bf16
     train_mfu: float = 0.35  # Megatron-Core dense models at this size typically reach 35-45%
     # mixture-of-experts learners (dropless grouped GEMMs, a few thousand tokens per micro-batch over
-    # many experts): calibrated against NeMo-RL's Qwen3-30B-A3B and Qwen3-235B runs (plan_calibration.py)
+    # many experts): calibrated against NeMo-RL's Qwen3-30B-A3B and Qwen3-235B runs (plan/calibration.py)
     moe_train_mfu: float = 0.15
     prefill_mfu: float = 0.5
     hbm_tb_s: float = 3.35

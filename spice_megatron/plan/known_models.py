@@ -21,7 +21,7 @@ KNOWN_MODELS: dict[str, dict] = {
                                                    **_LLAMA3_ROPE),
     "OctoThinker/OctoThinker-8B-Hybrid-Base": _cfg("LlamaForCausalLM", 4096, 32, 32, 8, 14336, 128256, False, 5e5,
                                                    **_LLAMA3_ROPE),
-    # NeMo-RL's published Llama run (plan_calibration.py)
+    # NeMo-RL's published Llama run (plan/calibration.py)
     "meta-llama/Llama-3.1-8B-Instruct": _cfg("LlamaForCausalLM", 4096, 32, 32, 8, 14336, 128256, False, 5e5,
                                              **_LLAMA3_ROPE),
     "meta-llama/Llama-3.3-70B-Instruct": _cfg("LlamaForCausalLM", 8192, 80, 64, 8, 28672, 128256, False, 5e5,

@@ -1,6 +1,6 @@
 """Layout planner: learner TP/PP/DP and rollout engines for a cluster, with a memory estimate.
 
-The estimates (plan_memory.py) are the usual back-of-envelope ones for Megatron-Core mixed precision
+The estimates (plan/memory.py) are the usual back-of-envelope ones for Megatron-Core mixed precision
 (bf16 weights, fp32 gradient buffer, fp32 master weights and two Adam moments: 2 + 4 + 12 bytes per
 parameter) and for vLLM (bf16 weights, paged KV cache in what gpu_memory_utilization leaves). A
 layout that cannot fit is refused with the numbers, so the user sees which term is too large.

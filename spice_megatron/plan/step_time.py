@@ -22,7 +22,7 @@ from spice_megatron.policy.model import resolve_shared_prefix
 
 
 def estimate_step_time(plan: Plan, spec: ModelSpec, cfg: SpiceConfig, t: Throughput | None = None) -> dict[str, float]:
-    """Seconds per SPICE iteration by phase (the terms: plan_costs.py). A phased iteration's phase
+    """Seconds per SPICE iteration by phase (the terms: plan/costs.py). A phased iteration's phase
     lasts at least as long as its longest sequence takes at the decode step time, a streamed one's
     rollouts as long as the engines' work or the slowest document's chain of requests (its rounds'
     and answers' longest outputs). The learner runs a forward for the old log-probs, then forward

@@ -14,7 +14,7 @@ challenger advantages centred over the batch.
 
 The generate function is the only link to a model: the trainer passes the rollout fleet's, tests
 pass a scripted one. Everything here is deterministic given the generator's outputs and `rng`, and
-the same whichever schedule sent the requests (phased or streamed: rollout/schedule.py).
+the same whichever schedule sent the requests (phased or streamed: selfplay/schedule.py).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def run_iteration(documents: Sequence[Document], generate: GenerateFn, verifier:
     not fit is an invalid attempt, rather than a request vLLM truncates or rejects. `token_ids`: the
     caller's (cached) prompt tokenisation, so that a reasoner prompt measured here is not tokenised
     again when it is sent. `streamed`: each document's requests as soon as it can make them
-    (rollout/schedule.py); the same outcome as the phased schedule. `on_document` (streamed): called
+    (selfplay/schedule.py); the same outcome as the phased schedule. `on_document` (streamed): called
     with each document's trained (role, prompt, completion) as soon as it is complete, so that the
     learner can run their old log-probs while the other documents roll out."""
     stats: dict[str, float] = {}
