@@ -39,8 +39,8 @@ def test_a_real_engine_refuses_to_serve_when_a_worker_built_another_step(monkeyp
     is made to report another step) and ends its start with one line."""
     import spice_megatron.rollout.engine as engine_mod
     from spice_megatron.data.offline_assets import make_tiny_engine_model
-    from spice_megatron.rollout.engine import EngineSettingsError, VLLMEngine
-    from spice_megatron.rollout.step_settings import worker_settings
+    from spice_megatron.rollout.engine import VLLMEngine
+    from spice_megatron.rollout.step_settings import EngineSettingsError, worker_settings
 
     def another_step(worker):
         return {**worker_settings(worker), "scheduler_config.max_num_seqs": 7}

@@ -26,11 +26,9 @@ from typing import Callable
 
 import torch
 
-from spice_megatron.rollout.engine_args import NodeSpan, engine_kwargs
-from spice_megatron.rollout.routing_capture import (
-    checked_routing,
-)
-from spice_megatron.rollout.step_settings import agreed_settings, disagreement, worker_settings
+from spice_megatron.rollout.engine_args import NodeSpan, engine_kwargs, sampling_params
+from spice_megatron.rollout.routing_capture import checked_routing
+from spice_megatron.rollout.step_settings import agreed_settings, check_agreement, worker_settings
 from spice_megatron.wire.types import Completion, SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -39,10 +37,6 @@ log = logging.getLogger(__name__)
 def version_label(version: str) -> int | str:
     """vLLM's weight version is a string; ours are step counts, reported as integers."""
     return int(version) if version.isdigit() else version
-
-
-class EngineSettingsError(RuntimeError):
-    """The workers of an engine built different steps: it must not serve."""
 
 
 @dataclass
@@ -91,12 +85,7 @@ class VLLMEngine:
         self.engine = self.llm.llm_engine
         # every worker, on every node, built the leader's step (a follower builds its own config)
         built = self.llm.collective_rpc(worker_settings)
-        refused = disagreement(agreed_settings(self.engine.vllm_config), built)
-        if refused:
-            raise EngineSettingsError(refused)
-        log.info("%d worker(s) on %d node(s) built the same step: %s tokens, %s sequences, KV block %s", len(built),
-                 len({w["node_rank"] for w in built}), built[0]["scheduler_config.max_num_batched_tokens"],
-                 built[0]["scheduler_config.max_num_seqs"], built[0]["cache_config.block_size"])
+        log.info(check_agreement(agreed_settings(self.engine.vllm_config), built))
         # the sequences vLLM's scheduler runs at once: what the fleet posts to this engine at a time
         self.max_num_seqs = int(self.engine.vllm_config.scheduler_config.max_num_seqs)
         self.quantization = self.engine.vllm_config.model_config.quantization  # /status: bridge/dequantize.py
@@ -133,21 +122,8 @@ class VLLMEngine:
 
     def submit(self, requests: list[tuple[list[str | list[int]], SamplingSpec]]) -> Future:
         """Generation: a future of, per request, per prompt, its completions."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = []
-        for prompts, spec in requests:  # invalid sampling fails here, in the caller's thread
-            spec.validate()
-            if spec.seeds and len(spec.seeds) != len(prompts):
-                raise ValueError(f"sampling.seeds: {len(spec.seeds)} seeds for {len(prompts)} prompts")
-            params.append([SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                                          max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
-                                          include_stop_str_in_output=True,  # the tokens trained are the text parsed
-                                          seed=spec.prompt_seed(i),
-                                          logprobs=0 if spec.logprobs else None,
-                                          output_kind=RequestOutputKind.FINAL_ONLY)
-                           for i in range(len(prompts))])
+        # invalid sampling fails here, in the caller's thread
+        params = [sampling_params(prompts, spec) for prompts, spec in requests]
         done: Future = Future()
         if self.sleeping:  # they wait for the wake-up (the scheduler is paused); counted, as a schedule bug
             self.requests_while_asleep += 1

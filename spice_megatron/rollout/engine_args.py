@@ -12,6 +12,7 @@ import torch
 
 from spice_megatron.rollout.routing_capture import MoEShape, moe_shape, routing_store_bytes, text_config
 from spice_megatron.rollout.step_settings import pinned_step
+from spice_megatron.wire.types import SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,23 @@ def engine_kwargs(model_dir: str, dtype: str = "auto", max_model_len: int = 4096
                   **extra)
     return kwargs, moe, returns_routing
 
+
+
+def sampling_params(prompts: list, spec: SamplingSpec) -> list:
+    """vLLM's SamplingParams for each prompt of a request (its seed: spec.prompt_seed), the request
+    checked first (ValueError naming the field)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    spec.validate()
+    if spec.seeds and len(spec.seeds) != len(prompts):
+        raise ValueError(f"sampling.seeds: {len(spec.seeds)} seeds for {len(prompts)} prompts")
+    return [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+                           max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
+                           include_stop_str_in_output=True,  # the tokens trained are the text parsed
+                           seed=spec.prompt_seed(i), logprobs=0 if spec.logprobs else None,
+                           output_kind=RequestOutputKind.FINAL_ONLY)
+            for i in range(len(prompts))]
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", required=True)

@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=engine_thread, daemon=True, name="spice-engine").start()
     ready.wait()
     if "error" in started:
-        from spice_megatron.rollout.engine import EngineSettingsError
+        from spice_megatron.rollout.step_settings import EngineSettingsError
 
         if isinstance(started["error"], EngineSettingsError):
             print(f"error: {started['error']}", file=sys.stderr)

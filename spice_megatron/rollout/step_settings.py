@@ -42,6 +42,10 @@ AGREED = (("scheduler_config", "max_num_batched_tokens"), ("scheduler_config", "
           ("parallel_config", "tensor_parallel_size"), ("parallel_config", "nnodes"))
 
 
+class EngineSettingsError(RuntimeError):
+    """The workers of an engine built different steps: it must not serve."""
+
+
 def pinned_step(on_cpu: bool, max_model_len: int, tensor_parallel_size: int, max_num_batched_tokens: int = 0,
                 max_num_seqs: int = 0, block_size: int = 0, latent_attention: bool = False) -> dict[str, Any]:
     """vLLM's engine arguments for the step: the same on every node of an engine and on every entry
@@ -91,3 +95,15 @@ def disagreement(leader: dict[str, Any], workers: list[dict[str, Any]]) -> str |
 def agreed_settings(vllm_config: Any) -> dict[str, Any]:
     """The settings of AGREED in one engine config, keyed "section.field"."""
     return {f"{section}.{name}": getattr(getattr(vllm_config, section), name, None) for section, name in AGREED}
+
+
+def check_agreement(leader: dict[str, Any], workers: list[dict[str, Any]]) -> str:
+    """EngineSettingsError unless every worker, on every node, built the leader's step; else the
+    line that says what they built."""
+    refused = disagreement(leader, workers)
+    if refused:
+        raise EngineSettingsError(refused)
+    first, nodes = workers[0], len({w["node_rank"] for w in workers})
+    return (f"{len(workers)} worker(s) on {nodes} node(s) built the same step: "
+            f"{first['scheduler_config.max_num_batched_tokens']} tokens, "
+            f"{first['scheduler_config.max_num_seqs']} sequences, KV block {first['cache_config.block_size']}")
