@@ -78,9 +78,10 @@ def test_a_killed_colocated_run_resumes_exactly(setup, straight):
 
 
 def test_an_engine_killed_while_asleep_is_restarted_with_the_new_weights(setup, straight):
-    """kill -9 of the only engine while the learner steps (the engine asleep): its wake-up fails, the
-    driver restarts it (awake), every rank sends it the new weights, and the run ends as the
-    uninterrupted one did."""
+    """kill -9 of the only engine while the learner steps (the engine asleep): its wake-up fails (or,
+    where the kill lands just after the wake on a loaded machine, the weight sync does), the driver
+    restarts it (awake), every rank sends it the new weights, and the run ends as the uninterrupted
+    one did."""
     model, corpus, root = setup
     out = str(root / "colocated_engine_killed")
     proc = spice_train(model, corpus, out, *COLOCATE, wait=False)
@@ -102,6 +103,7 @@ def test_an_engine_killed_while_asleep_is_restarted_with_the_new_weights(setup, 
     os.kill(int(engine), signal.SIGKILL)
     text, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, text[-3000:]
-    assert "failed /wake_up" in text and "died; restarting it" in text
+    restarted = "failed /wake_up" in text or "weight sync of version" in text  # asleep, or just woken
+    assert "died; restarting it" in text and restarted, text[-3000:]
     assert [m["iteration"] for m in records(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3, 4]
     _same_run(out, straight)
