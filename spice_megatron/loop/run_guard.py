@@ -37,8 +37,8 @@ class RunGuard:
         """Ctrl-C, SIGTERM or a STOP file: a checkpoint of the `done` iterations (unless the newest
         holds them already), the STOP file consumed (the next attempt runs on), the STOPPED marker
         that tells the job script this was no failure; then Interrupted."""
-        if done > self.saved and done > 0:
-            self.save(done, held)
+        if done > 0:
+            self.save_unless_held(done, held)
         if self.is_driver and os.path.exists(self.stop_file):
             os.remove(self.stop_file)
         write_marker(os.path.join(self.cfg.run.output_dir, STOPPED_FILE), "stop requested", self.is_driver)
